@@ -1,0 +1,8 @@
+"""cpcompose: exact context parallelism for PyTorch, on every device PyTorch runs on."""
+
+from cpcompose.attention import cp_attention
+from cpcompose.comm import CommMeter
+from cpcompose.sharding import cp_position_ids, cp_shard, cp_unshard
+
+__all__ = ["CommMeter", "cp_attention", "cp_position_ids", "cp_shard", "cp_unshard"]
+__version__ = "0.1.0"

@@ -1,0 +1,44 @@
+"""Every private PyTorch name (and optional third-party import) cpcompose uses.
+
+Private ops and helpers move between PyTorch releases. Keeping them in one module
+means a torch upgrade is checked, and fixed, in one place.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any
+
+import torch
+
+aten = torch.ops.aten
+
+# Fused CPU flash attention, the only fused CPU kernel that returns the log-sum-exp.
+cpu_flash_forward = aten._scaled_dot_product_flash_attention_for_cpu.default
+cpu_flash_backward = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+
+# CUDA fused kernels. They exist in CPU builds as ops too, but only run on CUDA.
+cuda_flash_forward = aten._scaled_dot_product_flash_attention.default
+cuda_flash_backward = aten._scaled_dot_product_flash_attention_backward.default
+cuda_efficient_forward = aten._scaled_dot_product_efficient_attention.default
+cuda_efficient_backward = aten._scaled_dot_product_efficient_attention_backward.default
+
+
+def import_flash_attn() -> ModuleType | None:
+    """Return flash-attn's low-level interface module, or None when not installed.
+
+    Only flash-attn 2.x exposes `_flash_attn_forward`/`_flash_attn_backward` with
+    an explicit log-sum-exp; anything else is treated as absent.
+    """
+    try:
+        from flash_attn import flash_attn_interface  # type: ignore[import-not-found]
+    except ImportError:
+        return None
+    if not hasattr(flash_attn_interface, "_flash_attn_forward"):
+        return None
+    return flash_attn_interface
+
+
+def flatten_mesh(mesh: Any, name: str) -> Any:
+    """`DeviceMesh._flatten`: a private method in torch 2.13, used to derive meshes."""
+    return mesh._flatten(name)

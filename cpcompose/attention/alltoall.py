@@ -1,0 +1,148 @@
+"""All-to-all attention (Ulysses): trade sequence shards for head shards and back.
+
+One all-to-all gives every rank the whole sequence for a subset of the heads; it
+attends locally with the full-sequence kernel, and a second all-to-all returns
+the output to sequence shards. Works for any head count:
+
+* Query heads are split as evenly as possible (H=10 over P=4 gives 3,3,2,2); a
+  rank may get none when H < P.
+* Each rank receives exactly the K/V heads its query heads read. When K/V heads
+  divide evenly this is a disjoint split (no duplication); when they do not, or
+  when there are fewer K/V heads than ranks, a K/V head goes to each rank that
+  needs it, and no further. Nothing is expanded to the query head count before
+  the exchange; a rank whose query heads straddle K/V groups unevenly expands
+  locally, after communication, and sums those gradients back before sending.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from cpcompose.attention.kernels import attention_backward, attention_forward
+from cpcompose.attention.setup import AttentionSetup
+from cpcompose.comm import all_to_all_pieces
+
+HeadRange = tuple[int, int]
+
+
+def query_head_ranges(n_heads: int, world: int) -> list[HeadRange]:
+    """Contiguous, as-even-as-possible split of `n_heads` over `world` ranks."""
+    base, extra = divmod(n_heads, world)
+    ranges, lo = [], 0
+    for j in range(world):
+        hi = lo + base + (1 if j < extra else 0)
+        ranges.append((lo, hi))
+        lo = hi
+    return ranges
+
+
+def kv_head_ranges(q_ranges: list[HeadRange], group: int) -> list[HeadRange]:
+    """The K/V heads each rank's query heads read (`group` query heads per K/V head)."""
+    return [(lo // group, (hi - 1) // group + 1) if hi > lo else (0, 0) for lo, hi in q_ranges]
+
+
+class _HeadPlan:
+    """Who holds which heads, and how this rank's query heads map to its K/V heads."""
+
+    def __init__(self, q: Tensor, k: Tensor, world: int, rank: int) -> None:
+        group = q.shape[1] // k.shape[1]
+        self.q_ranges = query_head_ranges(q.shape[1], world)
+        self.kv_ranges = kv_head_ranges(self.q_ranges, group)
+        (lo, hi), (klo, khi) = self.q_ranges[rank], self.kv_ranges[rank]
+        self.kv_index = torch.arange(lo, hi, device=q.device) // group - klo
+        nq, nk = hi - lo, khi - klo
+        native = nk > 0 and nq % nk == 0 and torch.equal(
+            self.kv_index, torch.arange(nq, device=q.device) // (nq // nk)
+        )
+        self.expand = nq > 0 and not native  # kernel cannot map heads itself
+
+    def local_kv(self, kv: Tensor) -> Tensor:
+        return kv.index_select(1, self.kv_index) if self.expand else kv
+
+    def reduce_local_kv(self, dkv: Tensor, n_kv: int) -> Tensor:
+        if not self.expand:
+            return dkv
+        out = dkv.new_zeros((dkv.shape[0], n_kv, *dkv.shape[2:]), dtype=torch.float32)
+        return out.index_add_(1, self.kv_index, dkv.float()).to(dkv.dtype)
+
+
+def _seq_to_heads(tensors: list[Tensor], ranges: list[list[HeadRange]], setup: AttentionSetup) -> list[Tensor]:
+    """Sequence shards `(B, H_i, S, D)` -> head shards `(B, n_i, L, D)` in global order."""
+    world, rank = setup.cp.world, setup.cp.rank
+    send = [[t[:, r[j][0] : r[j][1]] for t, r in zip(tensors, ranges)] for j in range(world)]
+    shapes = [
+        torch.Size((t.shape[0], r[rank][1] - r[rank][0], t.shape[2], t.shape[3]))
+        for t, r in zip(tensors, ranges)
+    ]
+    recv = all_to_all_pieces(send, [shapes] * world, setup.cp, setup.meter)
+    return [
+        setup.layout.to_global_order(torch.cat([recv[s][i] for s in range(world)], dim=2), dim=2)
+        for i in range(len(tensors))
+    ]
+
+
+def _heads_to_seq(tensors: list[Tensor], ranges: list[list[HeadRange]], setup: AttentionSetup) -> list[list[Tensor]]:
+    """Head shards in global order -> per source rank, its `(B, n_src, S, D)` piece of our tokens."""
+    world = setup.cp.world
+    rank_major = [setup.layout.to_rank_major(t, dim=2).chunk(world, dim=2) for t in tensors]
+    send = [[rm[j] for rm in rank_major] for j in range(world)]
+    seq = tensors[0].shape[2] // world
+    shapes = [
+        [torch.Size((t.shape[0], r[s][1] - r[s][0], seq, t.shape[3])) for t, r in zip(tensors, ranges)]
+        for s in range(world)
+    ]
+    return all_to_all_pieces(send, shapes, setup.cp, setup.meter)
+
+
+class AllToAllAttention(torch.autograd.Function):
+    """`(q, k, v) -> (out, lse)` on local shards; see the module docstring."""
+
+    @staticmethod
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, setup: AttentionSetup) -> tuple[Tensor, Tensor]:
+        plan = _HeadPlan(q, k, setup.cp.world, setup.cp.rank)
+        ranges = [plan.q_ranges, plan.kv_ranges, plan.kv_ranges]
+        qh, kh, vh = _seq_to_heads([q, k, v], ranges, setup)
+        if qh.shape[1] > 0:
+            out_h, lse_h = attention_forward(
+                qh, plan.local_kv(kh), plan.local_kv(vh), causal=setup.causal,
+                scale=setup.kernel.scale, backend=setup.kernel.backend,
+            )
+        else:  # more ranks than query heads: this rank has nothing to attend
+            out_h = qh.new_empty((*qh.shape[:3], v.shape[-1]))
+            lse_h = qh.new_empty(qh.shape[:3], dtype=torch.promote_types(q.dtype, torch.float32))
+        (out_parts,) = zip(*_heads_to_seq([out_h], [plan.q_ranges], setup))
+        (lse_parts,) = zip(*_heads_to_seq([lse_h.unsqueeze(-1)], [plan.q_ranges], setup))
+        ctx.save_for_backward(qh, kh, vh, out_h, lse_h)
+        ctx.setup, ctx.plan, ctx.n_kv = setup, plan, k.shape[1]
+        lse = torch.cat(lse_parts, dim=1).squeeze(-1)
+        ctx.mark_non_differentiable(lse)
+        return torch.cat(out_parts, dim=1), lse
+
+    @staticmethod
+    def backward(ctx: Any, dout: Tensor, _dlse: Tensor | None) -> tuple[Tensor, Tensor, Tensor, None]:
+        qh, kh, vh, out_h, lse_h = ctx.saved_tensors
+        setup: AttentionSetup = ctx.setup
+        plan: _HeadPlan = ctx.plan
+        (dout_h,) = _seq_to_heads([dout.contiguous()], [plan.q_ranges], setup)
+        if qh.shape[1] > 0:
+            dq_h, dk_h, dv_h = attention_backward(
+                dout_h, qh, plan.local_kv(kh), plan.local_kv(vh), out_h, lse_h, causal=setup.causal,
+                scale=setup.kernel.scale, backend=setup.kernel.backend,
+            )
+            dk_h, dv_h = plan.reduce_local_kv(dk_h, kh.shape[1]), plan.reduce_local_kv(dv_h, vh.shape[1])
+        else:
+            dq_h, dk_h, dv_h = torch.zeros_like(qh), torch.zeros_like(kh), torch.zeros_like(vh)
+        ranges = [plan.q_ranges, plan.kv_ranges, plan.kv_ranges]
+        recv = _heads_to_seq([dq_h, dk_h, dv_h], ranges, setup)
+        dq = torch.cat([parts[0] for parts in recv], dim=1)
+        b, seq = dq.shape[0], dq.shape[2]
+        acc_dtype = torch.promote_types(dq.dtype, torch.float32)
+        dk = torch.zeros((b, ctx.n_kv, seq, kh.shape[-1]), dtype=acc_dtype, device=dq.device)
+        dv = torch.zeros((b, ctx.n_kv, seq, vh.shape[-1]), dtype=acc_dtype, device=dq.device)
+        for (klo, khi), parts in zip(plan.kv_ranges, recv):
+            dk[:, klo:khi] += parts[1]
+            dv[:, klo:khi] += parts[2]
+        return dq, dk.to(dq.dtype), dv.to(dq.dtype), None

@@ -1,0 +1,144 @@
+"""The communication cpcompose does, in one place, with a byte meter.
+
+Every byte a CP strategy moves goes through these helpers, so an optional
+`CommMeter` can count it without CommDebugMode (which cannot see a backward in
+torch 2.13) and without patching torch. Counts are what *this rank sends* under
+the textbook algorithm of each collective: P-1 shards for an all-gather, (P-1)/P
+of the input for a reduce-scatter, the off-rank splits of an all-to-all, and the
+exact tensors of a point-to-point send.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
+
+
+@dataclass
+class CommMeter:
+    """Bytes sent by this rank, by operation ("p2p", "all_gather", ...)."""
+
+    bytes_sent: Counter[str] = field(default_factory=Counter)
+
+    def add(self, op: str, nbytes: int) -> None:
+        self.bytes_sent[op] += int(nbytes)
+
+    @property
+    def total(self) -> int:
+        return sum(self.bytes_sent.values())
+
+    def reset(self) -> None:
+        self.bytes_sent.clear()
+
+
+def _nbytes(tensors: Sequence[Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@dataclass(frozen=True)
+class CPGroup:
+    """The process group of a 1-D CP mesh, with this rank's place in it."""
+
+    group: dist.ProcessGroup
+    rank: int
+    world: int
+
+    @classmethod
+    def from_mesh(cls, mesh: DeviceMesh) -> "CPGroup":
+        """Raises ValueError unless `mesh` is 1-D (pass `mesh["cp"]` for a larger one)."""
+        if not isinstance(mesh, DeviceMesh):
+            raise ValueError(f"mesh must be a torch DeviceMesh, got {type(mesh).__name__}")
+        if mesh.ndim != 1:
+            raise ValueError(
+                f"mesh must be 1-D (the CP dimension), got dims {mesh.mesh_dim_names}; "
+                "pass mesh['cp']"
+            )
+        return cls(mesh.get_group(), mesh.get_local_rank(), mesh.size())
+
+
+class PendingRecv:
+    """Tensors being received; `wait()` returns them once the exchange is done."""
+
+    def __init__(self, works: list[dist.Work], tensors: list[Tensor]) -> None:
+        self._works, self._tensors = works, tensors
+
+    def wait(self) -> list[Tensor]:
+        for work in self._works:
+            work.wait()
+        return self._tensors
+
+
+class RingComm:
+    """Point-to-point ring: send to rank+1, receive from rank-1, posted at once.
+
+    `exchange` returns immediately, so the caller computes on the current block
+    while the next one travels. Distinct `tag`s keep two streams that are in
+    flight together (K/V and their gradients) apart on backends that match by tag.
+    """
+
+    def __init__(self, cp: CPGroup, meter: CommMeter | None = None) -> None:
+        self.cp, self.meter = cp, meter
+        self.next, self.prev = (cp.rank + 1) % cp.world, (cp.rank - 1) % cp.world
+
+    def exchange(self, tensors: Sequence[Tensor], *, tag: int = 0) -> PendingRecv:
+        """Send `tensors` (contiguous) to the next rank, receive the same shapes from the previous."""
+        recv = [torch.empty_like(t) for t in tensors]
+        ops = [dist.P2POp(dist.isend, t, group=self.cp.group, group_peer=self.next, tag=tag) for t in tensors]
+        ops += [dist.P2POp(dist.irecv, t, group=self.cp.group, group_peer=self.prev, tag=tag) for t in recv]
+        works = dist.batch_isend_irecv(ops)
+        if self.meter is not None:
+            self.meter.add("p2p", _nbytes(tensors))
+        return PendingRecv(works, recv)
+
+
+def all_gather(x: Tensor, cp: CPGroup, meter: CommMeter | None = None) -> Tensor:
+    """Stack every rank's `x` along a new leading dim, in rank order."""
+    # Flat buffers: gloo wants the output as the inputs concatenated along dim 0.
+    out = x.new_empty(cp.world * x.numel())
+    dist.all_gather_into_tensor(out, x.contiguous().view(-1), group=cp.group)
+    if meter is not None:
+        meter.add("all_gather", (cp.world - 1) * _nbytes([x]))
+    return out.view(cp.world, *x.shape)
+
+
+def reduce_scatter(x: Tensor, cp: CPGroup, meter: CommMeter | None = None) -> Tensor:
+    """Sum `x` (leading dim = world, one slice per rank) over ranks; keep this rank's slice."""
+    out = x.new_empty(x.shape[1:])
+    dist.reduce_scatter_tensor(out.view(-1), x.contiguous().view(-1), op=dist.ReduceOp.SUM, group=cp.group)
+    if meter is not None:
+        meter.add("reduce_scatter", _nbytes([x]) * (cp.world - 1) // cp.world)
+    return out
+
+
+def all_to_all_pieces(
+    send: Sequence[Sequence[Tensor]], recv_shapes: Sequence[Sequence[torch.Size]], cp: CPGroup,
+    meter: CommMeter | None = None,
+) -> list[list[Tensor]]:
+    """One all-to-all of several tensors per peer, all of one dtype, sizes may be uneven.
+
+    Args:
+        send: `send[j]` are the tensors for rank j.
+        recv_shapes: `recv_shapes[s]` are the shapes that rank s sends here, in order.
+
+    Returns:
+        `recv[s]`, the tensors received from rank s, shaped as `recv_shapes[s]`.
+    """
+    ref = next(t for peer in send for t in peer)
+    flat_send = [torch.cat([t.reshape(-1) for t in peer]) if peer else ref.new_empty(0) for peer in send]
+    in_splits = [t.numel() for t in flat_send]
+    out_splits = [sum(s.numel() for s in peer) for peer in recv_shapes]
+    out = ref.new_empty(sum(out_splits))
+    dist.all_to_all_single(out, torch.cat(flat_send), out_splits, in_splits, group=cp.group)
+    if meter is not None:
+        meter.add("all_to_all", (sum(in_splits) - in_splits[cp.rank]) * ref.element_size())
+    recv: list[list[Tensor]] = []
+    for flat, shapes in zip(out.split(out_splits), recv_shapes):
+        pieces = flat.split([s.numel() for s in shapes]) if shapes else []
+        recv.append([p.view(s) for p, s in zip(pieces, shapes)])
+    return recv

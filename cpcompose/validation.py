@@ -1,0 +1,61 @@
+"""Checking inputs on every rank before any data moves.
+
+A bad input on one rank must not leave the others blocked in a collective. So each
+public entry point checks its arguments locally, then every rank contributes its
+verdict and a small integer signature (shapes, dtypes, options) to one tiny
+all-gather. If any rank found a problem, or the signatures differ, every rank
+raises the same ValueError, and no K/V collective is ever posted.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from cpcompose.comm import CPGroup, all_gather
+
+_DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    """A small integer for a dtype, for the cross-rank signature."""
+    return _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES) + hash(str(dtype)) % 1000
+
+
+def shape_code(shape: Sequence[int], ndim: int = 4) -> list[int]:
+    """A fixed-length encoding of a shape (padded with -1)."""
+    return list(shape[:ndim]) + [-1] * (ndim - len(shape)) + [len(shape)]
+
+
+def agree_across_ranks(
+    cp: CPGroup, local_error: str | None, signature: Sequence[int], *, what: str, device: torch.device,
+    describe: Sequence[str] = (),
+) -> None:
+    """Raise the same ValueError on every rank if any rank's input is bad or they differ.
+
+    Args:
+        cp: the CP group.
+        local_error: this rank's complaint about its input, or None.
+        signature: integers that must be equal on every rank (same length everywhere).
+        what: the entry point's name, for messages.
+        device: where the tiny metadata tensor lives (CUDA for NCCL groups).
+        describe: names for the signature's fields, to say what differs.
+    """
+    mine = torch.tensor([int(local_error is not None), *signature], dtype=torch.int64, device=device)
+    table = all_gather(mine, cp).tolist()
+    if any(row[0] for row in table):
+        errors: list[str | None] = [None] * cp.world
+        dist.all_gather_object(errors, local_error, group=cp.group)
+        lines = [f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None]
+        raise ValueError(f"{what}: invalid input on CP rank(s):\n  " + "\n  ".join(lines))
+    if any(row != table[0] for row in table):
+        differing = [
+            name for i, name in enumerate(describe) if len({row[1 + i] for row in table}) > 1
+        ] or ["signature"]
+        per_rank = "; ".join(f"rank {r}: {row[1:]}" for r, row in enumerate(table))
+        raise ValueError(
+            f"{what}: inputs differ between CP ranks ({', '.join(differing)}); every rank must pass "
+            f"local shards of the same shape, dtype and options. Per rank: {per_rank}"
+        )

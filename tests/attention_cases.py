@@ -1,0 +1,115 @@
+"""Attention cases run on every rank of a pool, and their single-process references.
+
+Each rank builds the same full-sequence inputs from a seed, shards them with the
+layout, runs `cp_attention` forward and backward on its shard, and returns its
+local output, LSE and gradients. The parent places the shards back by global
+position and compares them with references computed in one process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from cpcompose import CommMeter, cp_attention, cp_shard
+from cpcompose.layout import SeqLayout, resolve_layout
+
+
+@dataclass(frozen=True)
+class Case:
+    strategy: str
+    layout: str
+    causal: bool
+    heads: int
+    kv_heads: int
+    world: int
+    dtype: torch.dtype = torch.float32
+    batch: int = 2
+    seq: int = 96
+    head_dim: int = 16
+    seed: int = 0
+    backend: str | None = None
+    attend_layout: str | None = None  # attend with another layout than sharded (negative control)
+
+    def __str__(self) -> str:
+        mask = "causal" if self.causal else "full"
+        dt = str(self.dtype).removeprefix("torch.")
+        return f"{self.strategy}-{self.layout}-{mask}-h{self.heads}kv{self.kv_heads}-P{self.world}-{dt}"
+
+
+def make_inputs(case: Case) -> dict[str, Tensor]:
+    """Full-sequence q, k, v and upstream gradient, float64, identical on every rank."""
+    g = torch.Generator().manual_seed(case.seed)
+    b, l, d = case.batch, case.seq, case.head_dim
+    return {
+        "q": torch.randn(b, case.heads, l, d, generator=g, dtype=torch.float64),
+        "k": torch.randn(b, case.kv_heads, l, d, generator=g, dtype=torch.float64),
+        "v": torch.randn(b, case.kv_heads, l, d, generator=g, dtype=torch.float64),
+        "dout": torch.randn(b, case.heads, l, d, generator=g, dtype=torch.float64),
+    }
+
+
+def run_cp(mesh, case: Case) -> dict[str, Tensor]:
+    """On each rank: shard, CP attention forward + backward; return local results."""
+    full = make_inputs(case)
+    layout = resolve_layout(case.layout, is_causal=case.causal)
+    local = {
+        name: cp_shard(t.to(case.dtype), mesh, seq_dim=2, layout=layout).detach()
+        for name, t in full.items()
+    }
+    q, k, v = (local[n].requires_grad_() for n in ("q", "k", "v"))
+    meter = CommMeter()
+    out, lse = cp_attention(
+        q, k, v, mesh=mesh, is_causal=case.causal, strategy=case.strategy,
+        layout=case.attend_layout or case.layout,
+        backend=case.backend, return_lse=True, meter=meter,
+    )
+    forward_bytes = meter.total
+    out.backward(local["dout"])
+    return {
+        "out": out.detach(), "lse": lse, "dq": q.grad, "dk": k.grad, "dv": v.grad,
+        "forward_bytes": forward_bytes, "total_bytes": meter.total,
+    }
+
+
+def unshard_results(case: Case, per_rank: list[dict[str, Tensor]]) -> dict[str, Tensor]:
+    """Place every rank's local shards at their global positions (no communication)."""
+    layout = SeqLayout(resolve_layout(case.layout, is_causal=case.causal), case.world)
+    merged: dict[str, Tensor] = {}
+    for name in ("out", "lse", "dq", "dk", "dv"):
+        shards = [r[name] for r in per_rank]
+        shape = list(shards[0].shape)
+        shape[2] = case.seq
+        full = shards[0].new_empty(shape)
+        for rank, shard in enumerate(shards):
+            full[:, :, layout.local_indices(rank, case.seq)] = shard
+        merged[name] = full
+    return merged
+
+
+def reference(case: Case, dtype: torch.dtype) -> dict[str, Tensor]:
+    """Single-process full-sequence attention in `dtype`.
+
+    float64 uses an explicit softmax (independent of every kernel cpcompose calls);
+    other dtypes use PyTorch's own SDPA and its CPU kernel's LSE, the baseline that
+    a CP result's error is measured against.
+    """
+    full = make_inputs(case)
+    q, k, v = (full[n].to(dtype).requires_grad_() for n in ("q", "k", "v"))
+    scale = case.head_dim**-0.5
+    if dtype == torch.float64:
+        group = case.heads // case.kv_heads
+        ke, ve = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        s = q @ ke.transpose(-1, -2) * scale
+        if case.causal:
+            s = s.masked_fill(~torch.ones(case.seq, case.seq, dtype=torch.bool).tril(), float("-inf"))
+        lse = torch.logsumexp(s, -1)
+        out = torch.softmax(s, -1) @ ve
+    else:
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=case.causal, enable_gqa=True)
+        with torch.no_grad():
+            _, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, case.causal)
+    out.backward(full["dout"].to(dtype))
+    return {"out": out.detach(), "lse": lse.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}

@@ -1,0 +1,134 @@
+"""Real multi-process gloo groups for tests, started once per group size.
+
+Starting a process group costs 3-9 s with torchrun or spawn on these machines, but
+forking workers from the pytest process (which has already imported torch) costs
+well under a second. So a `RankPool` forks P workers once, each joins a gloo group
+with a timeout, and then runs many test cases sent over pipes: a case is a
+module-level function `fn(mesh, *args)` run on every rank. Nothing about the
+communication is mocked. A case that raises on any rank tears the pool down (the
+group may be mid-collective) and the next case gets a fresh one.
+"""
+
+from __future__ import annotations
+
+import io
+import multiprocessing as mp
+import os
+import tempfile
+import traceback
+from datetime import timedelta
+from multiprocessing.connection import Connection
+from typing import Any, Callable
+
+import torch
+
+GROUP_TIMEOUT_S = 60.0  # a collective waiting longer than this fails instead of hanging CI
+CASE_TIMEOUT_S = 300.0  # the parent gives up on a case after this long
+
+
+def _dumps(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _loads(data: bytes) -> Any:
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
+def _worker(rank: int, world: int, store: str, conn: Connection) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+        timeout=timedelta(seconds=GROUP_TIMEOUT_S),
+    )
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+    conn.send(("ready", None))
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            break
+        fn, args = msg
+        try:
+            conn.send(("ok", _dumps(fn(mesh, *args))))
+        except BaseException:  # report everything, the parent decides
+            conn.send(("error", traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class RankPool:
+    """`world` forked workers in one gloo group; `run` executes a case on all of them."""
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+        ctx = mp.get_context("fork")
+        fd, self._store = tempfile.mkstemp(prefix="cpcompose-store-")
+        os.close(fd)
+        os.unlink(self._store)
+        self._conns: list[Connection] = []
+        self._procs = []
+        for rank in range(world):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_worker, args=(rank, world, self._store, child), daemon=True)
+            proc.start()
+            self._conns.append(parent)
+            self._procs.append(proc)
+        for conn in self._conns:
+            self._receive(conn, GROUP_TIMEOUT_S)
+        self.healthy = True
+
+    def _receive(self, conn: Connection, timeout: float) -> tuple[str, Any]:
+        if not conn.poll(timeout):
+            self.close()
+            raise TimeoutError(f"a rank of the {self.world}-rank pool did not answer within {timeout:.0f} s")
+        return conn.recv()
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = CASE_TIMEOUT_S) -> list[Any]:
+        """Run `fn(mesh, *args)` on every rank; return the per-rank results.
+
+        Raises:
+            AssertionError: with every failing rank's traceback.
+        """
+        for conn in self._conns:
+            conn.send((fn, args))
+        replies = [self._receive(conn, timeout) for conn in self._conns]
+        failures = [f"--- rank {r} ---\n{payload}" for r, (kind, payload) in enumerate(replies) if kind != "ok"]
+        if failures:
+            self.close()
+            raise AssertionError("case failed on a rank:\n" + "\n".join(failures))
+        return [_loads(payload) for _, payload in replies]
+
+    def close(self) -> None:
+        self.healthy = False
+        for conn in self._conns:
+            try:
+                conn.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+        for proc in self._procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+        if os.path.exists(self._store):
+            os.unlink(self._store)
+
+
+class PoolCache:
+    """One healthy pool per group size, created on first use."""
+
+    def __init__(self) -> None:
+        self._pools: dict[int, RankPool] = {}
+
+    def get(self, world: int) -> RankPool:
+        pool = self._pools.get(world)
+        if pool is None or not pool.healthy:
+            pool = self._pools[world] = RankPool(world)
+        return pool
+
+    def close(self) -> None:
+        for pool in self._pools.values():
+            pool.close()
+        self._pools.clear()
