@@ -1,0 +1,194 @@
+"""Parallelism degrees, checked once, and the named device mesh built from them.
+
+One mesh with five named axes, outermost first::
+
+    ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+All five names exist even at degree 1, so every caller slices the same way.
+Three flattened axes are derived from it:
+
+* ``dp_shard_cp`` = dp_shard x cp: FSDP shards parameters here, because CP ranks
+  hold the same parameters and must reduce their gradients together.
+* ``dp_cp`` = dp_replicate x dp_shard x cp: the loss's global count of valid
+  tokens is all-reduced here (a token sum over a global count, never a mean of means).
+* ``dp`` = dp_replicate x dp_shard: ranks with the same ``dp`` coordinate load the same batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+__all__ = ["MESH_DIM_NAMES", "FlatMeshName", "ParallelDims", "flat_mesh"]
+
+MESH_DIM_NAMES: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+"""Axis names of the mesh returned by :meth:`ParallelDims.build_mesh`, outermost first."""
+
+FlatMeshName = Literal["dp_shard_cp", "dp_cp", "dp"]
+
+# Constituent axes of each flattened mesh, in mesh order (torch requires ascending slices).
+_FLAT_MESH_DIMS: dict[str, tuple[str, ...]] = {
+    "dp_shard_cp": ("dp_shard", "cp"),
+    "dp_cp": ("dp_replicate", "dp_shard", "cp"),
+    "dp": ("dp_replicate", "dp_shard"),
+}
+
+
+@dataclass
+class ParallelDims:
+    """Degrees of each parallelism; their product must equal the world size."""
+
+    dp_replicate: int
+    """Data-parallel replicas (DDP / HSDP outer axis)."""
+    dp_shard: int
+    """Data-parallel shards (FSDP); ``-1`` takes whatever the other degrees leave."""
+    cp: int
+    """Context-parallel degree: ranks that split one sequence."""
+    tp: int
+    """Tensor-parallel degree."""
+    pp: int
+    """Pipeline-parallel degree (number of stages)."""
+    world_size: int
+    """Total number of processes."""
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
+        for name in ("dp_replicate", "cp", "tp", "pp"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"parallelism.{name} must be >= 1, got {getattr(self, name)}")
+        if self.dp_shard == -1:
+            others = self.dp_replicate * self.cp * self.tp * self.pp
+            if self.world_size % others != 0:
+                raise ValueError(
+                    f"dp_shard=-1 needs world_size {self.world_size} divisible by "
+                    f"dp_replicate({self.dp_replicate}) * cp({self.cp}) * tp({self.tp}) * pp({self.pp}) "
+                    f"= {others}: change those degrees or the number of processes"
+                )
+            self.dp_shard = self.world_size // others
+        elif self.dp_shard < 1:
+            raise ValueError(f"parallelism.dp_shard must be >= 1 or -1, got {self.dp_shard}")
+        product = self.dp_replicate * self.dp_shard * self.cp * self.tp * self.pp
+        if product != self.world_size:
+            raise ValueError(
+                f"dp_replicate({self.dp_replicate}) * dp_shard({self.dp_shard}) * cp({self.cp}) "
+                f"* tp({self.tp}) * pp({self.pp}) = {product} != world_size {self.world_size}: "
+                "change parallelism.dp_shard (or set it to -1) or the number of processes"
+            )
+
+    @property
+    def dp_enabled(self) -> bool:
+        """Whether more than one distinct batch is processed per step."""
+        return self.dp_size > 1
+
+    @property
+    def dp_replicate_enabled(self) -> bool:
+        """Whether parameters are replicated (DDP, or the outer axis of HSDP)."""
+        return self.dp_replicate > 1
+
+    @property
+    def dp_shard_enabled(self) -> bool:
+        """Whether the data-parallel shard axis has more than one rank."""
+        return self.dp_shard > 1
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        """Whether FSDP is needed: it runs over dp_shard x cp, so CP alone enables it."""
+        return self.fsdp_size > 1
+
+    @property
+    def cp_enabled(self) -> bool:
+        """Whether sequences are split across ranks."""
+        return self.cp > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        """Whether tensor parallelism is on."""
+        return self.tp > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        """Whether the model is cut into pipeline stages."""
+        return self.pp > 1
+
+    @property
+    def dp_size(self) -> int:
+        """Number of distinct batches per step (size of the ``dp`` mesh)."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def fsdp_size(self) -> int:
+        """Ranks FSDP shards parameters over (size of the ``dp_shard_cp`` mesh)."""
+        return self.dp_shard * self.cp
+
+    @property
+    def dp_cp_size(self) -> int:
+        """Ranks the loss's valid-token count is summed over (size of the ``dp_cp`` mesh)."""
+        return self.dp_replicate * self.dp_shard * self.cp
+
+    @property
+    def non_data_parallel_size(self) -> int:
+        """Ranks that together process one batch: cp x tp x pp."""
+        return self.cp * self.tp * self.pp
+
+    def build_mesh(self, device_type: str) -> DeviceMesh:
+        """Create the 5-D named mesh and its flattened ``dp_shard_cp``, ``dp_cp`` and ``dp`` axes.
+
+        The default process group must already exist: the caller runs
+        ``dist.init_process_group(..., timeout=...)`` so every collective has a
+        timeout; this method never creates it (``init_device_mesh`` would, with
+        no timeout chosen by us).
+
+        Flattened axes are reachable as ``mesh["dp_shard_cp"]``; torch 2.13 warns
+        that this slicing will be deprecated, and :func:`flat_mesh` is the
+        warning-free way.
+
+        Args:
+            device_type: ``"cuda"``, ``"cpu"``, ...
+
+        Returns:
+            The root mesh, axes named :data:`MESH_DIM_NAMES`.
+
+        Raises:
+            RuntimeError: if the default process group is not initialised.
+            ValueError: if its world size differs from ``self.world_size``.
+        """
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "build_mesh needs the default process group: call "
+                "torch.distributed.init_process_group(..., timeout=...) first"
+            )
+        if dist.get_world_size() != self.world_size:
+            raise ValueError(
+                f"ParallelDims.world_size is {self.world_size} but the process group has "
+                f"{dist.get_world_size()} ranks: change the number of processes or the degrees"
+            )
+        shape = tuple(getattr(self, name) for name in MESH_DIM_NAMES)
+        mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIM_NAMES)
+        for name in _FLAT_MESH_DIMS:
+            flat_mesh(mesh, name)
+        return mesh
+
+
+def flat_mesh(mesh: DeviceMesh, name: FlatMeshName) -> DeviceMesh:
+    """Return the flattened axis ``name`` of a mesh from :meth:`ParallelDims.build_mesh`.
+
+    Re-flattening under an existing name returns the mesh torch already holds,
+    without creating process groups, so this is cheap after ``build_mesh``.
+
+    Args:
+        mesh: the root mesh.
+        name: ``"dp_shard_cp"`` (FSDP), ``"dp_cp"`` (loss) or ``"dp"`` (data loading).
+
+    Returns:
+        A 1-D mesh named ``name``.
+
+    Raises:
+        ValueError: if ``name`` is not one of the flattened axes.
+    """
+    if name not in _FLAT_MESH_DIMS:
+        raise ValueError(f"unknown flattened mesh {name!r}; choose one of {sorted(_FLAT_MESH_DIMS)}")
+    return mesh[_FLAT_MESH_DIMS[name]]._flatten(name)
