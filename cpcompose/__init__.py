@@ -2,7 +2,27 @@
 
 from cpcompose.attention import cp_attention
 from cpcompose.comm import CommMeter
+from cpcompose.parallel import (
+    ContextParallel,
+    ParallelDims,
+    allreduce_gradients,
+    context_parallel,
+    context_parallel_unshard,
+    cp_cross_entropy,
+)
 from cpcompose.sharding import cp_position_ids, cp_shard, cp_unshard
 
-__all__ = ["CommMeter", "cp_attention", "cp_position_ids", "cp_shard", "cp_unshard"]
+__all__ = [
+    "CommMeter",
+    "ContextParallel",
+    "ParallelDims",
+    "allreduce_gradients",
+    "context_parallel",
+    "context_parallel_unshard",
+    "cp_attention",
+    "cp_cross_entropy",
+    "cp_position_ids",
+    "cp_shard",
+    "cp_unshard",
+]
 __version__ = "0.1.0"

@@ -101,7 +101,7 @@ def all_gather(x: Tensor, cp: CPGroup, meter: CommMeter | None = None) -> Tensor
     """Stack every rank's `x` along a new leading dim, in rank order."""
     # Flat buffers: gloo wants the output as the inputs concatenated along dim 0.
     out = x.new_empty(cp.world * x.numel())
-    dist.all_gather_into_tensor(out, x.contiguous().view(-1), group=cp.group)
+    dist.all_gather_single(out, x.contiguous().view(-1), group=cp.group)
     if meter is not None:
         meter.add("all_gather", (cp.world - 1) * _nbytes([x]))
     return out.view(cp.world, *x.shape)
@@ -110,7 +110,7 @@ def all_gather(x: Tensor, cp: CPGroup, meter: CommMeter | None = None) -> Tensor
 def reduce_scatter(x: Tensor, cp: CPGroup, meter: CommMeter | None = None) -> Tensor:
     """Sum `x` (leading dim = world, one slice per rank) over ranks; keep this rank's slice."""
     out = x.new_empty(x.shape[1:])
-    dist.reduce_scatter_tensor(out.view(-1), x.contiguous().view(-1), op=dist.ReduceOp.SUM, group=cp.group)
+    dist.reduce_scatter_single(out.view(-1), x.contiguous().view(-1), op=dist.ReduceOp.SUM, group=cp.group)
     if meter is not None:
         meter.add("reduce_scatter", _nbytes([x]) * (cp.world - 1) // cp.world)
     return out

@@ -1,0 +1,73 @@
+"""Bytes each strategy sends per rank, against the volume its algorithm implies.
+
+The meter counts what cpcompose hands to torch.distributed (see cpcompose.comm);
+these tests pin those volumes so a regression, such as K/V expanded to the query
+head count before sending or an extra rotation, fails loudly.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.attention_cases import Case, run_cp
+
+F32 = 4
+
+
+def kv_shard_bytes(case: Case) -> int:
+    """Bytes of this rank's K plus V shard."""
+    return 2 * case.batch * case.kv_heads * (case.seq // case.world) * case.head_dim * case.dtype.itemsize
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_ring_sends_p_minus_1_kv_shards(pools, world: int) -> None:
+    case = Case("ring", "zigzag", True, 8, 2, world, seq=24 * world)
+    kv = kv_shard_bytes(case)
+    for result in pools.get(world).run(run_cp, case):
+        assert result["forward_bytes"] == (world - 1) * kv
+        # Backward: K/V rotate again (P-1 hops), dK/dV sums (float32) make P hops.
+        assert result["total_bytes"] - result["forward_bytes"] == (world - 1) * kv + world * kv
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_allgather_volume(pools, world: int) -> None:
+    case = Case("allgather", "zigzag", True, 8, 2, world, seq=24 * world)
+    kv = kv_shard_bytes(case)
+    for result in pools.get(world).run(run_cp, case):
+        assert result["forward_bytes"] == (world - 1) * kv
+        # Backward re-gathers K/V, then reduce-scatters float32 dK/dV of the whole sequence.
+        assert result["total_bytes"] - result["forward_bytes"] == (world - 1) * kv + (world - 1) * kv
+
+
+@pytest.mark.parametrize("strategy", ["ring", "allgather"])
+def test_gqa_sends_a_quarter_of_mha(pools, strategy: str) -> None:
+    """K/V travel with their own head count: GQA 4:1 moves 1/4 of MHA's bytes."""
+    mha = pools.get(2).run(run_cp, Case(strategy, "zigzag", True, 8, 8, 2))
+    gqa = pools.get(2).run(run_cp, Case(strategy, "zigzag", True, 8, 2, 2))
+    for m, g in zip(mha, gqa):
+        assert 4 * g["total_bytes"] == m["total_bytes"]
+
+
+def test_alltoall_volume(pools) -> None:
+    """Ulysses: (P-1)/P of q, k, v, out (and the float32 LSE) leave each rank."""
+    world, case = 4, Case("alltoall", "zigzag", True, 8, 4, 4, seq=96)
+    q_bytes = case.batch * case.heads * (case.seq // world) * case.head_dim * F32
+    kv = kv_shard_bytes(case)
+    lse_bytes = case.batch * case.heads * (case.seq // world) * F32
+    expected_forward = (world - 1) * (q_bytes + kv + q_bytes + lse_bytes) // world
+    for result in pools.get(world).run(run_cp, case):
+        assert result["forward_bytes"] == expected_forward
+        # Backward: dO in, dQ/dK/dV out.
+        assert result["total_bytes"] - expected_forward == (world - 1) * (2 * q_bytes + kv) // world
+
+
+def test_alltoall_mqa_replicates_kv_only_where_needed(pools) -> None:
+    """One K/V head over 4 ranks: each rank receives it once from each peer, not 4x."""
+    world, case = 4, Case("alltoall", "zigzag", True, 8, 1, 4, seq=96)
+    q_bytes = case.batch * case.heads * (case.seq // world) * case.head_dim * F32
+    kv = kv_shard_bytes(case)  # one head: every rank needs it, so (P-1) copies leave
+    lse_bytes = case.batch * case.heads * (case.seq // world) * F32
+    expected_forward = (world - 1) * (2 * q_bytes + lse_bytes) // world + (world - 1) * kv
+    for result in pools.get(world).run(run_cp, case):
+        assert result["forward_bytes"] == expected_forward
