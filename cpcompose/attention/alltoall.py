@@ -114,10 +114,13 @@ class AllToAllAttention(torch.autograd.Function):
             out_h = qh.new_empty((*qh.shape[:3], v.shape[-1]))
             lse_h = qh.new_empty(qh.shape[:3], dtype=torch.promote_types(q.dtype, torch.float32))
         (out_parts,) = zip(*_heads_to_seq([out_h], [plan.q_ranges], setup))
-        (lse_parts,) = zip(*_heads_to_seq([lse_h.unsqueeze(-1)], [plan.q_ranges], setup))
+        if setup.need_lse:
+            (lse_parts,) = zip(*_heads_to_seq([lse_h.unsqueeze(-1)], [plan.q_ranges], setup))
+            lse = torch.cat(lse_parts, dim=1).squeeze(-1)
+        else:  # nobody asked: spare the exchange
+            lse = lse_h.new_empty(0)
         ctx.save_for_backward(qh, kh, vh, out_h, lse_h)
         ctx.setup, ctx.plan, ctx.n_kv = setup, plan, k.shape[1]
-        lse = torch.cat(lse_parts, dim=1).squeeze(-1)
         ctx.mark_non_differentiable(lse)
         return torch.cat(out_parts, dim=1), lse
 

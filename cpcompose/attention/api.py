@@ -72,7 +72,7 @@ def cp_attention(
         scale=scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]),
         backend=select_backend(q, backend),
     )
-    setup = AttentionSetup(cp, SeqLayout(resolved, cp.world), is_causal, kernel, meter)
+    setup = AttentionSetup(cp, SeqLayout(resolved, cp.world), is_causal, kernel, meter, need_lse=return_lse)
     out, lse = STRATEGIES[strategy].apply(q, k, v, setup)
     return (out, lse) if return_lse else out
 

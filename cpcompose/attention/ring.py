@@ -5,10 +5,11 @@ posts the send of that block to the next rank before computing on it, and merges
 the partial result through the LSE. Each rank sends P-1 K/V shards, with their
 own (possibly GQA-reduced) head count.
 
-Backward: the same rotation of K/V, plus a float32 dK/dV accumulator that travels
-with its K/V block: the rank holding block o adds its contribution and passes the
-sum on, and after P hops the sum arrives back at rank o. dQ stays local. The
-accumulator is float32 so bf16 rounding does not grow with the ring size.
+Backward: the same rotation of K/V, plus a float32 dK/dV sum that travels with its
+K/V block: it starts at rank o+1 (rank o keeps its own contribution), every rank
+holding block o adds its part and passes it on, and after P-1 hops it arrives back
+at rank o. dQ stays local. The sum is float32 so bf16 rounding does not grow with
+the ring size.
 """
 
 from __future__ import annotations
@@ -55,20 +56,26 @@ class RingAttention(torch.autograd.Function):
         dout = dout.contiguous()
         dq = float_zeros(q)
         kv = [k, v]
-        in_flight: PendingRecv | None = None  # the dK/dV sum for the block arriving next
+        own: list[Tensor] = []  # this rank's contribution to its own dK/dV, kept local
+        in_flight: PendingRecv | None = None  # the travelling sum for the block arriving next
         for step in range(world):
             pending_kv = ring.exchange(kv, tag=_KV_TAG) if step + 1 < world else None
             src = (setup.cp.rank - step) % world
             dkv = [float_zeros(k), float_zeros(v)]
             tasks = setup.tasks_against_rank(src, seq)
             backward_blocks((dq, dkv[0], dkv[1]), dout, q, kv[0], kv[1], out, lse, tasks, setup.kernel)
-            if in_flight is not None:
-                for acc, arrived in zip(dkv, in_flight.wait()):
-                    acc += arrived
-            # After the last step the sum belongs to the next rank, its owner: one more hop.
-            in_flight = ring.exchange(dkv, tag=_GRAD_TAG)
+            if step == 0:
+                own = dkv
+            else:
+                if in_flight is not None:
+                    for acc, arrived in zip(dkv, in_flight.wait()):
+                        acc += arrived
+                # At the last step the next rank is the block's owner: the sum goes home.
+                in_flight = ring.exchange(dkv, tag=_GRAD_TAG)
             if pending_kv is not None:
                 kv = pending_kv.wait()
-        assert in_flight is not None
-        dk, dv = in_flight.wait()
+        dk, dv = own
+        if in_flight is not None:
+            arrived_k, arrived_v = in_flight.wait()
+            dk, dv = dk + arrived_k, dv + arrived_v
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None

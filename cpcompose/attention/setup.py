@@ -21,6 +21,7 @@ class AttentionSetup:
     causal: bool
     kernel: KernelArgs
     meter: CommMeter | None = None
+    need_lse: bool = True  # the caller wants the LSE back (all-to-all must then send it home)
 
     def chunk_len(self, local_seq: int) -> int:
         return local_seq // self.layout.chunks_per_rank
