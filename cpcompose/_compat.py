@@ -42,3 +42,9 @@ def import_flash_attn() -> ModuleType | None:
 def flatten_mesh(mesh: Any, name: str) -> Any:
     """`DeviceMesh._flatten`: a private method in torch 2.13, used to derive meshes."""
     return mesh._flatten(name)
+
+
+def group_timeout(group: Any) -> Any:
+    """The timeout a process group was created with (read from its backend: private in torch 2.13)."""
+    device = next(iter(group._device_types))
+    return group._get_backend(device).options._timeout

@@ -22,6 +22,8 @@ from typing import Literal
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from cpcompose import _compat
+
 __all__ = ["MESH_DIM_NAMES", "FlatMeshName", "ParallelDims", "flat_mesh"]
 
 MESH_DIM_NAMES: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
@@ -140,7 +142,7 @@ class ParallelDims:
         The default process group must already exist: the caller runs
         ``dist.init_process_group(..., timeout=...)`` so every collective has a
         timeout; this method never creates it (``init_device_mesh`` would, with
-        no timeout chosen by us).
+        no timeout chosen by us), and gives every mesh group that same timeout.
 
         Flattened axes are reachable as ``mesh["dp_shard_cp"]``; torch 2.13 warns
         that this slicing will be deprecated, and :func:`flat_mesh` is the
@@ -168,8 +170,12 @@ class ParallelDims:
             )
         shape = tuple(getattr(self, name) for name in MESH_DIM_NAMES)
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIM_NAMES)
-        for name in _FLAT_MESH_DIMS:
-            flat_mesh(mesh, name)
+        # torch gives new subgroups its 30-minute default, not the world's timeout: pass it on.
+        timeout = _compat.group_timeout(dist.group.WORLD)
+        groups = [mesh[name].get_group() for name in MESH_DIM_NAMES]
+        groups += [flat_mesh(mesh, name).get_group() for name in _FLAT_MESH_DIMS]
+        for group in groups:
+            group.set_timeout(timeout)
         return mesh
 
 
