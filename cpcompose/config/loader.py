@@ -1,0 +1,183 @@
+"""Reading a :class:`JobConfig`: TOML file, command-line overrides, type conversion, ``--help``.
+
+Precedence, later wins: dataclass defaults < ``--config FILE.toml`` < ``--section.key=value``.
+"""
+
+from __future__ import annotations
+
+import ast
+import difflib
+import inspect
+import json
+import sys
+import textwrap
+import types
+from dataclasses import MISSING, fields
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
+
+from cpcompose.config.job_config import JobConfig
+from cpcompose.config.sections import ConfigError, require
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - only on Python < 3.11
+    import tomli as tomllib
+
+__all__ = ["format_help", "load_config"]
+
+
+def _sections() -> dict[str, type]:
+    return get_type_hints(JobConfig)
+
+
+def _field_docs(cls: type) -> dict[str, str]:
+    """Field name -> the string literal right under it, read from the class source as torchtitan does."""
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+                and isinstance(nxt.value.value, str)):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def _type_name(tp: Any) -> str:
+    origin, args = get_origin(tp), get_args(tp)
+    if origin is Literal:
+        return "|".join(map(str, args))
+    if origin in (Union, types.UnionType):
+        return " | ".join("none" if a is type(None) else _type_name(a) for a in args)
+    if origin is tuple:
+        return f"tuple[{', '.join(map(_type_name, args))}]"
+    return tp.__name__
+
+
+def _show(value: Any) -> str:
+    return "none" if value is None else json.dumps(value)
+
+
+def format_help() -> str:
+    """Every option grouped by section, with its type, default and field docstring."""
+    lines = ["usage: [--config FILE.toml] [--section.key=VALUE | --section.key VALUE ...]",
+             "precedence: command line > TOML file > the defaults below", ""]
+    for name, cls in _sections().items():
+        lines.append(f"[{name}]  {inspect.getdoc(cls)}")
+        docs, hints = _field_docs(cls), get_type_hints(cls)
+        for f in fields(cls):
+            default = f.default if f.default is not MISSING else f.default_factory()
+            lines.append(f"  --{name}.{f.name}  ({_type_name(hints[f.name])}, default: {_show(default)})")
+            lines += textwrap.wrap(docs.get(f.name, ""), 100, initial_indent=" " * 6, subsequent_indent=" " * 6)
+        lines.append("")
+    return "\n".join(lines)
+
+
+_BOOLS = {"true": True, "1": True, "false": False, "0": False}
+
+
+def _convert(key: str, value: Any, tp: Any) -> Any:
+    """Coerce a TOML value or a command-line string to the annotated type ``tp``."""
+    origin, args = get_origin(tp), get_args(tp)
+    if origin is Literal:
+        require(value in args, key, f"{value!r} is not one of {', '.join(map(str, args))}")
+        return value
+    if origin in (Union, types.UnionType):
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _convert(key, value, inner)
+    if origin is tuple:
+        items = value.strip(" ()[]").split(",") if isinstance(value, str) else value
+        require(isinstance(items, (list, tuple)) and len(items) == len(args), key,
+                 f"expected {len(args)} comma-separated values, got {value!r}")
+        return tuple(_convert(key, v, a) for v, a in zip(items, args))
+    if isinstance(value, str) and tp is not str:
+        text = value.strip().lower()
+        try:
+            value = _BOOLS[text] if tp is bool else tp(text)
+        except (KeyError, ValueError):
+            pass
+    ok = isinstance(value, tp) and (tp is bool or not isinstance(value, bool))
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        value, ok = float(value), True
+    require(ok, key, f"expected {'bool (true/false/1/0)' if tp is bool else _type_name(tp)}, got {value!r}")
+    return value
+
+
+def _suggest(name: str, known: list[str], prefix: str = "") -> str:
+    match = difflib.get_close_matches(name, known, n=1)
+    return f" (did you mean '{prefix}{match[0]}'?)" if match else ""
+
+
+def _parse_argv(argv: list[str], known: dict[str, Any]) -> tuple[str | None, list[tuple[str, str]]]:
+    """Split argv into the --config path and (key, raw string) overrides, in order."""
+    config_path, overrides, i = None, [], 0
+    while i < len(argv):
+        arg, i = argv[i], i + 1
+        require(arg.startswith("--"), arg, "unexpected argument; options look like --section.key=value")
+        name, has_value, value = arg[2:].partition("=")
+        if not has_value:
+            if i < len(argv) and not argv[i].startswith("--"):
+                value, i = argv[i], i + 1
+            elif known.get(name) is bool:  # a bare --job.dry_run means true
+                value = "true"
+            else:
+                raise ConfigError(f"{name}: missing value after --{name}")
+        if name == "config":
+            config_path = value
+        elif name not in known:
+            raise ConfigError(f"unknown option '--{name}'{_suggest(name, list(known), '--')}")
+        else:
+            overrides.append((name, value))
+    return config_path, overrides
+
+
+def _read_toml(path: str, known: dict[str, Any]) -> list[tuple[str, Any]]:
+    """(key, value) pairs of a TOML file whose tables and keys are all known."""
+    try:
+        with open(path, "rb") as f:
+            table = tomllib.load(f)
+    except OSError as e:
+        raise ConfigError(f"config: cannot read {path!r}: {e.strerror}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config: {path} is not valid TOML: {e}") from None
+    sections = sorted({key.split(".")[0] for key in known})
+    pairs = []
+    for section, entries in table.items():
+        if section not in sections:
+            raise ConfigError(f"unknown section '[{section}]' in {path}{_suggest(section, sections)}")
+        require(isinstance(entries, dict), section, f"must be a [{section}] table in {path}")
+        for key, value in entries.items():
+            full = f"{section}.{key}"
+            if full not in known:
+                raise ConfigError(f"unknown key '{full}' in {path}{_suggest(full, list(known))}")
+            pairs.append((full, value))
+    return pairs
+
+
+def load_config(argv: list[str] | None = None) -> JobConfig:
+    """Build a :class:`JobConfig` from ``--config FILE.toml`` and ``--section.key[=]value`` overrides.
+
+    Args:
+        argv: command-line arguments without the program name; ``None`` reads ``sys.argv[1:]``.
+    Returns:
+        The config, already checked by :meth:`JobConfig.validate` without a world size.
+    Raises:
+        ConfigError: an unknown section or key, a malformed value or an inconsistent combination.
+        SystemExit: with code 0 after printing :func:`format_help` for ``-h`` / ``--help``.
+    """
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "-h" in argv or "--help" in argv:
+        print(format_help())
+        raise SystemExit(0)
+    sections = _sections()
+    known = {f"{s}.{k}": tp for s, cls in sections.items() for k, tp in get_type_hints(cls).items()}
+    config_path, overrides = _parse_argv(argv, known)
+    from_file = _read_toml(config_path, known) if config_path is not None else []
+    values: dict[str, dict[str, Any]] = {s: {} for s in sections}
+    for key, value in from_file + overrides:  # the command line comes last, so it wins
+        section, name = key.split(".", 1)
+        values[section][name] = _convert(key, value, known[key])
+    config = JobConfig(**{s: cls(**values[s]) for s, cls in sections.items()})
+    config.validate()
+    return config

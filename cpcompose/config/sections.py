@@ -1,0 +1,263 @@
+"""The config sections: one dataclass per TOML table, a docstring under every field.
+
+Checks that involve a single section live in its ``__post_init__``; checks across sections live in
+:meth:`cpcompose.config.JobConfig.validate`. Every failure is a :class:`ConfigError` whose message
+starts with the key to change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+__all__ = [
+    "ActivationCheckpoint", "Checkpoint", "Comm", "ConfigError", "Data", "Job", "LRScheduler",
+    "Metrics", "Model", "Optimizer", "Parallelism", "Training", "require",
+]
+
+
+class ConfigError(ValueError):
+    """A config value is unknown, malformed or inconsistent; the message names the key to change."""
+
+
+def require(ok: bool, key: str, message: str) -> None:
+    """Raise ConfigError("key: message") unless ``ok``."""
+    if not ok:
+        raise ConfigError(f"{key}: {message}")
+
+
+def _positive(section: object, prefix: str, *names: str) -> None:
+    for name in names:
+        require(getattr(section, name) > 0, f"{prefix}.{name}", f"must be > 0, got {getattr(section, name)}")
+
+
+@dataclass
+class Job:
+    """Run identity and output location."""
+
+    name: str = "debug"
+    """Run name; outputs go to dump_folder/name."""
+    dump_folder: str = "./outputs"
+    """Root folder for checkpoints, TensorBoard logs and plots."""
+    seed: int = 0
+    """Seed for parameter init and data; identical on every rank so replicas start equal."""
+    dry_run: bool = False
+    """Validate the config and print the parallel plan, then exit without training."""
+
+
+@dataclass
+class Model:
+    """Llama-style decoder shape."""
+
+    vocab_size: int = 320
+    """Embedding rows; must cover the data's ids (byte-level text: 258, synthetic: num_symbols + 4)."""
+    dim: int = 128
+    """Hidden size."""
+    n_layers: int = 4
+    """Transformer blocks."""
+    n_heads: int = 4
+    """Query heads; head_dim = dim / n_heads."""
+    n_kv_heads: int = 2
+    """Key/value heads (grouped-query attention); must divide n_heads."""
+    ffn_hidden_dim: int = 384
+    """SwiGLU inner size."""
+    norm_eps: float = 1e-5
+    """RMSNorm epsilon."""
+    rope_theta: float = 10000.0
+    """RoPE base; long contexts want a larger one (Llama 3: 500000)."""
+
+    def __post_init__(self) -> None:
+        _positive(self, "model", "vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden_dim")
+        require(self.dim % self.n_heads == 0, "model.dim", f"{self.dim} is not divisible by n_heads={self.n_heads}")
+        require((self.dim // self.n_heads) % 2 == 0, "model.dim", "head_dim = dim / n_heads must be even for RoPE")
+        require(self.n_heads % self.n_kv_heads == 0, "model.n_kv_heads",
+                f"{self.n_kv_heads} must divide n_heads={self.n_heads}")
+
+
+@dataclass
+class Parallelism:
+    """Degrees of each parallelism; their product is the world size."""
+
+    dp_replicate: int = 1
+    """Data-parallel replicas (DDP, or HSDP's outer axis): parameters replicated."""
+    dp_shard: int = -1
+    """FSDP shard degree; -1 takes whatever the other degrees leave of the world size."""
+    cp: int = 1
+    """Context-parallel degree: ranks that split one sequence along its length."""
+    tp: int = 1
+    """Tensor-parallel degree: heads and FFN columns split across ranks."""
+    pp: int = 1
+    """Pipeline-parallel degree: number of stages the layers are cut into."""
+    pp_schedule: Literal["GPipe", "1F1B"] = "1F1B"
+    """Pipeline schedule; 1F1B holds fewer microbatches' activations at once than GPipe."""
+    pp_microbatches: int = 4
+    """Microbatches per local batch when pp > 1; must divide it (and be >= pp for 1F1B)."""
+    cp_strategy: Literal["ring", "allgather", "alltoall"] = "ring"
+    """ring: K/V blocks circulate, overlapped with compute; allgather: gather all K/V once
+    (simple, more memory); alltoall: Ulysses head/sequence transpose (heads / tp divisible by cp)."""
+    cp_layout: Literal["zigzag", "contiguous"] = "zigzag"
+    """zigzag gives rank r chunks r and 2cp-1-r so causal work is balanced; contiguous gives chunk r."""
+
+    def __post_init__(self) -> None:
+        _positive(self, "parallelism", "dp_replicate", "cp", "tp", "pp", "pp_microbatches")
+        require(self.dp_shard == -1 or self.dp_shard >= 1, "parallelism.dp_shard",
+                f"must be >= 1 or -1, got {self.dp_shard}")
+
+
+@dataclass
+class Training:
+    """Steps, shapes and numerics."""
+
+    steps: int = 100
+    """Optimizer steps to run."""
+    seq_len: int = 512
+    """Tokens per sequence before context-parallel sharding."""
+    batch_size: int = 8
+    """Global batch: sequences per optimizer step summed over all data-parallel ranks
+    (dp_replicate * dp_shard) and all grad_accum_steps micro-steps; cp/tp/pp ranks share sequences and
+    do not multiply it. Each dp rank loads batch_size / (dp * grad_accum_steps) sequences per micro-step."""
+    grad_accum_steps: int = 1
+    """Micro-steps whose gradients are summed before each optimizer step."""
+    max_norm: float = 1.0
+    """Clip the global gradient norm to this; <= 0 disables clipping."""
+    mixed_precision: Literal["float32", "bfloat16"] = "float32"
+    """Compute dtype; parameters, gradient reduction and the LSE merge stay float32."""
+    compile: bool = False
+    """torch.compile each transformer block."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """auto picks cuda when available, else cpu (gloo)."""
+
+    def __post_init__(self) -> None:
+        _positive(self, "training", "steps", "batch_size", "grad_accum_steps")
+        require(self.seq_len >= 2, "training.seq_len", f"must be >= 2, got {self.seq_len}")
+
+
+@dataclass
+class Data:
+    """Where sequences come from."""
+
+    source: Literal["synthetic", "text"] = "synthetic"
+    """synthetic: long-context key/value recall generated on the fly; text: your files at data.path."""
+    path: str | None = None
+    """A .txt file (one document), a .jsonl file ({"text": ...} per line) or a directory of them."""
+    tokenizer: str | None = None
+    """A `tokenizers` JSON file; none means byte-level (bytes 0-255, BOS 256, EOS 257)."""
+    eos_token: str | None = None
+    """EOS token string in data.tokenizer; none tries common names (</s>, <|end_of_text|>, ...)."""
+    pack: bool = False
+    """Also return cu_seqlens (document boundaries) so attention can stay within documents."""
+    num_symbols: int = 256
+    """Synthetic: ordinary symbols (ids 0..num_symbols-1) for keys, values and filler."""
+    num_pairs: int = 16
+    """Synthetic: key/value pairs scattered through the first key_fraction of each sequence."""
+    num_queries: int = 4
+    """Synthetic: queries at the end of each sequence; only their answers carry a loss."""
+    key_fraction: float = 0.5
+    """Synthetic: fraction of the sequence that holds the pairs; 0.5 puts keys on every zigzag cp rank."""
+    filler: Literal["random", "constant"] = "random"
+    """Synthetic: tokens between pairs; constant makes the task easier to learn."""
+
+    def __post_init__(self) -> None:
+        require(self.source != "text" or self.path is not None, "data.path", "required when data.source = 'text'")
+        require(not self.pack or self.source == "text", "data.pack", "only applies to data.source = 'text'")
+        require(self.num_symbols >= 2, "data.num_symbols", f"must be >= 2, got {self.num_symbols}")
+        require(1 <= self.num_pairs <= self.num_symbols, "data.num_pairs",
+                f"must be in [1, num_symbols], got {self.num_pairs}")
+        require(1 <= self.num_queries <= self.num_pairs, "data.num_queries",
+                f"must be in [1, num_pairs], got {self.num_queries}")
+        require(0 < self.key_fraction < 1, "data.key_fraction", f"must be in (0, 1), got {self.key_fraction}")
+
+
+@dataclass
+class Optimizer:
+    """Optimizer settings."""
+
+    name: Literal["AdamW"] = "AdamW"
+    """Optimizer class from torch.optim."""
+    lr: float = 1e-3
+    """Peak learning rate."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """Adam betas; on the command line: --optimizer.betas=0.9,0.95."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay."""
+    eps: float = 1e-8
+    """Adam epsilon."""
+
+    def __post_init__(self) -> None:
+        _positive(self, "optimizer", "lr", "eps")
+        require(all(0 <= b < 1 for b in self.betas), "optimizer.betas", f"each must be in [0, 1), got {self.betas}")
+        require(self.weight_decay >= 0, "optimizer.weight_decay", f"must be >= 0, got {self.weight_decay}")
+
+
+@dataclass
+class LRScheduler:
+    """Learning-rate schedule."""
+
+    name: Literal["cosine", "constant"] = "cosine"
+    """Shape after warmup."""
+    warmup_steps: int = 10
+    """Linear warmup from 0 to optimizer.lr."""
+    min_lr_ratio: float = 0.1
+    """Cosine ends at lr * min_lr_ratio."""
+
+    def __post_init__(self) -> None:
+        require(self.warmup_steps >= 0, "lr_scheduler.warmup_steps", f"must be >= 0, got {self.warmup_steps}")
+        require(0 <= self.min_lr_ratio <= 1, "lr_scheduler.min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
+
+
+@dataclass
+class Checkpoint:
+    """Distributed checkpoints (model, optimizer, scheduler, data position)."""
+
+    enable: bool = False
+    """Save checkpoints."""
+    folder: str = "checkpoint"
+    """Sub-folder of dump_folder/name."""
+    interval: int = 100
+    """Save every this many steps (and at the last step)."""
+    keep_latest_k: int = 2
+    """Delete older checkpoints beyond this many; 0 keeps all."""
+    resume: bool = True
+    """Resume from the latest checkpoint in folder if one exists."""
+
+    def __post_init__(self) -> None:
+        _positive(self, "checkpoint", "interval")
+        require(self.keep_latest_k >= 0, "checkpoint.keep_latest_k", f"must be >= 0, got {self.keep_latest_k}")
+
+
+@dataclass
+class Metrics:
+    """Logging."""
+
+    log_freq: int = 10
+    """Log loss and throughput every this many steps."""
+    enable_tensorboard: bool = False
+    """Write TensorBoard scalars (from one rank only)."""
+    save_tb_folder: str = "tb"
+    """TensorBoard sub-folder of dump_folder/name."""
+    plot_loss: bool = False
+    """Save a loss-curve PNG in dump_folder/name when training ends."""
+
+    def __post_init__(self) -> None:
+        _positive(self, "metrics", "log_freq")
+
+
+@dataclass
+class ActivationCheckpoint:
+    """Recompute activations in backward to save memory."""
+
+    mode: Literal["none", "full"] = "none"
+    """full recomputes every transformer block."""
+
+
+@dataclass
+class Comm:
+    """Collective timeouts."""
+
+    timeout_s: float = 300.0
+    """Timeout of each collective after initialization."""
+    init_timeout_s: float = 600.0
+    """Timeout of process-group setup and the first collectives (compilation, loading)."""
+
+    def __post_init__(self) -> None:
+        _positive(self, "comm", "timeout_s", "init_timeout_s")

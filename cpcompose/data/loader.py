@@ -1,0 +1,101 @@
+"""Batches for one data-parallel rank, with an exactly resumable position."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from cpcompose.config import ConfigError, JobConfig
+from cpcompose.data.batch import Batch, SampleSource
+from cpcompose.data.synthetic import SyntheticRecall
+from cpcompose.data.text import TextSource
+from cpcompose.data.tokenizer import build_tokenizer
+
+__all__ = ["TokenBatcher", "build_data_source"]
+
+
+class TokenBatcher:
+    """Endless iterator of micro-batches for data-parallel rank ``dp_rank`` of ``dp_size``.
+
+    Micro-step ``s`` covers the global sample indices ``[s*G, (s+1)*G)`` with ``G = batch_size *
+    dp_size``; rank ``r`` takes the slice ``[s*G + r*batch_size, s*G + (r+1)*batch_size)``, so the dp
+    ranks' shares are disjoint and together form one stream that does not depend on ``dp_size``.
+    Context-, tensor- and pipeline-parallel ranks with the same dp rank get the same full sequences;
+    the trainer shards them along the sequence.
+    """
+
+    def __init__(self, source: SampleSource, *, batch_size: int, dp_rank: int = 0, dp_size: int = 1) -> None:
+        """``batch_size`` is this rank's micro-batch (sequences per ``next()``).
+
+        Raises:
+            ValueError: a non-positive size or a dp_rank outside ``[0, dp_size)``.
+        """
+        if batch_size < 1 or dp_size < 1 or not 0 <= dp_rank < dp_size:
+            raise ValueError(f"need batch_size >= 1 and 0 <= dp_rank < dp_size, got {batch_size=}, "
+                             f"{dp_rank=}, {dp_size=}")
+        self.source, self.batch_size, self.dp_rank, self.dp_size = source, batch_size, dp_rank, dp_size
+        self._next_index = 0  # global index of the first sample of the next micro-step, on every rank
+
+    @property
+    def global_batch_size(self) -> int:
+        """Sequences consumed by all dp ranks together per ``next()``."""
+        return self.batch_size * self.dp_size
+
+    def __iter__(self) -> TokenBatcher:
+        return self
+
+    def __next__(self) -> Batch:
+        first = self._next_index + self.dp_rank * self.batch_size
+        batch = Batch.stack([self.source.sample(first + i) for i in range(self.batch_size)])
+        self._next_index += self.global_batch_size
+        return batch
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position, identical on every rank, so one copy resumes them all."""
+        return {"next_index": self._next_index}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue exactly where :meth:`state_dict` was taken, even with another dp split of the same
+        global micro-batch.
+
+        Raises:
+            ValueError: the saved position is not a whole number of this loader's global micro-batches.
+        """
+        index = int(state["next_index"])
+        if index < 0 or index % self.global_batch_size:
+            raise ValueError(f"saved data position {index} is not a multiple of the global micro-batch "
+                             f"{self.global_batch_size}: keep training.batch_size and grad_accum_steps when resuming")
+        self._next_index = index
+
+
+def build_data_source(config: JobConfig, *, dp_rank: int, dp_size: int) -> TokenBatcher:
+    """The loader of one data-parallel rank, as ``config.data`` describes.
+
+    Args:
+        config: the run configuration; its ``training.batch_size`` is global (see the field's doc).
+        dp_rank: this rank's coordinate on the dp (= dp_replicate x dp_shard) mesh.
+        dp_size: the dp mesh size.
+    Returns:
+        A :class:`TokenBatcher` yielding ``batch_size / (dp_size * grad_accum_steps)`` sequences per call.
+    Raises:
+        ConfigError: the batch does not split evenly, or model.vocab_size does not cover the data.
+    """
+    t, d = config.training, config.data
+    split = dp_size * t.grad_accum_steps
+    if t.batch_size % split:
+        raise ConfigError(f"training.batch_size: {t.batch_size} must be divisible by "
+                          f"dp_size * grad_accum_steps = {split}")
+    source: SampleSource
+    if d.source == "synthetic":
+        source = SyntheticRecall(seq_len=t.seq_len, seed=config.job.seed, num_symbols=d.num_symbols,
+                                 num_pairs=d.num_pairs, num_queries=d.num_queries,
+                                 key_fraction=d.key_fraction, filler=d.filler)
+        vocab = source.vocab_size
+    else:
+        assert d.path is not None  # Data.__post_init__ requires it for text
+        tokenizer = build_tokenizer(d.tokenizer, eos_token=d.eos_token)
+        source = TextSource.from_path(d.path, tokenizer, seq_len=t.seq_len, seed=config.job.seed, pack=d.pack)
+        vocab = tokenizer.vocab_size
+    if vocab > config.model.vocab_size:
+        raise ConfigError(f"model.vocab_size: {config.model.vocab_size} does not cover the {vocab} ids of "
+                          f"data.source = '{d.source}'")
+    return TokenBatcher(source, batch_size=t.batch_size // split, dp_rank=dp_rank, dp_size=dp_size)
