@@ -11,11 +11,11 @@ import torch
 
 from cpcompose.config import ConfigError, load_config
 from cpcompose.data import (
-    IGNORE_INDEX, Batch, ByteTokenizer, HFTokenizer, SyntheticRecall, TextSource, TokenBatcher,
+    IGNORE_INDEX, Batch, ByteTokenizer, HFTokenizer, SyntheticCopy, SyntheticRecall, TextSource, TokenBatcher,
     build_data_source, document_cu_seqlens, read_documents,
 )
 
-SYNTH = ["--training.seq_len=256", "--training.batch_size=4", "--data.num_pairs=8", "--data.num_queries=4"]
+SYNTH = ["--data.task=recall", "--training.seq_len=256", "--training.batch_size=4", "--data.num_pairs=8", "--data.num_queries=4"]
 
 
 def synthetic_loader(*argv: str, dp_rank: int = 0, dp_size: int = 1) -> TokenBatcher:
@@ -27,6 +27,28 @@ def assert_same(a: Batch, b: Batch) -> None:
     assert (a.cu_seqlens is None) == (b.cu_seqlens is None)
     for x, y in zip(a.cu_seqlens or [], b.cu_seqlens or []):
         assert torch.equal(x, y)
+
+
+# ---- synthetic copy ---------------------------------------------------------------------------
+
+
+def test_copy_task_second_half_repeats_the_first_and_only_it_is_supervised() -> None:
+    task = SyntheticCopy(seq_len=64, seed=5, num_symbols=16)
+    sample = task.sample(7)
+    ids, labels = sample.input_ids, sample.labels
+    assert ids[0] == task.bos_id and ids[32] == task.copy_id
+    assert torch.equal(ids[1:32], ids[33:])
+    assert (labels[:32] == IGNORE_INDEX).all() and labels[63] == IGNORE_INDEX
+    assert torch.equal(labels[32:63], ids[33:])  # position t predicts the token copied from t - 31
+    assert torch.equal(labels[32:63], ids[1:32])  # ... which sits 31 tokens back, in the first half
+    assert not torch.equal(task.sample(8).input_ids, ids)
+    assert torch.equal(task.sample(7).input_ids, ids)
+
+
+def test_copy_is_the_default_synthetic_task() -> None:
+    config = load_config(["--training.seq_len=128", "--training.batch_size=2"])
+    batch = next(build_data_source(config, dp_rank=0, dp_size=1))
+    assert torch.equal(batch.input_ids[:, 1:64], batch.input_ids[:, 65:])
 
 
 # ---- synthetic recall ------------------------------------------------------------------------
@@ -88,8 +110,8 @@ def test_local_batch_divides_the_global_batch_by_dp_and_grad_accum() -> None:
 
 
 def test_vocab_too_small_for_the_data_names_model_vocab_size() -> None:
-    with pytest.raises(ConfigError, match=r"^model.vocab_size: 200 does not cover the 260 ids"):
-        synthetic_loader("--model.vocab_size=200")
+    with pytest.raises(ConfigError, match=r"^model.vocab_size: 60 does not cover the 68 ids"):
+        synthetic_loader("--model.vocab_size=60")
 
 
 # ---- resume ----------------------------------------------------------------------------------

@@ -73,7 +73,9 @@ class JobConfig:
             local = t.batch_size // split
             require(local % p.pp_microbatches == 0, "parallelism.pp_microbatches",
                      f"{p.pp_microbatches} must divide the local batch of {local} sequences")
-        if d.source == "synthetic":  # the layout rule of cpcompose.data.synthetic
+        if d.source == "synthetic" and d.task == "copy":
+            require(t.seq_len % 2 == 0, "training.seq_len", f"{t.seq_len} must be even for data.task = 'copy'")
+        if d.source == "synthetic" and d.task == "recall":  # the layout rule of cpcompose.data.synthetic
             key_end = int(d.key_fraction * t.seq_len)
             require((key_end - 1) // 3 >= d.num_pairs, "data.num_pairs",
                      f"{d.num_pairs} triples (KEY k v) do not fit in the first {key_end} tokens")

@@ -137,7 +137,10 @@ class Data:
     """Where sequences come from."""
 
     source: Literal["synthetic", "text"] = "synthetic"
-    """synthetic: long-context key/value recall generated on the fly; text: your files at data.path."""
+    """synthetic: a long-context task generated on the fly (see data.task); text: your files at data.path."""
+    task: Literal["copy", "recall"] = "copy"
+    """Synthetic: copy (the second half repeats the first; learned in ~200 CPU steps) or recall (key/value
+    pairs queried at the end; harder). Both need attention across CP shards to be solved."""
     path: str | None = None
     """A .txt file (one document), a .jsonl file ({"text": ...} per line) or a directory of them."""
     tokenizer: str | None = None
@@ -146,16 +149,16 @@ class Data:
     """EOS token string in data.tokenizer; none tries common names (</s>, <|end_of_text|>, ...)."""
     pack: bool = False
     """Also return cu_seqlens (document boundaries) so attention can stay within documents."""
-    num_symbols: int = 256
-    """Synthetic: ordinary symbols (ids 0..num_symbols-1) for keys, values and filler."""
+    num_symbols: int = 64
+    """Synthetic: ordinary symbols (ids 0..num_symbols-1): copied symbols, or keys, values and filler."""
     num_pairs: int = 16
-    """Synthetic: key/value pairs scattered through the first key_fraction of each sequence."""
+    """Synthetic recall: key/value pairs scattered through the first key_fraction of each sequence."""
     num_queries: int = 4
-    """Synthetic: queries at the end of each sequence; only their answers carry a loss."""
+    """Synthetic recall: queries at the end of each sequence; only their answers carry a loss."""
     key_fraction: float = 0.5
-    """Synthetic: fraction of the sequence that holds the pairs; 0.5 puts keys on every zigzag cp rank."""
+    """Synthetic recall: fraction of the sequence that holds the pairs; 0.5 puts keys on every zigzag cp rank."""
     filler: Literal["random", "constant"] = "random"
-    """Synthetic: tokens between pairs; constant makes the task easier to learn."""
+    """Synthetic recall: tokens between pairs; constant makes the task easier to learn."""
 
     def __post_init__(self) -> None:
         require(self.source != "text" or self.path is not None, "data.path", "required when data.source = 'text'")

@@ -6,6 +6,7 @@ from typing import Any
 
 from cpcompose.config import ConfigError, JobConfig
 from cpcompose.data.batch import Batch, SampleSource
+from cpcompose.data.copy_task import SyntheticCopy
 from cpcompose.data.synthetic import SyntheticRecall
 from cpcompose.data.text import TextSource
 from cpcompose.data.tokenizer import build_tokenizer
@@ -86,9 +87,12 @@ def build_data_source(config: JobConfig, *, dp_rank: int, dp_size: int) -> Token
                           f"dp_size * grad_accum_steps = {split}")
     source: SampleSource
     if d.source == "synthetic":
-        source = SyntheticRecall(seq_len=t.seq_len, seed=config.job.seed, num_symbols=d.num_symbols,
-                                 num_pairs=d.num_pairs, num_queries=d.num_queries,
-                                 key_fraction=d.key_fraction, filler=d.filler)
+        if d.task == "copy":
+            source = SyntheticCopy(seq_len=t.seq_len, seed=config.job.seed, num_symbols=d.num_symbols)
+        else:
+            source = SyntheticRecall(seq_len=t.seq_len, seed=config.job.seed, num_symbols=d.num_symbols,
+                                     num_pairs=d.num_pairs, num_queries=d.num_queries,
+                                     key_fraction=d.key_fraction, filler=d.filler)
         vocab = source.vocab_size
     else:
         assert d.path is not None  # Data.__post_init__ requires it for text

@@ -1,0 +1,59 @@
+"""Gradient clipping by the global norm over every mesh.
+
+Gradients may be plain tensors (replicated), FSDP or TP DTensors on different
+meshes, and, with pipelining, on different stages. Squares of the local shards are
+summed per mesh and all-reduced over that mesh (one scalar per mesh dim), and the
+stages' squares over the pipeline group, so every rank clips with the same global
+norm.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+
+
+def global_grad_norm(parameters: Iterable[nn.Parameter], *, pp_group: dist.ProcessGroup | None = None) -> Tensor:
+    """The 2-norm of all gradients of the model (all stages), as a plain float32 tensor."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    device = grads[0].device if grads else torch.device("cpu")
+    by_mesh: dict[object, list[Tensor]] = {}
+    for g in grads:
+        by_mesh.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for mesh, group in by_mesh.items():
+        if mesh is None:  # plain tensors: replicated, every rank has them whole
+            total += sum(g.float().pow(2).sum() for g in group)
+            continue
+        # Sum squares of the local shards, then over every mesh dim; a replicated dim holds
+        # the same shard on each of its ranks, so divide its copies out.
+        squares = torch.zeros((), dtype=torch.float32, device=device)
+        for g in group:
+            copies = 1
+            for size, placement in zip(mesh.shape, g.placements):
+                copies *= size if placement.is_replicate() else 1
+            squares += g.to_local().float().pow(2).sum() / copies
+        for dim in range(mesh.ndim):
+            if mesh.size(dim) > 1:
+                dist.all_reduce(squares, group=mesh.get_group(dim))
+        total += squares
+    if pp_group is not None:
+        dist.all_reduce(total, group=pp_group)
+    return total.sqrt()
+
+
+def clip_grad_norm(
+    parameters: Iterable[nn.Parameter], max_norm: float, *, pp_group: dist.ProcessGroup | None = None
+) -> float:
+    """Scale gradients so their global norm is at most `max_norm`; returns the norm before clipping."""
+    params = [p for p in parameters if p.grad is not None]
+    norm = global_grad_norm(params, pp_group=pp_group).item()
+    coef = max_norm / (norm + 1e-6)
+    if coef < 1.0:
+        for p in params:
+            p.grad.mul_(coef)
+    return norm

@@ -1,0 +1,95 @@
+"""What a run reports: a log line per step, TensorBoard scalars and a loss plot, from one rank."""
+
+from __future__ import annotations
+
+import resource
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cpcompose.training.plot import plot_loss
+
+
+def peak_memory_mib(device: torch.device) -> float:
+    """Peak memory of this process: CUDA allocator peak, or the CPU resident-set high-water mark."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+@dataclass
+class StepMetrics:
+    """One optimizer step, as logged."""
+
+    step: int
+    loss: float
+    lr: float
+    grad_norm: float
+    tokens_per_s: float
+    step_time_s: float
+    peak_memory_mib: list[float]
+    cp_bytes_sent: int
+
+
+@dataclass
+class MetricsLogger:
+    """Prints progress and writes TensorBoard events and a loss PNG; inert on ranks other than 0."""
+
+    enabled: bool
+    total_steps: int
+    log_freq: int = 1
+    tb_folder: Path | None = None
+    plot_path: Path | None = None
+    _writer: Any = None
+    _losses: list[tuple[int, float]] = field(default_factory=list)
+    _start: float = field(default_factory=time.perf_counter)
+
+    def __post_init__(self) -> None:
+        if self.enabled and self.tb_folder is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer = SummaryWriter(log_dir=str(self.tb_folder))
+
+    def log(self, m: StepMetrics, *, first_step: int) -> None:
+        """Record step `m`: TensorBoard every step, a printed line every `log_freq` steps."""
+        if not self.enabled:
+            return
+        self._losses.append((m.step, m.loss))
+        if m.step % self.log_freq == 0 or m.step in (first_step, self.total_steps):
+            elapsed = time.perf_counter() - self._start
+            eta = elapsed / (m.step - first_step + 1) * (self.total_steps - m.step)
+            print(
+                f"step {m.step:>5}/{self.total_steps}  loss {m.loss:.4f}  lr {m.lr:.2e}  "
+                f"grad_norm {m.grad_norm:.3f}  {m.tokens_per_s:,.0f} tok/s  {m.step_time_s:.2f} s/step  "
+                f"peak {max(m.peak_memory_mib):,.0f} MiB  cp {m.cp_bytes_sent / 2**20:.1f} MiB  eta {eta:,.0f} s",
+                flush=True,
+            )
+        if self._writer is not None:
+            w = self._writer
+            for name, value in (
+                ("loss", m.loss), ("lr", m.lr), ("grad_norm", m.grad_norm), ("tokens_per_s", m.tokens_per_s),
+                ("step_time_s", m.step_time_s), ("cp_bytes_sent", float(m.cp_bytes_sent)),
+            ):
+                w.add_scalar(f"train/{name}", value, m.step)
+            for rank, mib in enumerate(m.peak_memory_mib):
+                w.add_scalar(f"memory/peak_mib_rank{rank}", mib, m.step)
+
+    def close(self, title: str) -> None:
+        if not self.enabled:
+            return
+        if self._writer is not None:
+            self._writer.close()
+        if self.plot_path is not None and self._losses:
+            steps, losses = zip(*self._losses)
+            plot_loss(steps, losses, self.plot_path, title=title)
+        if self._losses:
+            first, last = self._losses[0][1], self._losses[-1][1]
+            print(
+                f"done: {len(self._losses)} steps logged in {time.perf_counter() - self._start:,.1f} s, "
+                f"loss {first:.4f} -> {last:.4f}" + (f", plot {self.plot_path}" if self.plot_path else ""),
+                file=sys.stdout, flush=True,
+            )

@@ -1,0 +1,222 @@
+"""The training loop: build, parallelize, step, log, checkpoint.
+
+Everything parallel is decided by `ParallelDims` and applied by
+`parallelize_llama`; this file only wires the pieces together in the order a
+step needs them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from cpcompose.comm import CommMeter
+from cpcompose.config import JobConfig
+from cpcompose.data import IGNORE_INDEX, Batch, build_data_source
+from cpcompose.layout import SeqLayout
+from cpcompose.models import Llama, split_llama_for_pipeline
+from cpcompose.models.parallelize import build_pipeline_stage, needs_manual_grad_reduce, parallelize_llama
+from cpcompose.parallel import ParallelDims, allreduce_gradients, cp_cross_entropy
+from cpcompose.parallel.parallel_dims import flat_mesh
+from cpcompose.training.checkpoint import CheckpointManager
+from cpcompose.training.grad_norm import clip_grad_norm
+from cpcompose.training.lr_schedule import build_lr_scheduler
+from cpcompose.training.metrics import MetricsLogger, StepMetrics, peak_memory_mib
+from cpcompose.training.plan import llama_config
+
+
+class Trainer:
+    """One rank's share of a run described by `config` (the process group must exist)."""
+
+    def __init__(self, config: JobConfig) -> None:
+        self.config = c = config
+        world = dist.get_world_size()
+        c.validate(world_size=world)
+        p = c.parallelism
+        self.device = torch.device(
+            "cuda" if c.training.device == "cuda" or (c.training.device == "auto" and torch.cuda.is_available())
+            else "cpu"
+        )
+        self.dims = ParallelDims(p.dp_replicate, p.dp_shard, p.cp, p.tp, p.pp, world)
+        self.mesh = self.dims.build_mesh(self.device.type)
+        self.loss_mesh = flat_mesh(self.mesh, "dp_cp")
+        dp_mesh = flat_mesh(self.mesh, "dp")
+        self.cp_rank = self.mesh["cp"].get_local_rank()
+        self.layout = SeqLayout(p.cp_layout, p.cp)
+        self.meter = CommMeter()
+        self.model = self._build_model()
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=c.optimizer.lr, betas=c.optimizer.betas,
+            weight_decay=c.optimizer.weight_decay, eps=c.optimizer.eps,
+        )
+        s = c.lr_scheduler
+        self.scheduler = build_lr_scheduler(
+            self.optimizer, name=s.name, warmup_steps=s.warmup_steps, total_steps=c.training.steps,
+            min_lr_ratio=s.min_lr_ratio,
+        )
+        self.data = build_data_source(c, dp_rank=dp_mesh.get_local_rank(), dp_size=dp_mesh.size())
+        self.dp_group = dp_mesh.get_group()
+        self.schedule = self._build_schedule() if self.dims.pp_enabled else None
+        dump = Path(c.job.dump_folder)
+        self.checkpoints = CheckpointManager(
+            dump / c.checkpoint.folder, interval=c.checkpoint.interval, keep_latest_k=c.checkpoint.keep_latest_k
+        )
+        self.step = 0
+        self._num_tokens = torch.zeros(())  # this step's global count of valid labels
+        self.grad_norm = 0.0
+        if c.checkpoint.enable and c.checkpoint.resume and (latest := self.checkpoints.latest()) is not None:
+            self._restore(latest)
+        rank0 = dist.get_rank() == 0
+        self.logger = MetricsLogger(
+            enabled=rank0, total_steps=c.training.steps, log_freq=c.metrics.log_freq,
+            tb_folder=dump / c.metrics.save_tb_folder if c.metrics.enable_tensorboard else None,
+            plot_path=dump / "loss.png" if c.metrics.plot_loss else None,
+        )
+
+    # --- construction ---
+
+    def _build_model(self) -> torch.nn.Module:
+        """Identical weights on every rank (initialized whole, then cut and parallelized)."""
+        c = self.config
+        model = Llama(llama_config(c))
+        model.init_weights(seed=c.job.seed)
+        if self.dims.pp_enabled:
+            model = split_llama_for_pipeline(
+                model, num_stages=self.dims.pp, stage_index=self.mesh["pp"].get_local_rank()
+            )
+        model.to(self.device)
+        parallelize_llama(
+            model, parallel_dims=self.dims, mesh=self.mesh, cp_strategy=c.parallelism.cp_strategy,
+            cp_layout=c.parallelism.cp_layout, activation_checkpoint=c.activation_checkpoint.mode == "full",
+            meter=self.meter,
+        )
+        if c.training.compile:
+            for block in model.layers.values():  # attention (with its communication) stays eager
+                block.feed_forward.compile()
+        return model
+
+    def _build_schedule(self):  # -> a torch.distributed.pipelining schedule
+        from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+
+        stage = build_pipeline_stage(self.model, parallel_dims=self.dims, mesh=self.mesh, device=self.device)
+        cls = ScheduleGPipe if self.config.parallelism.pp_schedule == "GPipe" else Schedule1F1B
+        # The loss is already this rank's share of the global mean: no 1/microbatches scaling.
+        return cls(stage, self.config.parallelism.pp_microbatches, loss_fn=self._pipeline_loss, scale_grads=False)
+
+    # --- one step ---
+
+    def _shard(self, batch: Batch) -> tuple[Tensor, Tensor, Tensor]:
+        """This CP rank's tokens, labels and their global positions `[batch, local_seq]`."""
+        tokens = self.layout.shard(batch.input_ids, 1, self.cp_rank).to(self.device)
+        labels = self.layout.shard(batch.labels, 1, self.cp_rank).to(self.device)
+        positions = self.layout.local_indices(self.cp_rank, batch.input_ids.shape[1], self.device)
+        return tokens, labels, positions.expand(tokens.shape[0], -1).contiguous()
+
+    def _global_tokens(self, batches: list[Batch]) -> Tensor:
+        """Valid labels in this step's global batch (each dp rank counts its full sequences)."""
+        count = sum((b.labels != IGNORE_INDEX).sum() for b in batches).to(torch.float32).to(self.device)
+        if dist.get_world_size(self.dp_group) > 1:
+            dist.all_reduce(count, group=self.dp_group)
+        return count
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.config.training.mixed_precision == "bfloat16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _pipeline_loss(self, logits: Tensor, labels: Tensor) -> Tensor:
+        return cp_cross_entropy(logits, labels, mesh=self.loss_mesh, num_tokens=self._num_tokens)
+
+    def train_step(self) -> float:
+        """Forward, backward, reduce, clip, update; returns the global mean loss."""
+        c = self.config
+        batches = [next(self.data) for _ in range(c.training.grad_accum_steps)]
+        self._num_tokens = self._global_tokens(batches)
+        self.optimizer.zero_grad(set_to_none=True)
+        local = torch.zeros((), device=self.device, dtype=torch.float64)
+        for batch in batches:
+            tokens, labels, positions = self._shard(batch)
+            with self._autocast():
+                if self.schedule is not None:
+                    local += self._pipeline_step(tokens, labels, positions)
+                else:
+                    logits = self.model(tokens, positions)
+                    loss = cp_cross_entropy(logits, labels, mesh=self.loss_mesh, num_tokens=self._num_tokens)
+                    loss.backward()
+                    local += loss.detach()
+        if needs_manual_grad_reduce(self.dims):
+            allreduce_gradients(self.model, self.loss_mesh)
+        self.grad_norm = clip_grad_norm(
+            self.model.parameters(), c.training.max_norm,
+            pp_group=self.mesh["pp"].get_group() if self.dims.pp_enabled else None,
+        )
+        self.optimizer.step()
+        self.scheduler.step()
+        return self._global_loss(local)
+
+    def _pipeline_step(self, tokens: Tensor, labels: Tensor, positions: Tensor) -> Tensor:
+        stage = self.mesh["pp"].get_local_rank()
+        last = stage == self.dims.pp - 1
+        losses: list[Tensor] = []
+        args = (tokens,) if stage == 0 else ()
+        self.schedule.step(*args, target=labels if last else None, losses=losses, position_ids=positions)
+        return sum((x.detach().double() for x in losses), torch.zeros((), dtype=torch.float64, device=self.device))
+
+    def _global_loss(self, local: Tensor) -> float:
+        """Sum the shares over dp x cp; with PP only the last stage has them, so sum over pp too."""
+        dist.all_reduce(local, group=self.loss_mesh.get_group())
+        if self.dims.pp_enabled:
+            dist.all_reduce(local, group=self.mesh["pp"].get_group())
+        return local.item()
+
+    # --- the run ---
+
+    def run(self) -> list[float]:
+        c = self.config
+        losses: list[float] = []
+        first = self.step + 1
+        tokens_per_step = c.training.batch_size * c.training.seq_len
+        while self.step < c.training.steps:
+            self.step += 1
+            self.meter.reset()
+            start = time.perf_counter()
+            loss = self.train_step()
+            elapsed = time.perf_counter() - start
+            losses.append(loss)
+            peaks = torch.tensor([peak_memory_mib(self.device)], device=self.device)
+            everyone = [torch.zeros_like(peaks) for _ in range(dist.get_world_size())]
+            dist.all_gather(everyone, peaks)
+            self.logger.log(
+                StepMetrics(
+                    step=self.step, loss=loss, lr=self.scheduler.get_last_lr()[0], grad_norm=float(self.grad_norm),
+                    tokens_per_s=tokens_per_step / elapsed, step_time_s=elapsed,
+                    peak_memory_mib=[float(x) for x in everyone], cp_bytes_sent=self.meter.total,
+                ),
+                first_step=first,
+            )
+            if c.checkpoint.enable and self.checkpoints.due(self.step, last_step=c.training.steps):
+                self.checkpoints.save(self.step, self.model, self.optimizer, self._trainer_state())
+        self.logger.close(title=f"{c.job.name}: loss")
+        return losses
+
+    def _trainer_state(self) -> dict:
+        return {
+            "step": self.step,
+            "lr_scheduler": self.scheduler.state_dict(),
+            "data": self.data.state_dict(),
+            "rng": torch.get_rng_state(),
+        }
+
+    def _restore(self, path: Path) -> None:
+        state = self.checkpoints.load(path, self.model, self.optimizer)
+        self.step = state["step"]
+        self.scheduler.load_state_dict(state["lr_scheduler"])
+        self.data.load_state_dict(state["data"])
+        torch.set_rng_state(state["rng"])
+        if dist.get_rank() == 0:
+            print(f"resumed from {path} at step {self.step}", flush=True)
