@@ -75,25 +75,30 @@ class PendingRecv:
 
 
 class RingComm:
-    """Point-to-point ring: send to rank+1, receive from rank-1, posted at once.
+    """Point-to-point exchanges between the ranks of a CP group, posted at once.
 
-    `exchange` returns immediately, so the caller computes on the current block
-    while the next one travels. Distinct `tag`s keep two streams that are in
+    `exchange_with` returns immediately, so the caller computes on the current
+    block while the next one travels. Distinct `tag`s keep two streams that are in
     flight together (K/V and their gradients) apart on backends that match by tag.
     """
 
     def __init__(self, cp: CPGroup, meter: CommMeter | None = None) -> None:
         self.cp, self.meter = cp, meter
-        self.next, self.prev = (cp.rank + 1) % cp.world, (cp.rank - 1) % cp.world
 
-    def exchange(self, tensors: Sequence[Tensor], *, tag: int = 0) -> PendingRecv:
-        """Send `tensors` (contiguous) to the next rank, receive the same shapes from the previous."""
-        recv = [torch.empty_like(t) for t in tensors]
-        ops = [dist.P2POp(dist.isend, t, group=self.cp.group, group_peer=self.next, tag=tag) for t in tensors]
-        ops += [dist.P2POp(dist.irecv, t, group=self.cp.group, group_peer=self.prev, tag=tag) for t in recv]
-        works = dist.batch_isend_irecv(ops)
+    def exchange_with(
+        self, send: Sequence[Tensor], *, dst: int, recv_like: Sequence[Tensor], src: int, tag: int = 0
+    ) -> PendingRecv:
+        """Send `send` (contiguous) to group rank `dst`; receive tensors shaped like `recv_like` from `src`.
+
+        Empty tensors are not sent: the peer computes the same sizes and posts no receive.
+        """
+        recv = [torch.empty_like(t) for t in recv_like]
+        group = self.cp.group
+        ops = [dist.P2POp(dist.isend, t, group=group, group_peer=dst, tag=tag) for t in send if t.numel()]
+        ops += [dist.P2POp(dist.irecv, t, group=group, group_peer=src, tag=tag) for t in recv if t.numel()]
+        works = dist.batch_isend_irecv(ops) if ops else []
         if self.meter is not None:
-            self.meter.add("p2p", _nbytes(tensors))
+            self.meter.add("p2p", _nbytes([t for t in send if t.numel()]))
         return PendingRecv(works, recv)
 
 

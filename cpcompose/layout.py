@@ -34,6 +34,16 @@ def resolve_layout(layout: str | None, *, is_causal: bool) -> LayoutName:
 
 
 @dataclass(frozen=True)
+class Run:
+    """`length` consecutive positions from `pos`, all in document `doc`, stored from local row `row`."""
+
+    row: int
+    pos: int
+    length: int
+    doc: int
+
+
+@dataclass(frozen=True)
 class SeqLayout:
     """A layout over a CP group of `world` ranks."""
 
@@ -53,6 +63,24 @@ class SeqLayout:
         if self.name == "zigzag":
             return (rank, self.num_chunks - 1 - rank)
         return (rank,)
+
+    def runs(self, rank: int, seq_len: int) -> list[Run]:
+        """This rank's chunks as runs of the one document (the whole sequence)."""
+        c = seq_len // self.num_chunks
+        return [Run(i * c, chunk * c, c, 0) for i, chunk in enumerate(self.chunk_ids(rank))]
+
+    def global_runs(self, seq_len: int) -> list[Run]:
+        """The whole sequence in global order: one run."""
+        return [Run(0, 0, seq_len, 0)]
+
+    def local_len_error(self, local_len: int) -> str | None:
+        """Why `local_len` tokens cannot be one rank's shard, or None."""
+        if local_len % self.chunks_per_rank:
+            return (
+                f"local length {local_len} is not a multiple of {self.chunks_per_rank}, the chunks per rank "
+                f"of the {self.name} layout"
+            )
+        return None
 
     def split_error(self, seq_len: int, what: str = "sequence length") -> str | None:
         """Why `seq_len` global tokens cannot be split, or None if they can."""

@@ -57,7 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from cpcompose import CommMeter, cp_attention, cp_shard  # noqa: E402
 from cpcompose.attention import STRATEGIES  # noqa: E402
 from cpcompose.attention.alltoall import query_head_ranges  # noqa: E402
-from cpcompose.attention.blocks import plan_blocks  # noqa: E402
+from cpcompose.attention.blocks import MaskSpec, plan  # noqa: E402
 from cpcompose.layout import LAYOUTS, SeqLayout  # noqa: E402
 
 B, H, HKV, D = 1, 8, 2, 64
@@ -97,18 +97,18 @@ def baseline_times(seq_len: int, warmup: int, repeats: int) -> list[tuple[float,
 def flop_imbalance(strategy: str, layout_name: str, seq_len: int, world: int) -> float:
     """max/mean over ranks of the attention work each rank's block plans compute."""
     layout = SeqLayout(layout_name, world)  # type: ignore[arg-type]
-    chunk = seq_len // layout.num_chunks
+    causal = MaskSpec(causal=True)
     work: list[float] = []
     for rank in range(world):
-        mine = layout.chunk_ids(rank)
+        mine = layout.runs(rank, seq_len)
         if strategy == "alltoall":  # one full-sequence causal call per local head
             lo, hi = query_head_ranges(H, world)[rank]
-            work.append((hi - lo) * seq_len * seq_len / 2)
+            work.append((hi - lo) * seq_len * (seq_len + 1) / 2)
             continue
         if strategy == "ring":
-            tasks = [t for src in range(world) for t in plan_blocks(mine, layout.chunk_ids(src), chunk, causal=True)]
+            tasks = [t for src in range(world) for t in plan(mine, layout.runs(src, seq_len), causal)]
         else:
-            tasks = plan_blocks(mine, range(layout.num_chunks), chunk, causal=True)
+            tasks = plan(mine, layout.global_runs(seq_len), causal)
         work.append(H * sum(t.flops_weight() for t in tasks))
     return max(work) / statistics.mean(work)
 

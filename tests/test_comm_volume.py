@@ -21,13 +21,23 @@ def kv_shard_bytes(case: Case) -> int:
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
-def test_ring_sends_p_minus_1_kv_shards(pools, world: int) -> None:
-    case = Case("ring", "zigzag", True, 8, 2, world, seq=24 * world)
-    kv = kv_shard_bytes(case)
-    for result in pools.get(world).run(run_cp, case):
+def test_ring_sends_what_each_peer_reads(pools, world: int) -> None:
+    """Full attention: P-1 whole shards, like a ring rotation. Causal zigzag: half a shard to
+    the ranks after this one in the zigzag order (they read only its early chunk)."""
+    full = Case("ring", "zigzag", False, 8, 2, world, seq=24 * world)
+    causal = Case("ring", "zigzag", True, 8, 2, world, seq=24 * world)
+    kv = kv_shard_bytes(full)
+    for result in pools.get(world).run(run_cp, full):
         assert result["forward_bytes"] == (world - 1) * kv
-        # Backward: K/V rotate again (P-1 hops), and so do the float32 dK/dV sums.
-        assert result["total_bytes"] - result["forward_bytes"] == (world - 1) * kv + (world - 1) * kv
+        # Backward: K/V move again, and their float32 gradients go back (same bytes for fp32).
+        assert result["total_bytes"] == 3 * (world - 1) * kv
+    for rank, result in enumerate(pools.get(world).run(run_cp, causal)):
+        later, earlier = world - 1 - rank, rank  # peers rank+s that do / do not wrap around
+        assert result["forward_bytes"] == later * kv // 2 + earlier * kv
+        # Backward: the same K/V again, plus the gradients of the rows this rank received,
+        # which mirror the sends: half from the ranks before it, whole from the ones after.
+        received = earlier * kv // 2 + later * kv
+        assert result["total_bytes"] == 2 * result["forward_bytes"] + received
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -43,8 +53,8 @@ def test_allgather_volume(pools, world: int) -> None:
 @pytest.mark.parametrize("strategy", ["ring", "allgather"])
 def test_gqa_sends_a_quarter_of_mha(pools, strategy: str) -> None:
     """K/V travel with their own head count: GQA 4:1 moves 1/4 of MHA's bytes."""
-    mha = pools.get(2).run(run_cp, Case(strategy, "zigzag", True, 8, 8, 2))
-    gqa = pools.get(2).run(run_cp, Case(strategy, "zigzag", True, 8, 2, 2))
+    mha = pools.get(3).run(run_cp, Case(strategy, "zigzag", True, 8, 8, 3, seq=72))
+    gqa = pools.get(3).run(run_cp, Case(strategy, "zigzag", True, 8, 2, 3, seq=72))
     for m, g in zip(mha, gqa):
         assert 4 * g["total_bytes"] == m["total_bytes"]
 

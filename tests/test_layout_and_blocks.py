@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cpcompose.attention.blocks import plan_blocks
+from cpcompose.attention.blocks import MaskSpec, plan
+from cpcompose.layout import Run
 from cpcompose.attention.kernels import attention_backward, attention_forward
 from cpcompose.attention.merge import SoftmaxAccumulator
 from cpcompose.layout import SeqLayout
@@ -29,10 +30,10 @@ def test_zigzag_chunks() -> None:
 
 
 def _rank_flops(layout: SeqLayout, rank: int) -> float:
+    n = layout.num_chunks  # one token a chunk: each diagonal block computes 1 pair
     return sum(
-        t.flops_weight()
-        for src in range(layout.world)
-        for t in plan_blocks(layout.chunk_ids(rank), layout.chunk_ids(src), 1, causal=True)
+        t.flops_weight() for src in range(layout.world)
+        for t in plan(layout.runs(rank, n), layout.runs(src, n), MaskSpec(causal=True))
     )
 
 
@@ -40,28 +41,53 @@ def _rank_flops(layout: SeqLayout, rank: int) -> float:
 def test_zigzag_balances_causal_work(world: int) -> None:
     zigzag = [_rank_flops(SeqLayout("zigzag", world), r) for r in range(world)]
     assert max(zigzag) == min(zigzag)
-    assert sum(zigzag) == (2 * world) ** 2 / 2  # exactly the causal triangle, nothing masked computed
+    n = 2 * world
+    assert sum(zigzag) == n * (n + 1) / 2  # exactly the causal triangle, nothing masked computed
     contiguous = [_rank_flops(SeqLayout("contiguous", world), r) for r in range(world)]
-    # Contiguous: rank r computes r full blocks and half a diagonal one, so max/mean = (2P-1)/P.
-    assert max(contiguous) / (sum(contiguous) / world) == pytest.approx((2 * world - 1) / world)
+    # Contiguous: rank r computes r full pairs and its diagonal one: max/mean = P / ((P+1)/2).
+    assert max(contiguous) / (sum(contiguous) / world) == pytest.approx(2 * world / (world + 1))
 
 
-def _dense_mask(q_chunks, kv_chunks, c, causal) -> torch.Tensor:
-    """Which (query, key) pairs the plan computes, as a dense boolean matrix."""
-    mask = torch.zeros(len(q_chunks) * c, len(kv_chunks) * c, dtype=torch.int)
-    for t in plan_blocks(q_chunks, kv_chunks, c, causal=causal):
-        block = torch.ones(t.q.stop - t.q.start, t.kv.stop - t.kv.start, dtype=torch.int)
-        mask[t.q, t.kv] += block.tril() if t.causal else block
-    return mask
+def _covered(q_runs, kv_runs, mask: MaskSpec, nq: int, nk: int) -> torch.Tensor:
+    """How often the plan computes each (local query, local key) pair."""
+    count = torch.zeros(nq, nk, dtype=torch.int)
+    for t in plan(q_runs, kv_runs, mask):
+        count[t.q, t.kv] += t.visible().int()
+    return count
 
 
-@pytest.mark.parametrize("q_chunks,kv_chunks", [((1, 6), (0, 7)), ((0, 7), (1, 6)), ((2, 5), range(8)), ((3,), (1,))])
-def test_plan_covers_exactly_the_causal_pairs(q_chunks, kv_chunks) -> None:
-    c = 3
-    q_pos = torch.cat([torch.arange(i * c, (i + 1) * c) for i in q_chunks])
-    k_pos = torch.cat([torch.arange(j * c, (j + 1) * c) for j in kv_chunks])
-    want = (q_pos[:, None] >= k_pos[None, :]).int()
-    assert torch.equal(_dense_mask(q_chunks, kv_chunks, c, True), want)  # each pair exactly once
+def _positions(runs) -> tuple[torch.Tensor, torch.Tensor]:
+    pos = torch.cat([torch.arange(r.pos, r.pos + r.length) for r in runs])
+    doc = torch.cat([torch.full((r.length,), r.doc) for r in runs])
+    return pos, doc
+
+
+RUN_CASES = {
+    "zigzag-early-vs-late": ([Run(0, 3, 3, 0), Run(3, 18, 3, 0)], [Run(0, 0, 3, 0), Run(3, 21, 3, 0)]),
+    "zigzag-late-vs-early": ([Run(0, 0, 3, 0), Run(3, 21, 3, 0)], [Run(0, 3, 3, 0), Run(3, 18, 3, 0)]),
+    "against-everything": ([Run(0, 6, 3, 0), Run(3, 15, 3, 0)], [Run(0, 0, 24, 0)]),
+    "documents": ([Run(0, 2, 5, 0), Run(5, 9, 4, 1), Run(9, 30, 6, 2)],
+                  [Run(0, 0, 2, 0), Run(2, 7, 2, 0), Run(4, 13, 4, 1), Run(8, 20, 10, 2), Run(18, 36, 1, 2)]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(RUN_CASES))
+@pytest.mark.parametrize("mask", [MaskSpec(True), MaskSpec(False), MaskSpec(True, 4), MaskSpec(True, 700)],
+                         ids=["causal", "full", "window4", "window700"])
+def test_plan_covers_exactly_the_visible_pairs(name: str, mask: MaskSpec, monkeypatch) -> None:
+    import cpcompose.attention.blocks as blocks
+
+    monkeypatch.setattr(blocks, "BAND_TILE", 4)  # exercise tiling on small cases
+    q_runs, kv_runs = RUN_CASES[name]
+    (qp, qd), (kp, kd) = _positions(q_runs), _positions(kv_runs)
+    d = qp[:, None] - kp[None, :]
+    want = qd[:, None] == kd[None, :]
+    if mask.causal:
+        want &= d >= 0
+    if mask.window is not None:
+        want &= d <= mask.window
+    got = _covered(q_runs, kv_runs, mask, len(qp), len(kp))
+    assert torch.equal(got, want.int())  # each visible pair exactly once, nothing else
 
 
 def test_merge_of_halves_equals_whole() -> None:

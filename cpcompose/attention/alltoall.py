@@ -21,8 +21,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from cpcompose.attention.blocks import backward_blocks, forward_blocks
 from cpcompose.attention.kernels import attention_backward, attention_forward
-from cpcompose.attention.setup import AttentionSetup
+from cpcompose.attention.merge import SoftmaxAccumulator
+from cpcompose.attention.setup import AttentionSetup, float_zeros
 from cpcompose.comm import all_to_all_pieces
 
 HeadRange = tuple[int, int]
@@ -97,6 +99,39 @@ def _heads_to_seq(tensors: list[Tensor], ranges: list[list[HeadRange]], setup: A
     return all_to_all_pieces(send, shapes, setup.cp, setup.meter)
 
 
+def _attend(q: Tensor, k: Tensor, v: Tensor, setup: AttentionSetup) -> tuple[Tensor, Tensor]:
+    """Full-sequence attention of this rank's heads (global order), masked by the layout's documents."""
+    if q.shape[1] == 0:  # more ranks than query heads: this rank has nothing to attend
+        return q.new_empty((*q.shape[:3], v.shape[-1])), q.new_empty(q.shape[:3], dtype=float_zeros(q).dtype)
+    tasks = setup.tasks_full_sequence(q.shape[2])
+    whole = slice(0, q.shape[2])
+    if len(tasks) == 1 and tasks[0].q == tasks[0].kv == whole and tasks[0].kind != "band":
+        out, lse = attention_forward(
+            q, k, v, causal=tasks[0].kind == "causal", scale=setup.kernel.scale, backend=setup.kernel.backend
+        )
+        return out, lse
+    acc = SoftmaxAccumulator(q, v.shape[-1])
+    forward_blocks(acc, q, k, v, tasks, setup.kernel)
+    return acc.out.to(q.dtype), acc.lse
+
+
+def _attend_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, setup: AttentionSetup
+) -> tuple[Tensor, Tensor, Tensor]:
+    if q.shape[1] == 0:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    tasks = setup.tasks_full_sequence(q.shape[2])
+    whole = slice(0, q.shape[2])
+    if len(tasks) == 1 and tasks[0].q == tasks[0].kv == whole and tasks[0].kind != "band":
+        return attention_backward(
+            dout, q, k, v, out, lse, causal=tasks[0].kind == "causal", scale=setup.kernel.scale,
+            backend=setup.kernel.backend,
+        )
+    grads = (float_zeros(q), float_zeros(k), float_zeros(v))
+    backward_blocks(grads, dout, q, k, v, out, lse, tasks, setup.kernel)
+    return grads[0].to(q.dtype), grads[1].to(k.dtype), grads[2].to(v.dtype)
+
+
 class AllToAllAttention(torch.autograd.Function):
     """`(q, k, v) -> (out, lse)` on local shards; see the module docstring."""
 
@@ -105,14 +140,7 @@ class AllToAllAttention(torch.autograd.Function):
         plan = _HeadPlan(q, k, setup.cp.world, setup.cp.rank)
         ranges = [plan.q_ranges, plan.kv_ranges, plan.kv_ranges]
         qh, kh, vh = _seq_to_heads([q, k, v], ranges, setup)
-        if qh.shape[1] > 0:
-            out_h, lse_h = attention_forward(
-                qh, plan.local_kv(kh), plan.local_kv(vh), causal=setup.causal,
-                scale=setup.kernel.scale, backend=setup.kernel.backend,
-            )
-        else:  # more ranks than query heads: this rank has nothing to attend
-            out_h = qh.new_empty((*qh.shape[:3], v.shape[-1]))
-            lse_h = qh.new_empty(qh.shape[:3], dtype=torch.promote_types(q.dtype, torch.float32))
+        out_h, lse_h = _attend(qh, plan.local_kv(kh), plan.local_kv(vh), setup)
         (out_parts,) = zip(*_heads_to_seq([out_h], [plan.q_ranges], setup))
         if setup.need_lse:
             (lse_parts,) = zip(*_heads_to_seq([lse_h.unsqueeze(-1)], [plan.q_ranges], setup))
@@ -130,14 +158,8 @@ class AllToAllAttention(torch.autograd.Function):
         setup: AttentionSetup = ctx.setup
         plan: _HeadPlan = ctx.plan
         (dout_h,) = _seq_to_heads([dout.contiguous()], [plan.q_ranges], setup)
-        if qh.shape[1] > 0:
-            dq_h, dk_h, dv_h = attention_backward(
-                dout_h, qh, plan.local_kv(kh), plan.local_kv(vh), out_h, lse_h, causal=setup.causal,
-                scale=setup.kernel.scale, backend=setup.kernel.backend,
-            )
-            dk_h, dv_h = plan.reduce_local_kv(dk_h, kh.shape[1]), plan.reduce_local_kv(dv_h, vh.shape[1])
-        else:
-            dq_h, dk_h, dv_h = torch.zeros_like(qh), torch.zeros_like(kh), torch.zeros_like(vh)
+        dq_h, dk_h, dv_h = _attend_backward(dout_h, qh, plan.local_kv(kh), plan.local_kv(vh), out_h, lse_h, setup)
+        dk_h, dv_h = plan.reduce_local_kv(dk_h, kh.shape[1]), plan.reduce_local_kv(dv_h, vh.shape[1])
         ranges = [plan.q_ranges, plan.kv_ranges, plan.kv_ranges]
         recv = _heads_to_seq([dq_h, dk_h, dv_h], ranges, setup)
         dq = torch.cat([parts[0] for parts in recv], dim=1)

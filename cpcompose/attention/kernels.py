@@ -10,7 +10,9 @@ Conventions for all kernels: tensors are `(batch, heads, seq, head_dim)`; K/V ma
 have fewer heads than Q (GQA/MQA, `heads_q % heads_kv == 0`); `lse` is float32
 (float64 for float64 inputs), contiguous, `(batch, heads_q, seq_q)`, natural log.
 `causal=True` is only ever asked for square blocks (the block planner guarantees
-it), so top-left versus bottom-right alignment never matters.
+it), so top-left versus bottom-right alignment never matters. `mask` is an
+additive float mask `(seq_q, seq_k)` for the few window-edge blocks that need one;
+the CPU kernel takes it directly, CUDA blocks with a mask use the math path.
 """
 
 from __future__ import annotations
@@ -56,14 +58,14 @@ def select_backend(q: Tensor, override: str | None = None) -> Backend:
 
 
 def attention_forward(
-    q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float, backend: Backend
+    q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float, backend: Backend, mask: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:
     """Attention of `q` over `k`/`v`; returns `(out in q.dtype, lse float32)`."""
     if backend == "cpu_flash":
-        out, lse = _compat.cpu_flash_forward(q, k, v, 0.0, causal, scale=scale)
+        out, lse = _compat.cpu_flash_forward(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
         return out, lse.contiguous()
-    if backend == "math":
-        return _math_forward(q, k, v, causal=causal, scale=scale)
+    if backend == "math" or mask is not None:
+        return _math_forward(q, k, v, causal=causal, scale=scale, mask=mask)
     if backend == "flash_attn":
         return _flash_attn_forward(q, k, v, causal=causal, scale=scale)
     k, v = _expand_kv(q, k), _expand_kv(q, v)
@@ -85,15 +87,16 @@ def attention_backward(
     causal: bool,
     scale: float,
     backend: Backend,
+    mask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of one block given the merged `out`/`lse` of the full softmax.
 
     Returns `(dq, dk, dv)` in the input dtype; `dk`/`dv` have K/V's head count.
     """
     if backend == "cpu_flash":
-        return _compat.cpu_flash_backward(dout, q, k, v, out, lse, 0.0, causal, scale=scale)
-    if backend == "math":
-        return _math_backward(dout, q, k, v, out, lse, causal=causal, scale=scale)
+        return _compat.cpu_flash_backward(dout, q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=scale)
+    if backend == "math" or mask is not None:
+        return _math_backward(dout, q, k, v, out, lse, causal=causal, scale=scale, mask=mask)
     if backend == "flash_attn":
         return _flash_attn_backward(dout, q, k, v, out, lse, causal=causal, scale=scale)
     ke, ve = _expand_kv(q, k), _expand_kv(q, v)
@@ -116,21 +119,23 @@ def attention_backward(
 # --- math path: explicit softmax, for devices without a fused kernel and for tests ---
 
 
-def _scores(q: Tensor, k: Tensor, *, causal: bool, scale: float) -> Tensor:
-    """Scaled scores `(B, Hkv, group, Sq, Sk)` in at least float32."""
+def _scores(q: Tensor, k: Tensor, *, causal: bool, scale: float, mask: Tensor | None) -> Tensor:
+    """Scaled, masked scores `(B, Hkv, group, Sq, Sk)` in at least float32."""
     acc = torch.promote_types(q.dtype, torch.float32)
     b, hq, sq, d = q.shape
     hkv = k.shape[1]
     qg = q.to(acc).view(b, hkv, hq // hkv, sq, d)
     s = torch.einsum("bhgqd,bhkd->bhgqk", qg, k.to(acc)) * scale
     if causal:
-        mask = torch.ones(sq, k.shape[2], dtype=torch.bool, device=q.device).tril()
-        s = s.masked_fill(~mask, float("-inf"))
-    return s
+        causal_mask = torch.ones(sq, k.shape[2], dtype=torch.bool, device=q.device).tril()
+        s = s.masked_fill(~causal_mask, float("-inf"))
+    return s if mask is None else s + mask.to(s.dtype)
 
 
-def _math_forward(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
-    s = _scores(q, k, causal=causal, scale=scale)
+def _math_forward(
+    q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float, mask: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    s = _scores(q, k, causal=causal, scale=scale, mask=mask)
     lse = torch.logsumexp(s, dim=-1)
     out = torch.einsum("bhgqk,bhkd->bhgqd", torch.exp(s - lse.unsqueeze(-1)), v.to(s.dtype))
     b, hq, sq, _ = q.shape
@@ -138,9 +143,10 @@ def _math_forward(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float
 
 
 def _math_backward(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *, causal: bool, scale: float
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *, causal: bool, scale: float,
+    mask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    s = _scores(q, k, causal=causal, scale=scale)
+    s = _scores(q, k, causal=causal, scale=scale, mask=mask)
     b, hq, sq, d = q.shape
     hkv = k.shape[1]
     acc = s.dtype

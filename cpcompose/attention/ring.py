@@ -1,15 +1,18 @@
-"""Ring attention: K/V travel point-to-point around the CP group.
+"""Ring attention: K/V move point-to-point, one peer distance per round, overlapped.
 
-Forward: P steps; at step s this rank holds the K/V of rank (rank - s) mod P,
-posts the send of that block to the next rank before computing on it, and merges
-the partial result through the LSE. Each rank sends P-1 K/V shards, with their
-own (possibly GQA-reduced) head count.
+Round 0 attends to the local K/V. In round s = 1..P-1 every rank sends to rank+s,
+and receives from rank-s, exactly the K/V rows the receiver's block plan reads,
+posted one round ahead so the transfer runs while the previous round computes.
+For full attention that is the whole shard, so the volume equals the classic ring
+rotation (P-1 shards). Under masks it is less: with a causal zigzag layout a rank
+earlier in the order needs only the early chunk; with documents only the pieces of
+shared documents; with a sliding window only the rows within the window (a halo,
+not a rotation). Rows nobody needs are never sent, and rounds with nothing to
+attend are skipped.
 
-Backward: the same rotation of K/V, plus a float32 dK/dV sum that travels with its
-K/V block: it starts at rank o+1 (rank o keeps its own contribution), every rank
-holding block o adds its part and passes it on, and after P-1 hops it arrives back
-at rank o. dQ stays local. The sum is float32 so bf16 rounding does not grow with
-the ring size.
+Backward repeats the exchange of K/V and sends each block's dK/dV (float32, so
+bf16 rounding does not grow with P) straight back to the rank that owns those
+rows. dQ stays local.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from cpcompose.attention.blocks import backward_blocks, forward_blocks
+from cpcompose.attention.blocks import BlockTask, backward_blocks, forward_blocks, needed_rows
 from cpcompose.attention.merge import SoftmaxAccumulator
 from cpcompose.attention.setup import AttentionSetup, float_zeros
 from cpcompose.comm import PendingRecv, RingComm
@@ -27,21 +30,92 @@ from cpcompose.comm import PendingRecv, RingComm
 _KV_TAG, _GRAD_TAG = 0, 1
 
 
+def _gather_rows(x: Tensor, rows: list[slice]) -> Tensor:
+    """The rows `rows` of `x` (dim 2), contiguous; `x` itself when that is all of it."""
+    if len(rows) == 1 and rows[0] == slice(0, x.shape[2]):
+        return x
+    if not rows:
+        return x[:, :, :0].contiguous()
+    return torch.cat([x[:, :, r] for r in rows], dim=2)
+
+
+def _compact(tasks: list[BlockTask], rows: list[slice]) -> list[BlockTask]:
+    """Re-address the tasks' key rows into the concatenation of `rows`."""
+    starts, offset = [], 0
+    for r in rows:
+        starts.append(offset)
+        offset += r.stop - r.start
+    out = []
+    for t in tasks:
+        i = next(i for i, r in enumerate(rows) if r.start <= t.kv.start and t.kv.stop <= r.stop)
+        shift = starts[i] - rows[i].start
+        out.append(BlockTask(t.q, slice(t.kv.start + shift, t.kv.stop + shift), t.kind, t.offset, t.window))
+    return out
+
+
+class _Rounds:
+    """Who talks to whom in each round, and which rows move."""
+
+    def __init__(self, setup: AttentionSetup, local_seq: int) -> None:
+        self.setup, self.seq = setup, local_seq
+        self.rank, self.world = setup.cp.rank, setup.cp.world
+
+    def local_tasks(self) -> list[BlockTask]:
+        return self.setup.tasks_between(self.rank, self.rank, self.seq)
+
+    def send_rows(self, s: int) -> list[slice]:
+        """Rows of my K/V that rank+s reads in round s."""
+        return needed_rows(self.setup.tasks_between((self.rank + s) % self.world, self.rank, self.seq))
+
+    def recv(self, s: int) -> tuple[list[slice], list[BlockTask]]:
+        """Rows of rank-s's K/V that I read in round s, and my tasks on their compact copy."""
+        tasks = self.setup.tasks_between(self.rank, (self.rank - s) % self.world, self.seq)
+        rows = needed_rows(tasks)
+        return rows, _compact(tasks, rows)
+
+    def post_kv(self, comm: RingComm, k: Tensor, v: Tensor, s: int) -> tuple[PendingRecv, list[BlockTask]]:
+        """Start round s's K/V exchange; returns the pending receive and the round's tasks."""
+        send = self.send_rows(s)
+        rows, tasks = self.recv(s)
+        n = sum(r.stop - r.start for r in rows)
+        pending = comm.exchange_with(
+            [_gather_rows(k, send), _gather_rows(v, send)], dst=(self.rank + s) % self.world,
+            recv_like=[_with_rows(k, n), _with_rows(v, n)], src=(self.rank - s) % self.world, tag=_KV_TAG,
+        )
+        return pending, tasks
+
+
+def _with_rows(x: Tensor, n: int) -> Tensor:
+    return x.new_empty((x.shape[0], x.shape[1], n, x.shape[3]))
+
+
+def _add_rows(grads: tuple[Tensor, Tensor], pending: PendingRecv, rows: list[slice]) -> None:
+    """Wait for a compact dK/dV block and add it into the rows it belongs to."""
+    offset = 0
+    got = pending.wait()
+    for r in rows:
+        n = r.stop - r.start
+        for acc, part in zip(grads, got):
+            acc[:, :, r] += part[:, :, offset : offset + n]
+        offset += n
+
+
 class RingAttention(torch.autograd.Function):
     """`(q, k, v) -> (out, lse)` on local shards; see the module docstring."""
 
     @staticmethod
     def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, setup: AttentionSetup) -> tuple[Tensor, Tensor]:
-        ring, seq = RingComm(setup.cp, setup.meter), q.shape[2]
+        comm, rounds = RingComm(setup.cp, setup.meter), _Rounds(setup, q.shape[2])
         k, v = k.contiguous(), v.contiguous()
         acc = SoftmaxAccumulator(q, v.shape[-1])
-        kv = [k, v]
-        for step in range(setup.cp.world):
-            pending = ring.exchange(kv, tag=_KV_TAG) if step + 1 < setup.cp.world else None
-            src = (setup.cp.rank - step) % setup.cp.world
-            forward_blocks(acc, q, kv[0], kv[1], setup.tasks_against_rank(src, seq), setup.kernel)
-            if pending is not None:
-                kv = pending.wait()
+        pending = rounds.post_kv(comm, k, v, 1) if rounds.world > 1 else None
+        forward_blocks(acc, q, k, v, rounds.local_tasks(), setup.kernel)
+        for s in range(1, rounds.world):
+            following = rounds.post_kv(comm, k, v, s + 1) if s + 1 < rounds.world else None
+            assert pending is not None
+            recv, tasks = pending[0].wait(), pending[1]
+            forward_blocks(acc, q, recv[0], recv[1], tasks, setup.kernel)
+            pending = following
         out = acc.out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, acc.lse)
         ctx.setup = setup
@@ -52,30 +126,28 @@ class RingAttention(torch.autograd.Function):
     def backward(ctx: Any, dout: Tensor, _dlse: Tensor | None) -> tuple[Tensor, Tensor, Tensor, None]:
         q, k, v, out, lse = ctx.saved_tensors
         setup: AttentionSetup = ctx.setup
-        ring, seq, world = RingComm(setup.cp, setup.meter), q.shape[2], setup.cp.world
+        comm, rounds = RingComm(setup.cp, setup.meter), _Rounds(setup, q.shape[2])
         dout = dout.contiguous()
-        dq = float_zeros(q)
-        kv = [k, v]
-        own: list[Tensor] = []  # this rank's contribution to its own dK/dV, kept local
-        in_flight: PendingRecv | None = None  # the travelling sum for the block arriving next
-        for step in range(world):
-            pending_kv = ring.exchange(kv, tag=_KV_TAG) if step + 1 < world else None
-            src = (setup.cp.rank - step) % world
-            dkv = [float_zeros(k), float_zeros(v)]
-            tasks = setup.tasks_against_rank(src, seq)
-            backward_blocks((dq, dkv[0], dkv[1]), dout, q, kv[0], kv[1], out, lse, tasks, setup.kernel)
-            if step == 0:
-                own = dkv
-            else:
-                if in_flight is not None:
-                    for acc, arrived in zip(dkv, in_flight.wait()):
-                        acc += arrived
-                # At the last step the next rank is the block's owner: the sum goes home.
-                in_flight = ring.exchange(dkv, tag=_GRAD_TAG)
-            if pending_kv is not None:
-                kv = pending_kv.wait()
-        dk, dv = own
-        if in_flight is not None:
-            arrived_k, arrived_v = in_flight.wait()
-            dk, dv = dk + arrived_k, dv + arrived_v
+        dq, dk, dv = float_zeros(q), float_zeros(k), float_zeros(v)
+        pending = rounds.post_kv(comm, k, v, 1) if rounds.world > 1 else None
+        backward_blocks((dq, dk, dv), dout, q, k, v, out, lse, rounds.local_tasks(), setup.kernel)
+        returning: tuple[PendingRecv, list[slice]] | None = None  # dK/dV of my rows, coming home
+        for s in range(1, rounds.world):
+            following = rounds.post_kv(comm, k, v, s + 1) if s + 1 < rounds.world else None
+            assert pending is not None
+            (k_s, v_s), tasks = pending[0].wait(), pending[1]
+            dk_s, dv_s = float_zeros(k_s), float_zeros(v_s)
+            backward_blocks((dq, dk_s, dv_s), dout, q, k_s, v_s, out, lse, tasks, setup.kernel)
+            mine = rounds.send_rows(s)  # the rows rank+s read from me: their gradients come back
+            n = sum(r.stop - r.start for r in mine)
+            home = comm.exchange_with(
+                [dk_s, dv_s], dst=(rounds.rank - s) % rounds.world,
+                recv_like=[_with_rows(dk, n), _with_rows(dv, n)], src=(rounds.rank + s) % rounds.world,
+                tag=_GRAD_TAG,
+            )
+            if returning is not None:
+                _add_rows((dk, dv), *returning)
+            returning, pending = (home, mine), following
+        if returning is not None:
+            _add_rows((dk, dv), *returning)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None

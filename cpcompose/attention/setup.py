@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Union
 
 import torch
 from torch import Tensor
 
-from cpcompose.attention.blocks import BlockTask, KernelArgs, plan_blocks
+from cpcompose.attention.blocks import BlockTask, KernelArgs, MaskSpec, plan
 from cpcompose.comm import CommMeter, CPGroup
 from cpcompose.layout import SeqLayout
+from cpcompose.packing import PackedLayout
+
+Layout = Union[SeqLayout, PackedLayout]
 
 
 @dataclass(frozen=True)
@@ -17,28 +21,29 @@ class AttentionSetup:
     """The group, layout, mask and kernel of one CP attention call."""
 
     cp: CPGroup
-    layout: SeqLayout
-    causal: bool
+    layout: Layout
+    mask: MaskSpec
     kernel: KernelArgs
     meter: CommMeter | None = None
     need_lse: bool = True  # the caller wants the LSE back (all-to-all must then send it home)
 
-    def chunk_len(self, local_seq: int) -> int:
-        return local_seq // self.layout.chunks_per_rank
+    def seq_len(self, local_seq: int) -> int:
+        return local_seq * self.cp.world
 
-    def tasks_against_rank(self, src: int, local_seq: int) -> list[BlockTask]:
-        """Kernel calls for the local queries against rank `src`'s keys."""
-        return plan_blocks(
-            self.layout.chunk_ids(self.cp.rank), self.layout.chunk_ids(src),
-            self.chunk_len(local_seq), causal=self.causal,
-        )
+    def tasks_between(self, q_rank: int, kv_rank: int, local_seq: int) -> list[BlockTask]:
+        """Kernel calls for rank `q_rank`'s queries against rank `kv_rank`'s keys."""
+        seq = self.seq_len(local_seq)
+        return plan(self.layout.runs(q_rank, seq), self.layout.runs(kv_rank, seq), self.mask)
 
     def tasks_against_all(self, local_seq: int) -> list[BlockTask]:
         """Kernel calls for the local queries against the whole sequence in global order."""
-        return plan_blocks(
-            self.layout.chunk_ids(self.cp.rank), range(self.layout.num_chunks),
-            self.chunk_len(local_seq), causal=self.causal,
-        )
+        seq = self.seq_len(local_seq)
+        return plan(self.layout.runs(self.cp.rank, seq), self.layout.global_runs(seq), self.mask)
+
+    def tasks_full_sequence(self, seq_len: int) -> list[BlockTask]:
+        """Kernel calls for the whole sequence against itself, both in global order (all-to-all)."""
+        runs = self.layout.global_runs(seq_len)
+        return plan(runs, runs, self.mask)
 
 
 def float_zeros(like: Tensor) -> Tensor:

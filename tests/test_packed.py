@@ -1,0 +1,140 @@
+"""Packed documents and sliding windows under CP: exact, balanced, and cheaper to communicate.
+
+Tolerance as in test_attention_parity.py: against a float64 reference that runs
+each document on its own (no padding), the CP result's RMS error is at most 2x, and
+its max error at most 4x, that of single-process fp32 SDPA run per document.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+
+import pytest
+import torch
+
+from cpcompose.attention.blocks import MaskSpec, plan
+from cpcompose.packing import PackedLayout
+from tests.packed_cases import PackedCase, reference, run_packed, unshard
+
+PACKS = {
+    "mixed": (37, 1, 2, 90, 5, 13, 1, 3, 29),  # includes docs of length 1 and shorter than P; 181 tokens
+    "tiny": (1, 2, 1, 3, 1, 1, 2, 1, 1, 3),  # every document shorter than 2P
+    "one": (97,),  # a single document spanning the pack (97 is prime: padding needed)
+}
+MASKS = [(True, None), (False, None), (True, 5)]
+MATRIX = [
+    PackedCase(strategy, PACKS[pack], causal, window, hq, hkv, world)
+    for world, strategy, pack, (causal, window), (hq, hkv) in itertools.product(
+        (2, 3, 4), ("ring", "allgather", "alltoall"), sorted(PACKS), MASKS, [(4, 2), (3, 3)]
+    )
+]
+
+
+def assert_exact(case: PackedCase, per_rank: list[dict]) -> None:
+    got, exact, baseline = unshard(case, per_rank), reference(case, torch.float64), reference(case, torch.float32)
+    for name in ("out", "lse", "dq", "dk", "dv"):
+        err, base = got[name].double() - exact[name], baseline[name].double() - exact[name]
+        rms, base_rms = err.pow(2).mean().sqrt().item(), base.pow(2).mean().sqrt().item()
+        assert rms <= 2 * base_rms + 1e-12, f"{case} {name}: RMS error {rms:.3g} vs single-process {base_rms:.3g}"
+        assert err.abs().max() <= 4 * base.abs().max() + 1e-12, f"{case} {name}: max error"
+
+
+@pytest.mark.parametrize("case", MATRIX, ids=str)
+def test_packed_matches_per_document_reference(pools, case: PackedCase) -> None:
+    assert_exact(case, pools.get(case.world).run(run_packed, case))
+
+
+def test_window_with_plain_zigzag_split_and_long_window(pools) -> None:
+    """The same machinery under the plain zigzag split, and a window longer than any document."""
+    for case in (PackedCase("ring", PACKS["mixed"], True, 7, 4, 2, 3, balance="zigzag"),
+                 PackedCase("allgather", PACKS["mixed"], True, 1000, 4, 2, 2)):
+        assert_exact(case, pools.get(case.world).run(run_packed, case))
+
+
+def long_tailed_pack(total: int, seed: int) -> list[int]:
+    """Document lengths from a heavy-tailed (Pareto) distribution, filling `total` tokens."""
+    g = torch.Generator().manual_seed(seed)
+    lengths: list[int] = []
+    while sum(lengths) < total:
+        lengths.append(int(64 * (1 - torch.rand((), generator=g).item()) ** (-1 / 1.2)))
+    lengths[-1] -= sum(lengths) - total
+    return [n for n in lengths if n > 0]
+
+
+def rank_work(layout: PackedLayout, mask: MaskSpec) -> list[float]:
+    """Attention pairs each rank computes (its queries against every rank's keys)."""
+    return [
+        sum(t.flops_weight() for src in range(layout.world) for t in plan(layout.runs(r), layout.runs(src), mask))
+        for r in range(layout.world)
+    ]
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+@pytest.mark.parametrize("window", [None, 256])
+def test_balanced_split_evens_out_attention_work(world: int, window: int | None) -> None:
+    mask = MaskSpec(True, window)
+    for seed in range(3):
+        docs = long_tailed_pack(16384, seed)
+        cu = torch.tensor([0, *docs]).cumsum(0).tolist()
+        layout = PackedLayout.build(cu, world, window=window)
+        balanced = rank_work(layout, mask)
+        assert max(balanced) / statistics.mean(balanced) <= 1.05
+        assert {sum(n for _, n, _ in p) for p in layout.pieces} == {layout.seq_len // world}  # equal tokens
+        assert layout.pad < world  # the pack, not each document, is padded
+
+
+def test_window_makes_the_ring_send_less(pools) -> None:
+    docs = (300,)
+    wide = pools.get(3).run(run_packed, PackedCase("ring", docs, True, None, 4, 2, 3))
+    narrow = pools.get(3).run(run_packed, PackedCase("ring", docs, True, 8, 4, 2, 3))
+    for w, n in zip(wide, narrow):
+        assert n["total_bytes"] < w["total_bytes"] / 3  # a halo of ~8 rows per chunk, not whole shards
+
+
+def test_documents_make_the_ring_send_less(pools) -> None:
+    """Ranks exchange only the pieces of documents they share: short documents stay mostly local."""
+    one = pools.get(2).run(run_packed, PackedCase("ring", (400,), True, None, 4, 2, 2, balance="zigzag"))
+    many = pools.get(2).run(run_packed, PackedCase("ring", (50,) * 8, True, None, 4, 2, 2, balance="zigzag"))
+    for a, b in zip(one, many):
+        assert b["total_bytes"] < a["total_bytes"]
+
+
+def bad_packed(mesh, case: str) -> str:
+    from cpcompose import cp_attention
+
+    q = torch.randn(1, 2, 8, 4)
+    kwargs: dict = {"mesh": mesh, "is_causal": True}
+    if case == "not_zero":
+        kwargs["cu_seqlens"] = [1, 16]
+    elif case == "not_increasing":
+        kwargs["cu_seqlens"] = [0, 9, 9, 16]
+    elif case == "wrong_end":
+        kwargs["cu_seqlens"] = [0, 5, 12]
+    elif case == "differs_between_ranks":
+        kwargs["cu_seqlens"] = [0, 5, 16] if mesh.get_local_rank() == 0 else [0, 6, 16]
+    elif case == "window_zero":
+        kwargs["window_size"] = 0
+    elif case == "window_bidirectional":
+        kwargs.update(window_size=4, is_causal=False)
+    try:
+        cp_attention(q, q, q, **kwargs)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize(
+    "case,message",
+    [
+        ("not_zero", "must start at 0"),
+        ("not_increasing", "strictly increasing"),
+        ("wrong_end", "does not match the packed layout"),
+        ("differs_between_ranks", "layout/cu_seqlens"),
+        ("window_zero", "positive number"),
+        ("window_bidirectional", "needs is_causal=True"),
+    ],
+)
+def test_bad_packed_input(pools, case: str, message: str) -> None:
+    for got in pools.get(2).run(bad_packed, case):
+        assert message in got, got
