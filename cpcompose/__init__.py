@@ -2,6 +2,7 @@
 
 from cpcompose.attention import cp_attention
 from cpcompose.comm import CommMeter
+from cpcompose.packing import PackedLayout, PackedShard, cp_shard_packed, pad_pack
 from cpcompose.parallel import (
     ContextParallel,
     ParallelDims,
@@ -15,6 +16,8 @@ from cpcompose.sharding import cp_position_ids, cp_shard, cp_unshard
 __all__ = [
     "CommMeter",
     "ContextParallel",
+    "PackedLayout",
+    "PackedShard",
     "ParallelDims",
     "allreduce_gradients",
     "context_parallel",
@@ -23,6 +26,8 @@ __all__ = [
     "cp_cross_entropy",
     "cp_position_ids",
     "cp_shard",
+    "cp_shard_packed",
     "cp_unshard",
+    "pad_pack",
 ]
 __version__ = "0.1.0"

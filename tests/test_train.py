@@ -147,3 +147,35 @@ def test_command_line_run_on_two_processes(tmp_path: Path) -> None:
     result = _main(TINY + ["--parallelism.cp=2", "--training.steps=3", f"--job.dump_folder={tmp_path}"])
     assert result.returncode == 0, result.stderr[-2000:]
     assert "step     3/3" in result.stdout
+
+
+def _text_corpus(folder: Path) -> Path:
+    """Documents of very different lengths, one JSON line each."""
+    import json
+
+    g = torch.Generator().manual_seed(0)
+    words = ["context", "parallel", "ring", "zig", "zag", "token", "rank", "shard", "mask", "pack"]
+    path = folder / "corpus.jsonl"
+    with path.open("w") as f:
+        for _ in range(60):
+            n = int(torch.randint(1, 40, (), generator=g))
+            text = " ".join(words[int(i)] for i in torch.randint(0, len(words), (n,), generator=g))
+            f.write(json.dumps({"text": text}) + "\n")
+    return path
+
+
+PACKED = ["--data.source=text", "--data.pack=true", "--model.vocab_size=260", "--training.seq_len=96"]
+
+
+@pytest.mark.parametrize("name,world,args", [
+    ("cp2-ring", 2, ["--parallelism.cp=2"]),
+    ("cp2-alltoall", 2, ["--parallelism.cp=2", "--parallelism.cp_strategy=alltoall"]),
+    ("dp2-cp2", 4, ["--parallelism.cp=2", "--parallelism.dp_shard=2"]),
+])
+def test_packed_text_losses_match_one_rank(pools, tmp_path: Path, name: str, world: int, args: list[str]) -> None:
+    """data.pack: documents packed with their boundaries; the curve equals cp=1's on the same packs."""
+    corpus = _text_corpus(tmp_path)
+    common = PACKED + [f"--data.path={corpus}"]
+    one = losses_for(pools, 1, common + [f"--job.dump_folder={tmp_path / 'one'}"])
+    got = losses_for(pools, world, common + args + [f"--job.dump_folder={tmp_path / name}"])
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(one), rtol=1e-5, atol=0)

@@ -73,6 +73,9 @@ class JobConfig:
             local = t.batch_size // split
             require(local % p.pp_microbatches == 0, "parallelism.pp_microbatches",
                      f"{p.pp_microbatches} must divide the local batch of {local} sequences")
+        require(not (d.pack and p.pp > 1), "data.pack",
+                "packed documents are one sequence per micro-batch, which pipeline microbatches cannot split; "
+                "set parallelism.pp = 1")
         if d.source == "synthetic" and d.task == "copy":
             require(t.seq_len % 2 == 0, "training.seq_len", f"{t.seq_len} must be even for data.task = 'copy'")
         if d.source == "synthetic" and d.task == "recall":  # the layout rule of cpcompose.data.synthetic

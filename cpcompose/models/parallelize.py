@@ -73,6 +73,7 @@ def parallelize_llama(
     activation_checkpoint: bool = False,
     fsdp: bool = True,
     meter: CommMeter | None = None,
+    cp_style: ContextParallel | None = None,
 ) -> Llama:
     """Make ``model`` (a full model or one pipeline stage) parallel, in place.
 
@@ -87,6 +88,9 @@ def parallelize_llama(
             dp_replicate > 1) when that group has more than one rank. With
             ``False`` the caller reduces gradients (see :func:`needs_manual_grad_reduce`).
         meter: counts the bytes CP attention sends.
+        cp_style: the ContextParallel style to apply (the caller keeps it to switch
+            packed layouts per batch); given, it is applied even when cp == 1, so
+            packed documents stay masked on a single rank too.
 
     Returns:
         ``model`` itself. Parameters are DTensors where TP or FSDP applies; FQNs
@@ -98,8 +102,8 @@ def parallelize_llama(
         TypeError: activation checkpointing on layers that are not ``TransformerBlock``.
     """
     _check_mesh(mesh, parallel_dims)
-    if parallel_dims.cp_enabled:
-        style = ContextParallel(strategy=cp_strategy, layout=cp_layout, seq_dim=1, meter=meter)
+    if cp_style is not None or parallel_dims.cp_enabled:
+        style = cp_style or ContextParallel(strategy=cp_strategy, layout=cp_layout, seq_dim=1, meter=meter)
         parallelize_module(model, mesh["cp"], {"layers.*.attention": style})
     if parallel_dims.tp_enabled:
         _apply_tp(model, mesh["tp"])

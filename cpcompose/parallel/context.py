@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from cpcompose.comm import CommMeter, CPGroup
 from cpcompose.layout import SeqLayout, resolve_layout
+from cpcompose.packing import PackedLayout
 from cpcompose.parallel.dispatch import CPAttentionMode, CPConfig
 from cpcompose.sharding import cp_unshard
 
@@ -30,8 +31,9 @@ def context_parallel(
     buffer_seq_dims: Sequence[int] | None = None,
     no_restore_buffers: set[Tensor] | None = None,
     strategy: str = "ring",
-    layout: str = "zigzag",
+    layout: str | PackedLayout = "zigzag",
     meter: CommMeter | None = None,
+    window_size: int | None = None,
 ) -> Iterator[None]:
     """Shard `buffers` in place and make SDPA context-parallel inside the block.
 
@@ -44,17 +46,21 @@ def context_parallel(
             identical on every rank; replaced in place by this rank's shard.
         buffer_seq_dims: the sequence dim of each buffer.
         no_restore_buffers: buffers to leave sharded on exit.
-        strategy, layout, meter: as for `cp_attention`.
+        strategy, layout, meter, window_size: as for `cp_attention`; `layout` may be a
+            `PackedLayout` (buffers are then the padded pack).
 
     Raises:
         ValueError: buffers and dims differ in number, or a buffer's sequence
             cannot be split by the layout (checked before any buffer changes).
     """
-    config = CPConfig(mesh, strategy, layout, meter)
+    config = CPConfig(mesh, strategy, layout, meter, window_size=window_size)
     buffers, dims = list(buffers or []), list(buffer_seq_dims or [])
     if len(buffers) != len(dims):
         raise ValueError(f"got {len(buffers)} buffers but {len(dims)} buffer_seq_dims; give one dim per buffer")
-    seq_layout = SeqLayout(resolve_layout(layout, is_causal=True), CPGroup.from_mesh(mesh).world)
+    seq_layout = (
+        layout if isinstance(layout, PackedLayout)
+        else SeqLayout(resolve_layout(layout, is_causal=True), CPGroup.from_mesh(mesh).world)
+    )
     for i, (buf, dim) in enumerate(zip(buffers, dims)):
         seq_layout.check_split(buf.shape[dim], what=f"buffers[{i}] sequence length (dim {dim})")
     keep = {id(b) for b in (no_restore_buffers or ())}
@@ -75,7 +81,7 @@ def context_parallel(
 
 
 def context_parallel_unshard(
-    mesh: DeviceMesh, buffers: Sequence[Tensor], seq_dims: Sequence[int], *, layout: str = "zigzag"
+    mesh: DeviceMesh, buffers: Sequence[Tensor], seq_dims: Sequence[int], *, layout: str | PackedLayout = "zigzag"
 ) -> list[Tensor]:
     """All-gather sharded `buffers` back to full sequences in global order (differentiable)."""
     if len(buffers) != len(seq_dims):

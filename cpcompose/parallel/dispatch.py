@@ -26,6 +26,7 @@ from torch.overrides import TorchFunctionMode
 from cpcompose.attention.api import STRATEGIES, cp_attention
 from cpcompose.comm import CommMeter, CPGroup
 from cpcompose.layout import LAYOUTS
+from cpcompose.packing import PackedLayout
 
 
 @dataclass(frozen=True)
@@ -34,16 +35,20 @@ class CPConfig:
 
     mesh: DeviceMesh
     strategy: str = "ring"
-    layout: str = "zigzag"
+    layout: str | PackedLayout = "zigzag"
     meter: CommMeter | None = None
     backend: str | None = None
+    window_size: int | None = None  # sliding window for the causal SDPA calls inside
 
     def __post_init__(self) -> None:
-        CPGroup.from_mesh(self.mesh)  # 1-D check
+        cp = CPGroup.from_mesh(self.mesh)  # 1-D check
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy={self.strategy!r} is unknown; choose one of {tuple(STRATEGIES)}")
-        if self.layout not in LAYOUTS:
-            raise ValueError(f"layout={self.layout!r} is unknown; choose one of {LAYOUTS}")
+        if isinstance(self.layout, PackedLayout):
+            if self.layout.world != cp.world:
+                raise ValueError(f"the PackedLayout was built for {self.layout.world} ranks, the mesh has {cp.world}")
+        elif self.layout not in LAYOUTS:
+            raise ValueError(f"layout={self.layout!r} is unknown; choose one of {LAYOUTS} or pass a PackedLayout")
 
 
 class CPAttentionMode(TorchFunctionMode):
@@ -102,7 +107,7 @@ class CPAttentionMode(TorchFunctionMode):
         c = self.config
         out = cp_attention(
             q, k, v, mesh=c.mesh, is_causal=is_causal, scale=scale, strategy=c.strategy,  # type: ignore[arg-type]
-            layout=c.layout, backend=c.backend, meter=c.meter,
+            layout=c.layout, backend=c.backend, meter=c.meter, window_size=c.window_size,
         )
         assert isinstance(out, Tensor)
         return out

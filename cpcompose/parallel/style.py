@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+import dataclasses
+from typing import Any, Iterator
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -10,6 +12,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from cpcompose.comm import CommMeter
+from cpcompose.packing import PackedLayout
 from cpcompose.parallel.dispatch import CPAttentionMode, CPConfig
 
 
@@ -29,6 +32,11 @@ class ContextParallel(ParallelStyle):
             mesh), return a plain local tensor (True) or a DTensor like the input.
         meter: counts the bytes CP attention sends.
         backend: force a local attention kernel (tests).
+        window_size: sliding window of the (causal) SDPA calls, in positions to the left.
+
+    For packed sequences the layout changes with every batch: wrap the forward
+    *and* backward in `with style.layout_for(packed_layout):` (a recompute under
+    activation checkpointing must see the same layout).
     """
 
     def __init__(
@@ -40,19 +48,38 @@ class ContextParallel(ParallelStyle):
         use_local_output: bool = True,
         meter: CommMeter | None = None,
         backend: str | None = None,
+        window_size: int | None = None,
     ) -> None:
         super().__init__()
         self.strategy, self.layout, self.seq_dim = strategy, layout, seq_dim
         self.use_local_output, self.meter, self.backend = use_local_output, meter, backend
+        self.window_size = window_size
+        self._configs: dict[int, CPConfig] = {}  # per mesh this style was applied on
+        self._override: str | PackedLayout | None = None
+
+    @contextlib.contextmanager
+    def layout_for(self, layout: str | PackedLayout) -> Iterator[None]:
+        """Use `layout` (e.g. this batch's `PackedLayout`) for the forward passes inside."""
+        previous, self._override = self._override, layout
+        try:
+            yield
+        finally:
+            self._override = previous
+
+    def _config(self, mesh: DeviceMesh) -> CPConfig:
+        config = self._configs[id(mesh)]
+        return config if self._override is None else dataclasses.replace(config, layout=self._override)
 
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}(strategy={self.strategy!r}, layout={self.layout!r}, "
-            f"seq_dim={self.seq_dim}, use_local_output={self.use_local_output})"
+            f"seq_dim={self.seq_dim}, use_local_output={self.use_local_output}, window_size={self.window_size})"
         )
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        config = CPConfig(device_mesh, self.strategy, self.layout, self.meter, self.backend)
+        self._configs[id(device_mesh)] = CPConfig(
+            device_mesh, self.strategy, self.layout, self.meter, self.backend, self.window_size
+        )
         active: list[tuple[CPAttentionMode, DTensor | None]] = []  # re-entrant (recursion, recompute)
 
         def enter(_module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -60,7 +87,7 @@ class ContextParallel(ParallelStyle):
             if template is not None:
                 args = tuple(self._to_local(a) for a in args)
                 kwargs = {k: self._to_local(a) for k, a in kwargs.items()}
-            mode = CPAttentionMode(config)
+            mode = CPAttentionMode(self._config(device_mesh))
             mode.__enter__()
             active.append((mode, template))
             return args, kwargs

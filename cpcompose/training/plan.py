@@ -16,7 +16,8 @@ def llama_config(config: JobConfig):  # -> LlamaConfig
     return LlamaConfig(
         vocab_size=m.vocab_size, dim=m.dim, n_layers=m.n_layers, n_heads=m.n_heads, n_kv_heads=m.n_kv_heads,
         ffn_hidden_dim=m.ffn_hidden_dim, norm_eps=m.norm_eps, rope_theta=m.rope_theta,
-        max_seq_len=config.training.seq_len,
+        # A packed micro-batch is one sequence of all its samples' tokens.
+        max_seq_len=config.training.seq_len * (config.training.batch_size if config.data.pack else 1),
     )
 
 

@@ -21,7 +21,8 @@ from cpcompose.data import IGNORE_INDEX, Batch, build_data_source
 from cpcompose.layout import SeqLayout
 from cpcompose.models import Llama, split_llama_for_pipeline
 from cpcompose.models.parallelize import build_pipeline_stage, needs_manual_grad_reduce, parallelize_llama
-from cpcompose.parallel import ParallelDims, allreduce_gradients, cp_cross_entropy
+from cpcompose.packing import PackedLayout, pad_pack
+from cpcompose.parallel import ContextParallel, ParallelDims, allreduce_gradients, cp_cross_entropy
 from cpcompose.parallel.parallel_dims import flat_mesh
 from cpcompose.training.checkpoint import CheckpointManager
 from cpcompose.training.grad_norm import clip_grad_norm
@@ -49,6 +50,11 @@ class Trainer:
         self.cp_rank = self.mesh["cp"].get_local_rank()
         self.layout = SeqLayout(p.cp_layout, p.cp)
         self.meter = CommMeter()
+        # Packed documents: the layout changes every batch, so keep the style to switch it.
+        self.cp_style = (
+            ContextParallel(strategy=p.cp_strategy, layout=p.cp_layout, seq_dim=1, meter=self.meter)
+            if c.data.pack else None
+        )
         self.model = self._build_model()
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=c.optimizer.lr, betas=c.optimizer.betas,
@@ -93,7 +99,7 @@ class Trainer:
         parallelize_llama(
             model, parallel_dims=self.dims, mesh=self.mesh, cp_strategy=c.parallelism.cp_strategy,
             cp_layout=c.parallelism.cp_layout, activation_checkpoint=c.activation_checkpoint.mode == "full",
-            meter=self.meter,
+            meter=self.meter, cp_style=self.cp_style,
         )
         if c.training.compile:
             for block in model.layers.values():  # attention (with its communication) stays eager
@@ -110,12 +116,25 @@ class Trainer:
 
     # --- one step ---
 
-    def _shard(self, batch: Batch) -> tuple[Tensor, Tensor, Tensor]:
-        """This CP rank's tokens, labels and their global positions `[batch, local_seq]`."""
+    def _shard(self, batch: Batch) -> tuple[Tensor, Tensor, Tensor, PackedLayout | None]:
+        """This CP rank's tokens, labels and positions `[batch, local_seq]` (and the batch's pack layout)."""
+        if batch.cu_seqlens is not None:
+            return self._shard_packed(batch)
         tokens = self.layout.shard(batch.input_ids, 1, self.cp_rank).to(self.device)
         labels = self.layout.shard(batch.labels, 1, self.cp_rank).to(self.device)
         positions = self.layout.local_indices(self.cp_rank, batch.input_ids.shape[1], self.device)
-        return tokens, labels, positions.expand(tokens.shape[0], -1).contiguous()
+        return tokens, labels, positions.expand(tokens.shape[0], -1).contiguous(), None
+
+    def _shard_packed(self, batch: Batch) -> tuple[Tensor, Tensor, Tensor, PackedLayout]:
+        """The micro-batch as one pack of documents, split with balanced attention work."""
+        seq = batch.input_ids.shape[1]
+        assert batch.cu_seqlens is not None
+        cu = [0] + [int(b) + i * seq for i, c in enumerate(batch.cu_seqlens) for b in c.tolist()[1:]]
+        layout = PackedLayout.build(cu, self.dims.cp)
+        tokens = pad_pack(batch.input_ids.reshape(1, -1), layout, dim=1)
+        labels = pad_pack(batch.labels.reshape(1, -1), layout, dim=1, value=IGNORE_INDEX)
+        local = [layout.shard(t, 1, self.cp_rank).to(self.device) for t in (tokens, labels)]
+        return local[0], local[1], layout.position_ids(self.cp_rank, self.device)[None], layout
 
     def _global_tokens(self, batches: list[Batch]) -> Tensor:
         """Valid labels in this step's global batch (each dp rank counts its full sequences)."""
@@ -140,8 +159,9 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         local = torch.zeros((), device=self.device, dtype=torch.float64)
         for batch in batches:
-            tokens, labels, positions = self._shard(batch)
-            with self._autocast():
+            tokens, labels, positions, packed = self._shard(batch)
+            layout_scope = self.cp_style.layout_for(packed) if packed is not None else contextlib.nullcontext()
+            with layout_scope, self._autocast():  # packed: backward inside too (recompute sees the layout)
                 if self.schedule is not None:
                     local += self._pipeline_step(tokens, labels, positions)
                 else:
