@@ -46,8 +46,11 @@ def train(config: JobConfig) -> list[float]:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(
             "nccl" if device_type == "cuda" else "gloo",
-            timeout=timedelta(seconds=config.comm.timeout_s),
+            timeout=timedelta(seconds=config.comm.init_timeout_s),  # generous while ranks start
         )
+        # Then every collective is bounded by comm.timeout_s: a dead rank ends the job, never hangs it.
+        # (build_mesh hands the world's timeout to every mesh group.)
+        dist.group.WORLD.set_timeout(timedelta(seconds=config.comm.timeout_s))
     try:
         trainer = Trainer(config)
         return trainer.run()

@@ -74,19 +74,24 @@ def run_cp(mesh, case: Case) -> dict[str, Tensor]:
     }
 
 
-def unshard_results(case: Case, per_rank: list[dict[str, Tensor]]) -> dict[str, Tensor]:
-    """Place every rank's local shards at their global positions (no communication)."""
-    layout = SeqLayout(resolve_layout(case.layout, is_causal=case.causal), case.world)
+def place_shards(per_rank: list[dict[str, Tensor]], layout, seq_len: int) -> dict[str, Tensor]:
+    """Every rank's local results at their global positions along dim 2 (no communication)."""
     merged: dict[str, Tensor] = {}
     for name in ("out", "lse", "dq", "dk", "dv"):
         shards = [r[name] for r in per_rank]
         shape = list(shards[0].shape)
-        shape[2] = case.seq
+        shape[2] = seq_len
         full = shards[0].new_empty(shape)
         for rank, shard in enumerate(shards):
-            full[:, :, layout.local_indices(rank, case.seq)] = shard
+            full[:, :, layout.local_indices(rank, seq_len)] = shard
         merged[name] = full
     return merged
+
+
+def unshard_results(case: Case, per_rank: list[dict[str, Tensor]]) -> dict[str, Tensor]:
+    """The CP results in global order."""
+    layout = SeqLayout(resolve_layout(case.layout, is_causal=case.causal), case.world)
+    return place_shards(per_rank, layout, case.seq)
 
 
 def reference(case: Case, dtype: torch.dtype) -> dict[str, Tensor]:

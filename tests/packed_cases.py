@@ -9,6 +9,7 @@ from torch import Tensor
 
 from cpcompose import CommMeter, cp_attention
 from cpcompose.packing import PackedLayout
+from tests.attention_cases import place_shards
 
 
 @dataclass(frozen=True)
@@ -70,16 +71,8 @@ def run_packed(mesh, case: PackedCase, dtype: torch.dtype = torch.float32) -> di
 def unshard(case: PackedCase, per_rank: list[dict]) -> dict[str, Tensor]:
     """Every rank's shards at their global positions, without the padding."""
     layout = case.layout()
-    merged = {}
-    for name in ("out", "lse", "dq", "dk", "dv"):
-        shards = [r[name] for r in per_rank]
-        shape = list(shards[0].shape)
-        shape[2] = layout.seq_len
-        full = shards[0].new_empty(shape)
-        for rank, shard in enumerate(shards):
-            full[:, :, layout.local_indices(rank)] = shard
-        merged[name] = full[:, :, : sum(case.docs)]
-    return merged
+    merged = place_shards(per_rank, layout, layout.seq_len)
+    return {name: t[:, :, : sum(case.docs)] for name, t in merged.items()}
 
 
 def reference(case: PackedCase, dtype: torch.dtype) -> dict[str, Tensor]:

@@ -8,7 +8,6 @@ head count before sending or an extra rotation, fails loudly.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from tests.attention_cases import Case, run_cp
 

@@ -11,8 +11,17 @@ import torch
 
 from cpcompose.config import ConfigError, load_config
 from cpcompose.data import (
-    IGNORE_INDEX, Batch, ByteTokenizer, HFTokenizer, SyntheticCopy, SyntheticRecall, TextSource, TokenBatcher,
-    build_data_source, document_cu_seqlens, read_documents,
+    IGNORE_INDEX,
+    Batch,
+    ByteTokenizer,
+    HFTokenizer,
+    SyntheticCopy,
+    SyntheticRecall,
+    TextSource,
+    TokenBatcher,
+    build_data_source,
+    document_cu_seqlens,
+    read_documents,
 )
 
 SYNTH = ["--data.task=recall", "--training.seq_len=256", "--training.batch_size=4", "--data.num_pairs=8", "--data.num_queries=4"]

@@ -19,13 +19,13 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from cpcompose import (
     ContextParallel,
+    PackedLayout,
     allreduce_gradients,
     context_parallel,
     context_parallel_unshard,
     cp_cross_entropy,
     cp_position_ids,
     cp_shard,
-    PackedLayout,
     pad_pack,
 )
 

@@ -6,10 +6,9 @@ import pytest
 import torch
 
 from cpcompose.attention.blocks import MaskSpec, plan
-from cpcompose.layout import Run
 from cpcompose.attention.kernels import attention_backward, attention_forward
 from cpcompose.attention.merge import SoftmaxAccumulator
-from cpcompose.layout import SeqLayout
+from cpcompose.layout import Run, SeqLayout
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from cpcompose.attention.blocks import backward_blocks, forward_blocks
 from cpcompose.attention.merge import SoftmaxAccumulator
-from cpcompose.attention.setup import AttentionSetup
+from cpcompose.attention.setup import AttentionSetup, finish_forward
 from cpcompose.comm import all_gather, reduce_scatter
 
 
@@ -36,11 +36,7 @@ class AllGatherAttention(torch.autograd.Function):
         k_full, v_full = _gather_kv(k, v, setup)
         acc = SoftmaxAccumulator(q, v.shape[-1])
         forward_blocks(acc, q, k_full, v_full, setup.tasks_against_all(q.shape[2]), setup.kernel)
-        out = acc.out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, acc.lse)
-        ctx.setup = setup
-        ctx.mark_non_differentiable(acc.lse)
-        return out, acc.lse
+        return finish_forward(ctx, q, k, v, acc, setup)
 
     @staticmethod
     def backward(ctx: Any, dout: Tensor, _dlse: Tensor | None) -> tuple[Tensor, Tensor, Tensor, None]:

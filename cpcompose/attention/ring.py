@@ -24,7 +24,7 @@ from torch import Tensor
 
 from cpcompose.attention.blocks import BlockTask, backward_blocks, forward_blocks, needed_rows
 from cpcompose.attention.merge import SoftmaxAccumulator
-from cpcompose.attention.setup import AttentionSetup, float_zeros
+from cpcompose.attention.setup import AttentionSetup, finish_forward, float_zeros
 from cpcompose.comm import PendingRecv, RingComm
 
 _KV_TAG, _GRAD_TAG = 0, 1
@@ -116,11 +116,7 @@ class RingAttention(torch.autograd.Function):
             recv, tasks = pending[0].wait(), pending[1]
             forward_blocks(acc, q, recv[0], recv[1], tasks, setup.kernel)
             pending = following
-        out = acc.out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, acc.lse)
-        ctx.setup = setup
-        ctx.mark_non_differentiable(acc.lse)
-        return out, acc.lse
+        return finish_forward(ctx, q, k, v, acc, setup)
 
     @staticmethod
     def backward(ctx: Any, dout: Tensor, _dlse: Tensor | None) -> tuple[Tensor, Tensor, Tensor, None]:

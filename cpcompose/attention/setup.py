@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Union
+from typing import Any, Union
 
 import torch
 from torch import Tensor
 
 from cpcompose.attention.blocks import BlockTask, KernelArgs, MaskSpec, plan
+from cpcompose.attention.merge import SoftmaxAccumulator
 from cpcompose.comm import CommMeter, CPGroup
 from cpcompose.layout import SeqLayout
 from cpcompose.packing import PackedLayout
@@ -49,3 +50,12 @@ class AttentionSetup:
 def float_zeros(like: Tensor) -> Tensor:
     """A float32 (float64 for float64) accumulator shaped like `like`."""
     return torch.zeros(like.shape, dtype=torch.promote_types(like.dtype, torch.float32), device=like.device)
+
+
+def finish_forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, acc: SoftmaxAccumulator, setup: AttentionSetup):
+    """Cast the merged output, save what the backward needs; returns `(out, lse)`."""
+    out = acc.out.to(q.dtype)
+    ctx.save_for_backward(q, k, v, out, acc.lse)
+    ctx.setup = setup
+    ctx.mark_non_differentiable(acc.lse)
+    return out, acc.lse

@@ -6,8 +6,18 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from cpcompose.config.sections import (
-    ActivationCheckpoint, Checkpoint, Comm, Data, Job, LRScheduler, Metrics, Model, Optimizer,
-    Parallelism, Training, require,
+    ActivationCheckpoint,
+    Checkpoint,
+    Comm,
+    Data,
+    Job,
+    LRScheduler,
+    Metrics,
+    Model,
+    Optimizer,
+    Parallelism,
+    Training,
+    require,
 )
 
 __all__ = ["JobConfig"]

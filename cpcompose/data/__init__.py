@@ -6,9 +6,9 @@ remembers its position exactly. Nothing here uses process groups.
 """
 
 from cpcompose.data.batch import IGNORE_INDEX, Batch, Sample, SampleSource
+from cpcompose.data.copy_task import SyntheticCopy
 from cpcompose.data.loader import TokenBatcher, build_data_source
 from cpcompose.data.packing import document_cu_seqlens, mask_document_crossings
-from cpcompose.data.copy_task import SyntheticCopy
 from cpcompose.data.synthetic import SyntheticRecall
 from cpcompose.data.text import TextSource, read_documents
 from cpcompose.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, build_tokenizer

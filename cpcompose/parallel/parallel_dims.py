@@ -197,4 +197,4 @@ def flat_mesh(mesh: DeviceMesh, name: FlatMeshName) -> DeviceMesh:
     """
     if name not in _FLAT_MESH_DIMS:
         raise ValueError(f"unknown flattened mesh {name!r}; choose one of {sorted(_FLAT_MESH_DIMS)}")
-    return mesh[_FLAT_MESH_DIMS[name]]._flatten(name)
+    return _compat.flatten_mesh(mesh[_FLAT_MESH_DIMS[name]], name)
