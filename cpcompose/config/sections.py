@@ -36,7 +36,7 @@ class Job:
     """Run identity and output location."""
 
     name: str = "debug"
-    """Run name; outputs go to dump_folder/name."""
+    """Run name, shown in the log and the loss plot title."""
     dump_folder: str = "./outputs"
     """Root folder for checkpoints, TensorBoard logs and plots."""
     seed: int = 0
