@@ -28,7 +28,7 @@ if __package__ in (None, ""):  # run as a file by torchrun: make the package imp
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from cpcompose.config import ConfigError, JobConfig, load_config  # noqa: E402
-from cpcompose.training.launch import launch_local, planned_world_size  # noqa: E402
+from cpcompose.training.launch import ensure_single_process_env, launch_local, planned_world_size  # noqa: E402
 from cpcompose.training.plan import describe_plan  # noqa: E402
 from cpcompose.training.trainer import Trainer  # noqa: E402
 
@@ -76,9 +76,11 @@ def main(argv: list[str] | None = None) -> None:
     if config.job.dry_run:
         print(describe_plan(config, world))
         return
-    if "RANK" not in os.environ and not dist.is_initialized() and world > 1:
-        launch_local(train, config, world)
-        return
+    if "RANK" not in os.environ and not dist.is_initialized():
+        if world > 1:
+            launch_local(train, config, world)
+            return
+        ensure_single_process_env()
     train(config)
 
 

@@ -20,22 +20,52 @@ it still shows imbalance when other processes share the cores (wall times then m
 measure the load). Wall T_P well above CPU T_P means waiting: on a slower rank, on
 communication, or on the machine.
 
-Bytes: what one rank sends per forward+backward (CommMeter, max over ranks), against
-a minimum, with Kb = bytes of the global K (= V) and Qb = of Q (= out):
-  ring, allgather: (P-1)/P * 6 * Kb. Forward, a rank must receive the K and V it does
-    not hold; backward the same again (K/V are not kept between passes, activations
-    stay at 1/P; keeping them would make it 4), plus dK and dV.
-  alltoall: (P-1)/P**2 * 2 * (2*Qb + 2*Kb): a rank holds 1/P of each tensor and sends
-    the (P-1)/P of it that other ranks' heads need: q, k, v out and the output back,
-    then dout out and dq, dk, dv back.
-Beyond it: dK/dV travel in float32 (twice the bytes for bf16 inputs), and cp_attention
-first all-gathers a few integers per rank to check that every rank's inputs agree.
+Bytes: what one rank sends per forward+backward (CommMeter, max over ranks), next to
+two calculations, with Kb = bytes of the global K (= V) and Qb = of Q (= out):
+  plan: what the strategy should send given the mask, max over ranks. For the ring it
+    comes from the block plans: in round s a rank sends rank+s exactly the K/V rows
+    that rank's blocks read (forward, and again in backward), and sends back to rank-s
+    the float32 dK/dV of the rows it read from it. So "sent" should equal "plan".
+  dense: the mask-oblivious volume (the classic ring rotation, or Llama 3's
+    all-gather): (P-1)/P * 6 * Kb for ring and allgather (forward, a rank receives the
+    K and V it does not hold; backward the same again, since K/V are not kept between
+    passes and activations stay at 1/P; plus dK and dV). For alltoall
+    (P-1)/P**2 * 2 * (2*Qb + 2*Kb): a rank sends the (P-1)/P of its q, k, v shard that
+    other ranks' heads need and the output back, then dout out and dq, dk, dv back.
+  The ring sends less than dense under masks. Causal zigzag: rank r reads all of a
+  later rank's shard but only the early chunk of an earlier rank's, so rank P-1 (the
+  busiest sender) sends 4*(P-1)/P*Kb of K/V plus (P-1)/P*Kb of gradients = 5/6 of
+  dense, rank 0 sends 4/6 of it, and all ranks together 3/4 of dense. Causal
+  contiguous: nobody reads a later rank, so rank 0 sends 4*(P-1)/P*Kb (2/3 of dense)
+  and the total is 1/2. Allgather and alltoall send their dense volume under any mask.
+Beyond the plan: dK/dV travel in float32 (twice the bytes for bf16 inputs), and
+cp_attention first all-gathers a few integers per rank to check that every rank's
+inputs agree (not metered).
+
+Packed (`--packed`, run instead of the dense table). A long-tailed pack: document
+lengths drawn from a Pareto distribution (minimum 64, tail index 1.2, as
+`long_tailed_pack` in tests/test_packed.py, seeds `--pack-seeds`) filling L tokens, causal
+within each document, same shapes as above. Two splits of the same pack:
+"documents" (`PackedLayout.build(cu_seqlens, P)`, the default: zigzag within every
+document, pairs rotated to keep the busiest rank least busy) and "zigzag"
+(`balance="zigzag"`: plain zigzag chunks of the whole pack, cut at document ends).
+T1: one process, one thread, SDPA forward+backward on each document separately (its
+own leaf tensors, so no full-pack gradient buffers), summed: the work an ideal
+single-device varlen kernel would do. T_P, efficiency, bytes and FLOP max/mean as
+above, the work and the ring's plan computed from the packed layout's runs;
+calls/rank: the busiest rank's forward kernel calls (backward makes as many). What
+to look for: the plain zigzag split keeps most K/V local (few documents cross a
+chunk edge), so the ring sends little, but the work is uneven; the documents split
+balances the work but cuts every document into 2P pieces, so every document is
+exchanged and each costs several kernel calls, whose fixed cost matters for short
+documents.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import os
 import platform
@@ -57,12 +87,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from cpcompose import CommMeter, cp_attention, cp_shard  # noqa: E402
 from cpcompose.attention import STRATEGIES  # noqa: E402
 from cpcompose.attention.alltoall import query_head_ranges  # noqa: E402
-from cpcompose.attention.blocks import MaskSpec, plan  # noqa: E402
+from cpcompose.attention.blocks import BlockTask, MaskSpec, needed_rows, plan  # noqa: E402
 from cpcompose.layout import LAYOUTS, SeqLayout  # noqa: E402
+from cpcompose.packing import PackedLayout, pad_pack  # noqa: E402
 
 B, H, HKV, D = 1, 8, 2, 64
 DTYPE = torch.float32
 STRATEGY_NAMES = tuple(STRATEGIES)  # ring, allgather, alltoall
+BALANCES = ("documents", "zigzag")  # PackedLayout.build(balance=...)
+CAUSAL = MaskSpec(causal=True)
 T = TypeVar("T")
 
 
@@ -73,6 +106,31 @@ def make_inputs(seq_len: int, seed: int) -> tuple[torch.Tensor, ...]:
     return tuple(torch.randn(s, generator=g, dtype=DTYPE) for s in shapes)
 
 
+def long_tailed_pack(total: int, seed: int) -> list[int]:
+    """Document lengths from a heavy-tailed (Pareto) distribution, filling `total` tokens.
+
+    The same draw as `long_tailed_pack` in tests/test_packed.py.
+    """
+    g = torch.Generator().manual_seed(seed)
+    lengths: list[int] = []
+    while sum(lengths) < total:
+        lengths.append(int(64 * (1 - torch.rand((), generator=g).item()) ** (-1 / 1.2)))
+    lengths[-1] -= sum(lengths) - total
+    return [n for n in lengths if n > 0]
+
+
+def pack_cu_seqlens(seq_len: int, seed: int) -> list[int]:
+    """Document boundaries of the benchmark's pack of `seq_len` tokens."""
+    return [0, *itertools.accumulate(long_tailed_pack(seq_len, seed))]
+
+
+def build_layout(case: dict[str, Any], world: int) -> SeqLayout | PackedLayout:
+    """The layout a case shards by: a dense SeqLayout, or a PackedLayout of the benchmark's pack."""
+    if case["packed"]:
+        return PackedLayout.build(pack_cu_seqlens(case["seq_len"], case["seed"]), world, balance=case["layout"])
+    return SeqLayout(case["layout"], world)
+
+
 def timed(fn: Callable[[], T], warmup: int, repeats: int) -> list[T]:
     """`repeats` results of `fn()` after `warmup` discarded calls."""
     for _ in range(warmup):
@@ -80,51 +138,98 @@ def timed(fn: Callable[[], T], warmup: int, repeats: int) -> list[T]:
     return [fn() for _ in range(repeats)]
 
 
-def baseline_times(seq_len: int, warmup: int, repeats: int) -> list[tuple[float, float]]:
-    """T1 samples (wall, CPU) of full-sequence SDPA forward+backward in this process, one thread."""
-    q, k, v, dout = make_inputs(seq_len, seed=seq_len)
-    q, k, v = (t.requires_grad_() for t in (q, k, v))
+def baseline_times(seq_len: int, seed: int | None, warmup: int, repeats: int) -> list[tuple[float, float]]:
+    """T1 samples (wall, CPU) of SDPA forward+backward in this process, one thread.
+
+    Dense (`seed` None): the full sequence in one call. Packed: every document of the
+    pack drawn with `seed` in its own call, on its own leaf tensors.
+    """
+    full = make_inputs(seq_len, seed=seq_len)
+    cu = [0, seq_len] if seed is None else pack_cu_seqlens(seq_len, seed)
+    docs = [[t[:, :, a:b].clone() for t in full] for a, b in itertools.pairwise(cu)]
+    for doc in docs:
+        for t in doc[:3]:
+            t.requires_grad_()
 
     def once() -> tuple[float, float]:
-        q.grad = k.grad = v.grad = None
+        for doc in docs:
+            for t in doc[:3]:
+                t.grad = None
         start, cpu = time.perf_counter(), time.thread_time()
-        F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).backward(dout)
+        for q, k, v, dout in docs:
+            F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).backward(dout)
         return time.perf_counter() - start, time.thread_time() - cpu
 
     return timed(once, warmup, repeats)
 
 
-def flop_imbalance(strategy: str, layout_name: str, seq_len: int, world: int) -> float:
-    """max/mean over ranks of the attention work each rank's block plans compute."""
-    layout = SeqLayout(layout_name, world)  # type: ignore[arg-type]
-    causal = MaskSpec(causal=True)
-    work: list[float] = []
-    for rank in range(world):
+def rank_tasks(strategy: str, layout: SeqLayout | PackedLayout, seq_len: int) -> list[list[BlockTask]]:
+    """The forward kernel calls of each rank, from the block plans (backward makes the same calls)."""
+    tasks = []
+    for rank in range(layout.world):
         mine = layout.runs(rank, seq_len)
-        if strategy == "alltoall":  # one full-sequence causal call per local head
-            lo, hi = query_head_ranges(H, world)[rank]
-            work.append((hi - lo) * seq_len * (seq_len + 1) / 2)
-            continue
-        if strategy == "ring":
-            tasks = [t for src in range(world) for t in plan(mine, layout.runs(src, seq_len), causal)]
+        if strategy == "alltoall":  # the whole sequence, one call per block for all local heads
+            runs = layout.global_runs(seq_len)
+            tasks.append(plan(runs, runs, CAUSAL))
+        elif strategy == "ring":
+            tasks.append([t for src in range(layout.world) for t in plan(mine, layout.runs(src, seq_len), CAUSAL)])
         else:
-            tasks = plan(mine, layout.global_runs(seq_len), causal)
-        work.append(H * sum(t.flops_weight() for t in tasks))
+            tasks.append(plan(mine, layout.global_runs(seq_len), CAUSAL))
+    return tasks
+
+
+def rank_work(strategy: str, layout: SeqLayout | PackedLayout, seq_len: int) -> list[float]:
+    """Attention (query, key) pairs each rank computes, summed over its heads."""
+    heads = [hi - lo for lo, hi in query_head_ranges(H, layout.world)] if strategy == "alltoall" else None
+    return [(heads[rank] if heads else H) * sum(t.flops_weight() for t in tasks)
+            for rank, tasks in enumerate(rank_tasks(strategy, layout, seq_len))]
+
+
+def flop_imbalance(strategy: str, layout: SeqLayout | PackedLayout, seq_len: int) -> float:
+    """max/mean over ranks of the attention work each rank's block plans compute."""
+    work = rank_work(strategy, layout, seq_len)
     return max(work) / statistics.mean(work)
 
 
-def min_bytes(strategy: str, seq_len: int, world: int) -> float:
-    """The theoretical minimum bytes a rank sends per forward+backward (module docstring)."""
+def dense_bytes(strategy: str, seq_len: int, world: int) -> float:
+    """Bytes a rank sends per forward+backward under the mask-oblivious algorithm (module docstring)."""
     esize = torch.tensor([], dtype=DTYPE).element_size()
     kb, qb = B * HKV * seq_len * D * esize, B * H * seq_len * D * esize
     frac = (world - 1) / world
     return frac / world * 2 * (2 * qb + 2 * kb) if strategy == "alltoall" else frac * 6 * kb
 
 
-def run_case(mesh: DeviceMesh, seq_len: int, strategy: str, layout: str, warmup: int, repeats: int) -> dict[str, Any]:
+def plan_bytes(strategy: str, layout: SeqLayout | PackedLayout, seq_len: int) -> float:
+    """Bytes the busiest rank should send per forward+backward given the mask (module docstring)."""
+    if strategy != "ring":
+        return dense_bytes(strategy, seq_len, layout.world)
+    kv_row = B * HKV * D * torch.tensor([], dtype=DTYPE).element_size()
+    grad_row = B * HKV * D * torch.tensor([], dtype=torch.promote_types(DTYPE, torch.float32)).element_size()
+
+    def rows(q_rank: int, kv_rank: int) -> int:  # K/V rows of kv_rank that q_rank's blocks read
+        tasks = plan(layout.runs(q_rank, seq_len), layout.runs(kv_rank, seq_len), CAUSAL)
+        return sum(r.stop - r.start for r in needed_rows(tasks))
+
+    world, sent = layout.world, []
+    for rank in range(world):
+        total = 0
+        for s in range(1, world):
+            total += 2 * 2 * rows((rank + s) % world, rank) * kv_row  # K and V, forward and backward
+            total += 2 * rows(rank, (rank - s) % world) * grad_row  # dK and dV of what I read, going home
+        sent.append(total)
+    return float(max(sent))
+
+
+def run_case(mesh: DeviceMesh, case: dict[str, Any], warmup: int, repeats: int) -> dict[str, Any]:
     """Time one CP case on every rank; per repeat the max over ranks of wall time, CPU time, bytes."""
+    seq_len, rank = case["seq_len"], mesh.get_local_rank()
     full = make_inputs(seq_len, seed=seq_len)
-    q, k, v, dout = (cp_shard(t, mesh, seq_dim=2, layout=layout) for t in full)
+    if case["packed"]:
+        layout: str | PackedLayout = build_layout(case, mesh.size())
+        q, k, v, dout = (layout.shard(pad_pack(t, layout, dim=2), 2, rank) for t in full)
+    else:
+        layout = case["layout"]
+        q, k, v, dout = (cp_shard(t, mesh, seq_dim=2, layout=layout) for t in full)
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
     group = mesh.get_group()
     meter = CommMeter()
@@ -134,7 +239,7 @@ def run_case(mesh: DeviceMesh, seq_len: int, strategy: str, layout: str, warmup:
         meter.reset()
         dist.barrier(group=group)
         start, cpu = time.perf_counter(), time.thread_time()
-        out = cp_attention(q, k, v, mesh=mesh, is_causal=True, strategy=strategy, layout=layout, meter=meter)
+        out = cp_attention(q, k, v, mesh=mesh, is_causal=True, strategy=case["strategy"], layout=layout, meter=meter)
         out.backward(dout)
         stats = [time.perf_counter() - start, time.thread_time() - cpu, float(meter.total)]
         reduced = torch.tensor(stats, dtype=torch.float64)
@@ -146,9 +251,7 @@ def run_case(mesh: DeviceMesh, seq_len: int, strategy: str, layout: str, warmup:
             "bytes_sent": max(s[2] for s in samples)}
 
 
-def worker(
-    rank: int, world: int, store: str, cases: list[tuple[int, str, str]], opts: dict[str, Any], out: str
-) -> None:
+def worker(rank: int, world: int, store: str, cases: list[dict[str, Any]], opts: dict[str, Any], out: str) -> None:
     """One CP rank: join the group, run every case, rank 0 writes the results."""
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -158,11 +261,13 @@ def worker(
     try:
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
         results = []
-        for seq_len, strategy, layout in cases:
-            res = run_case(mesh, seq_len, strategy, layout, opts["warmup"], opts["repeats"])
-            results.append({"seq_len": seq_len, "strategy": strategy, "layout": layout, **res})
+        for case in cases:
+            res = run_case(mesh, case, opts["warmup"], opts["repeats"])
+            results.append({**case, **res})
             if rank == 0:
-                print(f"  done L={seq_len} {strategy}/{layout}: {statistics.median(res['times']):.3f} s", flush=True)
+                kind = f"pack {case['seed']} " if case["packed"] else ""
+                print(f"  done L={case['seq_len']} {case['strategy']}/{kind}{case['layout']}: "
+                      f"{statistics.median(res['times']):.3f} s", flush=True)
         if rank == 0:
             Path(out).write_text(json.dumps(results))
     finally:
@@ -184,20 +289,31 @@ def machine() -> dict[str, Any]:
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 8192, 16384])
+    p.add_argument("--packed", action="store_true",
+                   help="benchmark long-tailed packs (documents vs zigzag split) instead of the dense table")
+    p.add_argument("--seq-lens", type=int, nargs="+", help="default 4096 8192 16384; with --packed 8192 16384")
     p.add_argument("--world", type=int, default=2, help="CP processes P")
-    p.add_argument("--strategies", nargs="+", choices=STRATEGY_NAMES, default=list(STRATEGY_NAMES))
-    p.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=list(LAYOUTS))
+    p.add_argument("--strategies", nargs="+", choices=STRATEGY_NAMES,
+                   help="default all three; with --packed ring allgather")
+    p.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=list(LAYOUTS), help="dense layouts")
+    p.add_argument("--balances", nargs="+", choices=BALANCES, default=list(BALANCES), help="packed splits")
+    p.add_argument("--pack-seeds", type=int, nargs="+", default=[0, 1, 2],
+                   help="packs to draw per length (the seeds tests/test_packed.py uses)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--timeout", type=float, default=300.0, help="gloo collective timeout, seconds")
-    p.add_argument("--out", type=Path, default=Path("bench_results/attention.json"))
+    p.add_argument("--out", type=Path,
+                   help="default bench_results/attention.json (attention_packed.json with --packed)")
     args = p.parse_args()
+    args.seq_lens = args.seq_lens or ([8192, 16384] if args.packed else [4096, 8192, 16384])
+    args.strategies = args.strategies or (["ring", "allgather"] if args.packed else list(STRATEGY_NAMES))
+    args.out = args.out or Path(f"bench_results/attention{'_packed' if args.packed else ''}.json")
     if args.world < 2 or args.repeats < 1 or args.warmup < 0:
         p.error("need --world >= 2, --repeats >= 1, --warmup >= 0")
-    for seq_len in args.seq_lens:
-        if seq_len % (2 * args.world):
-            p.error(f"--seq-lens: {seq_len} is not a multiple of 2 * world = {2 * args.world} (zigzag chunks)")
+    if not args.packed:
+        for seq_len in args.seq_lens:
+            if seq_len % (2 * args.world):
+                p.error(f"--seq-lens: {seq_len} is not a multiple of 2 * world = {2 * args.world} (zigzag chunks)")
     return args
 
 
@@ -205,21 +321,37 @@ COLUMNS = [  # (header, key of a result row, format)
     ("L", "seq_len", "{}"), ("strategy", "strategy", "{}"), ("layout", "layout", "{}"),
     ("T1 (s)", "t1_s", "{:.3f}"), ("T_P (s)", "tp_s", "{:.3f}"), ("efficiency", "efficiency", "{:.2f}"),
     ("CPU T_P (s)", "tp_cpu_s", "{:.3f}"), ("CPU eff.", "cpu_efficiency", "{:.2f}"),
-    ("sent/rank (MiB)", "sent_mib", "{:.1f}"), ("min (MiB)", "min_mib", "{:.1f}"),
-    ("sent/min", "sent_over_min", "{:.2f}"), ("FLOP max/mean", "flop_imbalance", "{:.2f}"),
+    ("sent/rank (MiB)", "sent_mib", "{:.1f}"), ("plan (MiB)", "plan_mib", "{:.1f}"),
+    ("dense (MiB)", "dense_mib", "{:.1f}"), ("sent/dense", "sent_over_dense", "{:.2f}"),
+    ("FLOP max/mean", "flop_imbalance", "{:.2f}"),
 ]
+PACKED_COLUMNS = [("L", "seq_len", "{}"), ("seed", "seed", "{}"), ("docs", "docs", "{}"),
+                  ("longest doc", "longest_doc", "{}"), ("strategy", "strategy", "{}"), ("split", "layout", "{}"),
+                  *COLUMNS[3:], ("calls/rank", "kernel_calls", "{}")]
+
+
+def print_table(columns: list[tuple[str, str, str]], rows: list[dict[str, Any]]) -> None:
+    print("| " + " | ".join(head for head, _, _ in columns) + " |")
+    print("|" + "|".join("---" if key in ("strategy", "layout") else "---:" for _, key, _ in columns) + "|")
+    for r in rows:
+        print("| " + " | ".join(fmt.format(r[key]) for _, key, fmt in columns) + " |")
 
 
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(1)
-    t1: dict[int, tuple[list[float], list[float]]] = {}  # L -> (wall times, CPU times)
+    layouts = args.balances if args.packed else args.layouts
+    seeds = args.pack_seeds if args.packed else [None]
+    cases = [{"seq_len": n, "seed": seed, "strategy": s, "layout": lay, "packed": args.packed}
+             for n in args.seq_lens for seed in seeds for s in args.strategies for lay in layouts]
+    t1: dict[tuple[int, int | None], tuple[list[float], list[float]]] = {}  # (L, seed) -> (wall, CPU times)
     for seq_len in args.seq_lens:
-        walls, cpus = zip(*baseline_times(seq_len, args.warmup, args.repeats))
-        t1[seq_len] = (list(walls), list(cpus))
-        print(f"  baseline L={seq_len}: {statistics.median(walls):.3f} s", flush=True)
+        for seed in seeds:
+            walls, cpus = zip(*baseline_times(seq_len, seed, args.warmup, args.repeats))
+            t1[seq_len, seed] = (list(walls), list(cpus))
+            print(f"  baseline L={seq_len}{'' if seed is None else f' pack {seed} (per document)'}: "
+                  f"{statistics.median(walls):.3f} s", flush=True)
 
-    cases = [(n, s, lay) for n in args.seq_lens for s in args.strategies for lay in args.layouts]
     opts = {"warmup": args.warmup, "repeats": args.repeats, "timeout": args.timeout}
     with tempfile.TemporaryDirectory(prefix="cpcompose-bench-") as tmpdir:
         store, out = os.path.join(tmpdir, "store"), os.path.join(tmpdir, "results.json")
@@ -229,26 +361,33 @@ def main() -> None:
 
     rows, p = [], args.world
     for res in cp_results:
-        n, walls, cpus = res["seq_len"], *t1[res["seq_len"]]
+        walls, cpus = t1[res["seq_len"], res["seed"]]
+        layout = build_layout(res, p)
+        n = layout.seq_len if isinstance(layout, PackedLayout) else res["seq_len"]  # padded pack
         r = {**res, "t1_times": walls, "t1_cpu_times": cpus, "t1_s": statistics.median(walls),
              "t1_cpu_s": statistics.median(cpus), "tp_s": statistics.median(res["times"]),
-             "tp_cpu_s": statistics.median(res["cpu_times"]), "min_bytes": min_bytes(res["strategy"], n, p),
-             "flop_imbalance": flop_imbalance(res["strategy"], res["layout"], n, p)}
+             "tp_cpu_s": statistics.median(res["cpu_times"]), "dense_bytes": dense_bytes(res["strategy"], n, p),
+             "plan_bytes": plan_bytes(res["strategy"], layout, n),
+             "rank_work": rank_work(res["strategy"], layout, n),
+             "kernel_calls": max(len(t) for t in rank_tasks(res["strategy"], layout, n)),
+             "flop_imbalance": flop_imbalance(res["strategy"], layout, n)}
+        if isinstance(layout, PackedLayout):
+            docs = long_tailed_pack(res["seq_len"], res["seed"])
+            r["docs"], r["longest_doc"], r["pad"] = len(docs), max(docs), layout.pad
         r["efficiency"], r["cpu_efficiency"] = r["t1_s"] / (p * r["tp_s"]), r["t1_cpu_s"] / (p * r["tp_cpu_s"])
-        r["sent_mib"], r["min_mib"] = r["bytes_sent"] / 2**20, r["min_bytes"] / 2**20
-        r["sent_over_min"] = r["bytes_sent"] / r["min_bytes"]
+        for mib, key in (("sent_mib", "bytes_sent"), ("plan_mib", "plan_bytes"), ("dense_mib", "dense_bytes")):
+            r[mib] = r[key] / 2**20
+        r["sent_over_dense"] = r["bytes_sent"] / r["dense_bytes"]
         rows.append(r)
 
     info = machine()
-    print(f"\nCausal attention fwd+bwd, B={B} H={H} Hkv={HKV} D={D} fp32, P={p}, "
+    what = "Packed causal attention (long-tailed documents)" if args.packed else "Causal attention"
+    print(f"\n{what} fwd+bwd, B={B} H={H} Hkv={HKV} D={D} fp32, P={p}, "
           f"median of {args.repeats} ({info['cpu']}, {info['cores']} cores, torch {info['torch']})\n")
-    print("| " + " | ".join(head for head, _, _ in COLUMNS) + " |")
-    print("|" + "|".join("---" if fmt == "{}" and key != "seq_len" else "---:" for _, key, fmt in COLUMNS) + "|")
-    for r in rows:
-        print("| " + " | ".join(fmt.format(r[key]) for _, key, fmt in COLUMNS) + " |")
+    print_table(PACKED_COLUMNS if args.packed else COLUMNS, rows)
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    config = {"B": B, "H": H, "Hkv": HKV, "D": D, "dtype": str(DTYPE), "world": p,
+    config = {"B": B, "H": H, "Hkv": HKV, "D": D, "dtype": str(DTYPE), "world": p, "packed": args.packed,
               "repeats": args.repeats, "warmup": args.warmup, "threads_per_process": 1}
     args.out.write_text(json.dumps({"machine": info, "config": config, "results": rows}, indent=2))
     print(f"\nwrote {args.out}")

@@ -20,9 +20,10 @@ gloo group). It is what grows with the sequence: saved activations, the logits a
 their gradients, the K/V blocks the ring receives, and the allocator's slack.
 
 A second, allocator-independent figure, "saved for backward": the bytes of distinct
-tensor storages that autograd saves during the forward (a `saved_tensors_hooks`
-pack hook; parameters excluded). It leaves out transient tensors (the logits'
-gradient, the softmax's temporaries), so it is below the RSS difference.
+tensor storages autograd saves during a step's forward (a `saved_tensors_hooks`
+pack hook), again minus the same at L_tiny (which removes the weights that matmuls
+save). It leaves out transient tensors (the logits' gradient, the softmax's
+temporaries, received K/V blocks), so it is below the RSS difference.
 
 Longest sequence under a per-rank budget. For cp in `--budget-cps`, a run "fits" if
 its steps finish and every rank's peak RSS stays at or under `--budget-gib`. Two
@@ -30,18 +31,30 @@ runs at (2048, 8192) local tokens per rank give a linear fit peak ~= a + b*L per
 rank; its prediction is bracketed and then bisected over multiples of
 `--resolution` tokens (itself a multiple of 2*cp). A run whose rank crosses the
 budget is stopped at once (RSS polled every 50 ms; the final ru_maxrss decides).
-The 24 GiB line is an EXTRAPOLATION of the fit over all finished runs of that cp,
-not a measurement: this machine has 24 GiB in total, and cp=2 runs both ranks on it.
+The 24 GiB line is an EXTRAPOLATION of the fit over all runs of that cp that fit
+the budget, not a measurement: this machine has 24 GiB in total, and cp=2 runs both
+ranks on it.
 
 Caveats. RSS counts what glibc's malloc keeps, not what tensors hold: freed small
 and medium blocks stay in its arenas, so RSS can sit above the live bytes, and by
-different amounts in different runs; large tensors (> 32 MiB) are mmap'ed and go
-back to the OS when freed. The fixed part is measured in a separate run, so the
-activation figure carries the noise of two runs (~tens of MiB). RSS also counts
-pages of shared libraries a rank touched. With cp > 1 FSDP shards the parameters
+different amounts in different runs; large tensors (above glibc's mmap threshold,
+which adapts up to 32 MiB) are mmap'ed and go back to the OS when freed. The fixed
+part is measured in a separate run, so the activation figure carries the noise of
+two runs: repeated runs here differ by a few tens of MiB, and the longest fitting
+L by a bisection step or two. RSS also counts pages of shared libraries a rank
+touched. With cp > 1 FSDP shards the parameters
 over the cp ranks as well (dp_shard x cp), so the fixed part per rank shrinks too;
 the activation column excludes that on purpose. cp=4 runs four processes on the
 two cores: its tokens/s measures oversubscription, not scaling.
+
+Time. tokens/s is L over the last step's wall time (max over ranks); CPU s/step is
+the rank's user + system time, "of which sys" the kernel's share. The share is large:
+glibc maps large tensors with mmap and unmaps them when freed, so each step faults
+in its activations afresh (about a million minor page faults per step at 4 GiB of
+activations). Tuning the allocator (e.g. MALLOC_MMAP_THRESHOLD_ and
+MALLOC_TRIM_THRESHOLD_ set high, or jemalloc) makes steps faster but keeps freed
+memory resident, which would blur what this script measures, so it runs with
+glibc's defaults. The machine may be shared: wall times are noisy, CPU times less so.
 """
 
 from __future__ import annotations
@@ -98,28 +111,28 @@ def rank_main(rank: int, world: int, store: str, timeout: float, argv: list[str]
     try:
         trainer = Trainer(load_config(argv))
         built = _rss_mib()
-        params = {id(p) for p in trainer.model.parameters()}
-        saved: dict[int, int] = {}  # storage address -> bytes, for tensors autograd keeps
+        saved: dict[int, int] = {}  # storage address -> bytes, for every tensor autograd keeps
 
         def pack(t: torch.Tensor) -> torch.Tensor:
-            if not isinstance(t, torch.nn.Parameter) and id(t) not in params and t.device.type == "cpu":
-                s = t.untyped_storage()
-                saved[s.data_ptr()] = s.nbytes()
+            s = t.untyped_storage()
+            saved[s.data_ptr()] = s.nbytes()
             return t
 
-        walls, cpus, saved_mib, losses = [], [], [], []
+        walls, cpus, sys_s, saved_mib, losses = [], [], [], [], []
         for _ in range(trainer.config.training.steps):
             saved.clear()
             dist.barrier()
-            start, cpu = time.perf_counter(), time.process_time()
+            start, before = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 losses.append(trainer.train_step())
+            after = resource.getrusage(resource.RUSAGE_SELF)
             walls.append(time.perf_counter() - start)
-            cpus.append(time.process_time() - cpu)
+            sys_s.append(after.ru_stime - before.ru_stime)
+            cpus.append(after.ru_utime - before.ru_utime + sys_s[-1])
             saved_mib.append(sum(saved.values()) / 2**20)
         dist.barrier()
-        result = {"rank": rank, "peak_mib": _maxrss_mib(), "built_mib": built, "step_s": walls,
-                  "cpu_s": cpus, "saved_mib": saved_mib, "losses": losses, "threads": torch.get_num_threads()}
+        result = {"rank": rank, "peak_mib": _maxrss_mib(), "built_mib": built, "step_s": walls, "cpu_s": cpus,
+                  "sys_s": sys_s, "saved_mib": saved_mib, "losses": losses, "threads": torch.get_num_threads()}
         Path(out).write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
@@ -199,6 +212,7 @@ def run_trial(
         peak_mib=max(r["peak_mib"] for r in ranks),
         step_s=max(r["step_s"][-1] for r in ranks),  # the last step: the first pays one-off set-up
         cpu_s=max(r["cpu_s"][-1] for r in ranks),
+        sys_s=max(r["sys_s"][-1] for r in ranks),
         saved_mib=max(r["saved_mib"][-1] for r in ranks),
         threads=ranks[0]["threads"],
     )
@@ -223,8 +237,10 @@ def fixed_length_table(args: argparse.Namespace) -> list[dict[str, Any]]:
             raise SystemExit(f"cp={cp}: a run failed: {tiny.get('error') or full.get('error')}")
         rows.append({"cp": cp, "seq_len": args.seq_len, "tiny": tiny, "run": full,
                      "fixed_mib": tiny["peak_mib"], "peak_mib": full["peak_mib"],
-                     "activation_mib": full["peak_mib"] - tiny["peak_mib"], "saved_mib": full["saved_mib"],
+                     "activation_mib": full["peak_mib"] - tiny["peak_mib"],
+                     "saved_mib": full["saved_mib"] - tiny["saved_mib"],
                      "tokens_per_s": full["tokens_per_s"], "step_s": full["step_s"], "cpu_s": full["cpu_s"],
+                     "sys_s": full["sys_s"],
                      "threads": full["threads"]})
     base = next((r for r in rows if r["cp"] == 1), None)
     for r in rows:
@@ -315,24 +331,30 @@ def _table(headers: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
 
 
+def _fmt(x: float | None, f: str = "{:,.0f}") -> str:
+    return "n/a" if x is None else f.format(x)
+
+
 def print_fixed(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
     m = TABLE_MODEL
     print(f"\nFixed sequence L={args.seq_len}: Llama {m['n_layers']} layers, dim {m['dim']}, {m['n_heads']} heads "
           f"({m['n_kv_heads']} kv), ffn {m['ffn_hidden_dim']}, vocab {m['vocab_size']}, fp32, batch 1, no AC, "
           f"ring/zigzag; fixed part measured at L={args.tiny_len}; max over ranks; last of {args.steps} steps\n")
-    fmt = lambda x, f="{:,.0f}": "n/a" if x is None else f.format(x)  # noqa: E731
+    cores = os.cpu_count() or 1
     print(_table(
         ["cp", "threads/rank", "peak/rank (MiB)", "fixed (MiB)", "activation/rank (MiB)", "act. vs cp=1",
-         "saved for bwd/rank (MiB)", "saved vs cp=1", "tok/s", "s/step", "CPU s/step (max rank)"],
-        [[str(r["cp"]), str(r["threads"]), fmt(r["peak_mib"]), fmt(r["fixed_mib"]), fmt(r["activation_mib"]),
-          fmt(r["activation_ratio"], "{:.3f}"), fmt(r["saved_mib"]), fmt(r["saved_ratio"], "{:.3f}"),
-          fmt(r["tokens_per_s"]) + (" (4 procs on 2 cores)" if r["cp"] > (os.cpu_count() or 1) else ""),
-          fmt(r["step_s"], "{:.2f}"), fmt(r["cpu_s"], "{:.2f}")] for r in rows],
+         "saved for bwd/rank (MiB)", "saved vs cp=1", "tok/s", "s/step", "CPU s/step (max rank)",
+         "of which sys"],
+        [[str(r["cp"]), str(r["threads"]), _fmt(r["peak_mib"]), _fmt(r["fixed_mib"]), _fmt(r["activation_mib"]),
+          _fmt(r["activation_ratio"], "{:.3f}"), _fmt(r["saved_mib"]), _fmt(r["saved_ratio"], "{:.3f}"),
+          _fmt(r["tokens_per_s"]) + (f" ({r['cp']} procs on {cores} cores)" if r["cp"] > cores else ""),
+          _fmt(r["step_s"], "{:.2f}"), _fmt(r["cpu_s"], "{:.2f}"), _fmt(r["sys_s"], "{:.2f}")] for r in rows],
     ))
     r2 = next((r for r in rows if r["cp"] == 2), None)
     if r2 and r2["activation_ratio"] is not None:
         verdict = "meets" if r2["activation_ratio"] <= 0.55 else "MISSES"
-        print(f"\ncp=2 activation memory per rank = {r2['activation_ratio']:.3f} of cp=1 ({verdict} the <= 0.55 target)")
+        print(f"\ncp=2 activation memory per rank = {r2['activation_ratio']:.3f} of cp=1 "
+              f"({verdict} the <= 0.55 target)")
 
 
 def print_budget(results: list[dict[str, Any]], args: argparse.Namespace) -> None:

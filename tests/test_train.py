@@ -142,9 +142,10 @@ def test_dry_run_prints_the_8b_plan() -> None:
     assert "8.03" in result.stdout and "cp=8" in result.stdout and "131,072 tokens" in result.stdout
 
 
-def test_command_line_run_on_two_processes(tmp_path: Path) -> None:
-    """`python -m cpcompose.train` starts its own ranks when not under torchrun."""
-    result = _main(TINY + ["--parallelism.cp=2", "--training.steps=3", f"--job.dump_folder={tmp_path}"])
+@pytest.mark.parametrize("cp", [1, 2])
+def test_command_line_run(tmp_path: Path, cp: int) -> None:
+    """`python -m cpcompose.train` starts its own ranks (or its lone one) when not under torchrun."""
+    result = _main(TINY + [f"--parallelism.cp={cp}", "--training.steps=3", f"--job.dump_folder={tmp_path}"])
     assert result.returncode == 0, result.stderr[-2000:]
     assert "step     3/3" in result.stdout
 
