@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 from datetime import timedelta
 
 import torch
@@ -28,7 +29,7 @@ if __package__ in (None, ""):  # run as a file by torchrun: make the package imp
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from cpcompose.config import ConfigError, JobConfig, load_config  # noqa: E402
-from cpcompose.training.launch import ensure_single_process_env, launch_local, planned_world_size  # noqa: E402
+from cpcompose.training.launch import launch_local, planned_world_size  # noqa: E402
 from cpcompose.training.plan import describe_plan  # noqa: E402
 from cpcompose.training.trainer import Trainer  # noqa: E402
 
@@ -44,9 +45,15 @@ def train(config: JobConfig) -> list[float]:
         device_type = "cuda" if _use_cuda(config) else "cpu"
         if device_type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        # Under torchrun (or launch_local) the environment says where to meet; a lone
+        # process meets itself through a file, with no port to race for.
+        alone = {} if "RANK" in os.environ else {
+            "init_method": f"file://{tempfile.mkdtemp(prefix='cpcompose-')}/store", "rank": 0, "world_size": 1,
+        }
         dist.init_process_group(
             "nccl" if device_type == "cuda" else "gloo",
             timeout=timedelta(seconds=config.comm.init_timeout_s),  # generous while ranks start
+            **alone,
         )
         # Then every collective is bounded by comm.timeout_s: a dead rank ends the job, never hangs it.
         # (build_mesh hands the world's timeout to every mesh group.)
@@ -76,11 +83,9 @@ def main(argv: list[str] | None = None) -> None:
     if config.job.dry_run:
         print(describe_plan(config, world))
         return
-    if "RANK" not in os.environ and not dist.is_initialized():
-        if world > 1:
-            launch_local(train, config, world)
-            return
-        ensure_single_process_env()
+    if "RANK" not in os.environ and not dist.is_initialized() and world > 1:
+        launch_local(train, config, world)
+        return
     train(config)
 
 

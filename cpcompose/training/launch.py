@@ -38,8 +38,3 @@ def launch_local(fn: Callable[[JobConfig], object], config: JobConfig, world: in
     """Run `fn(config)` on `world` local processes, as torchrun would; fail if any rank fails."""
     mp.start_processes(_child, args=(world, _free_port(), fn, config), nprocs=world, start_method="spawn")
 
-
-def ensure_single_process_env() -> None:
-    """Let a lone `python -m cpcompose.train` with a world of 1 create its process group."""
-    if "RANK" not in os.environ:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1")
