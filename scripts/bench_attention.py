@@ -44,7 +44,7 @@ inputs agree (not metered).
 
 Packed (`--packed`, run instead of the dense table). A long-tailed pack: document
 lengths drawn from a Pareto distribution (minimum 64, tail index 1.2, as
-`long_tailed_pack` in tests/test_packed.py, seeds `--pack-seeds`) filling L tokens, causal
+`cpcompose.data.long_tailed_lengths`, seeds `--pack-seeds`) filling L tokens, causal
 within each document, same shapes as above. Two splits of the same pack:
 "documents" (`PackedLayout.build(cu_seqlens, P)`, the default: zigzag within every
 document, pairs rotated to keep the busiest rank least busy) and "zigzag"
@@ -88,6 +88,7 @@ from cpcompose import CommMeter, cp_attention, cp_shard  # noqa: E402
 from cpcompose.attention import STRATEGIES  # noqa: E402
 from cpcompose.attention.alltoall import query_head_ranges  # noqa: E402
 from cpcompose.attention.blocks import BlockTask, MaskSpec, needed_rows, plan  # noqa: E402
+from cpcompose.data import long_tailed_lengths  # noqa: E402
 from cpcompose.layout import LAYOUTS, SeqLayout  # noqa: E402
 from cpcompose.packing import PackedLayout, pad_pack  # noqa: E402
 
@@ -106,22 +107,9 @@ def make_inputs(seq_len: int, seed: int) -> tuple[torch.Tensor, ...]:
     return tuple(torch.randn(s, generator=g, dtype=DTYPE) for s in shapes)
 
 
-def long_tailed_pack(total: int, seed: int) -> list[int]:
-    """Document lengths from a heavy-tailed (Pareto) distribution, filling `total` tokens.
-
-    The same draw as `long_tailed_pack` in tests/test_packed.py.
-    """
-    g = torch.Generator().manual_seed(seed)
-    lengths: list[int] = []
-    while sum(lengths) < total:
-        lengths.append(int(64 * (1 - torch.rand((), generator=g).item()) ** (-1 / 1.2)))
-    lengths[-1] -= sum(lengths) - total
-    return [n for n in lengths if n > 0]
-
-
 def pack_cu_seqlens(seq_len: int, seed: int) -> list[int]:
     """Document boundaries of the benchmark's pack of `seq_len` tokens."""
-    return [0, *itertools.accumulate(long_tailed_pack(seq_len, seed))]
+    return [0, *itertools.accumulate(long_tailed_lengths(seq_len, seed))]
 
 
 def build_layout(case: dict[str, Any], world: int) -> SeqLayout | PackedLayout:
@@ -372,7 +360,7 @@ def main() -> None:
              "kernel_calls": max(len(t) for t in rank_tasks(res["strategy"], layout, n)),
              "flop_imbalance": flop_imbalance(res["strategy"], layout, n)}
         if isinstance(layout, PackedLayout):
-            docs = long_tailed_pack(res["seq_len"], res["seed"])
+            docs = long_tailed_lengths(res["seq_len"], res["seed"])
             r["docs"], r["longest_doc"], r["pad"] = len(docs), max(docs), layout.pad
         r["efficiency"], r["cpu_efficiency"] = r["t1_s"] / (p * r["tp_s"]), r["t1_cpu_s"] / (p * r["tp_cpu_s"])
         for mib, key in (("sent_mib", "bytes_sent"), ("plan_mib", "plan_bytes"), ("dense_mib", "dense_bytes")):

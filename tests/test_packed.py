@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from cpcompose.attention.blocks import MaskSpec, plan
+from cpcompose.data import long_tailed_lengths
 from cpcompose.packing import PackedLayout
 from tests.packed_cases import PackedCase, reference, run_packed, unshard
 
@@ -52,16 +53,6 @@ def test_window_with_plain_zigzag_split_and_long_window(pools) -> None:
         assert_exact(case, pools.get(case.world).run(run_packed, case))
 
 
-def long_tailed_pack(total: int, seed: int) -> list[int]:
-    """Document lengths from a heavy-tailed (Pareto) distribution, filling `total` tokens."""
-    g = torch.Generator().manual_seed(seed)
-    lengths: list[int] = []
-    while sum(lengths) < total:
-        lengths.append(int(64 * (1 - torch.rand((), generator=g).item()) ** (-1 / 1.2)))
-    lengths[-1] -= sum(lengths) - total
-    return [n for n in lengths if n > 0]
-
-
 def rank_work(layout: PackedLayout, mask: MaskSpec) -> list[float]:
     """Attention pairs each rank computes (its queries against every rank's keys)."""
     return [
@@ -75,7 +66,7 @@ def rank_work(layout: PackedLayout, mask: MaskSpec) -> list[float]:
 def test_balanced_split_evens_out_attention_work(world: int, window: int | None) -> None:
     mask = MaskSpec(True, window)
     for seed in range(3):
-        docs = long_tailed_pack(16384, seed)
+        docs = long_tailed_lengths(16384, seed)
         cu = torch.tensor([0, *docs]).cumsum(0).tolist()
         layout = PackedLayout.build(cu, world, window=window)
         balanced = rank_work(layout, mask)

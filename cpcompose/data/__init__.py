@@ -8,7 +8,7 @@ remembers its position exactly. Nothing here uses process groups.
 from cpcompose.data.batch import IGNORE_INDEX, Batch, Sample, SampleSource
 from cpcompose.data.copy_task import SyntheticCopy
 from cpcompose.data.loader import TokenBatcher, build_data_source
-from cpcompose.data.packing import document_cu_seqlens, mask_document_crossings
+from cpcompose.data.packing import document_cu_seqlens, long_tailed_lengths, mask_document_crossings
 from cpcompose.data.synthetic import SyntheticRecall
 from cpcompose.data.text import TextSource, read_documents
 from cpcompose.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, build_tokenizer
@@ -16,5 +16,5 @@ from cpcompose.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, buil
 __all__ = [
     "IGNORE_INDEX", "Batch", "ByteTokenizer", "HFTokenizer", "Sample", "SampleSource", "SyntheticCopy", "SyntheticRecall",
     "TextSource", "TokenBatcher", "Tokenizer", "build_data_source", "build_tokenizer",
-    "document_cu_seqlens", "mask_document_crossings", "read_documents",
+    "document_cu_seqlens", "long_tailed_lengths", "mask_document_crossings", "read_documents",
 ]

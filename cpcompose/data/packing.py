@@ -7,7 +7,7 @@ from torch import Tensor
 
 from cpcompose.data.batch import IGNORE_INDEX
 
-__all__ = ["document_cu_seqlens", "mask_document_crossings"]
+__all__ = ["document_cu_seqlens", "long_tailed_lengths", "mask_document_crossings"]
 
 
 def document_cu_seqlens(input_ids: Tensor, eos_id: int) -> Tensor:
@@ -29,3 +29,16 @@ def mask_document_crossings(input_ids: Tensor, labels: Tensor, eos_id: int) -> T
     cannot see; the last real token of a document still predicts its EOS.
     """
     return labels.masked_fill(input_ids == eos_id, IGNORE_INDEX)
+
+
+def long_tailed_lengths(total: int, seed: int, *, scale: int = 64, alpha: float = 1.2) -> list[int]:
+    """Document lengths drawn from a Pareto tail (most short, a few very long), filling `total` tokens.
+
+    What realistic packs look like; the tests and the benchmark measure load balance on them.
+    """
+    g = torch.Generator().manual_seed(seed)
+    lengths: list[int] = []
+    while sum(lengths) < total:
+        lengths.append(int(scale * (1 - torch.rand((), generator=g).item()) ** (-1 / alpha)))
+    lengths[-1] -= sum(lengths) - total
+    return [n for n in lengths if n > 0]
