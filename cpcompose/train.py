@@ -61,6 +61,13 @@ def train(config: JobConfig) -> list[float]:
     try:
         trainer = Trainer(config)
         return trainer.run()
+    except RuntimeError as e:  # gloo raises a plain RuntimeError on a timeout, NCCL a DistError
+        if "timed out" in str(e).lower() or "timeout" in str(e).lower():
+            raise SystemExit(
+                f"rank {dist.get_rank()}: a collective waited longer than comm.timeout_s = {config.comm.timeout_s} s; "
+                f"another rank has probably died or stalled (see its log). ({type(e).__name__}: {e})"
+            ) from e
+        raise
     finally:
         if owns_group:
             dist.destroy_process_group()
