@@ -221,6 +221,13 @@ class Trainer:
             )
             if c.checkpoint.enable and self.checkpoints.due(self.step, last_step=c.training.steps):
                 self.checkpoints.save(self.step, self.model, self.optimizer, self._trainer_state())
+        if not losses and dist.get_rank() == 0:
+            print(
+                f"nothing to train: the checkpoint is already at step {self.step} of training.steps = "
+                f"{c.training.steps}; raise --training.steps, or start fresh with --checkpoint.resume=false "
+                "or another --job.dump_folder",
+                flush=True,
+            )
         self.logger.close(title=f"{c.job.name}: loss")
         return losses
 
