@@ -9,6 +9,7 @@ raises the same ValueError, and no K/V collective is ever posted.
 
 from __future__ import annotations
 
+import zlib
 from typing import Sequence
 
 import torch
@@ -21,7 +22,8 @@ _DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
 
 def dtype_code(dtype: torch.dtype) -> int:
     """A small integer for a dtype, for the cross-rank signature."""
-    return _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES) + hash(str(dtype)) % 1000
+    # zlib.crc32, not hash(): Python salts str hashes per process, and ranks are processes.
+    return _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES) + zlib.crc32(str(dtype).encode()) % 1000
 
 
 def shape_code(shape: Sequence[int], ndim: int = 4) -> list[int]:
