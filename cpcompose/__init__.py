@@ -1,8 +1,10 @@
 """cpcompose: exact context parallelism for PyTorch, on every device PyTorch runs on."""
 
-from cpcompose.attention import cp_attention
+from cpcompose.attention import CPOptions, cp_attention
 from cpcompose.comm import CommMeter
-from cpcompose.packing import PackedLayout, PackedShard, cp_shard_packed, pad_pack
+from cpcompose.cp_dtensor import cp_distribute, cp_from_local, cp_full_tensor
+from cpcompose.layouts import ContiguousLayout, Layout, PackedLayout, ZigzagLayout, resolve_layout
+from cpcompose.packing import PackedShard, cp_shard_packed, pad_pack
 from cpcompose.parallel import (
     ContextParallel,
     ParallelDims,
@@ -14,20 +16,28 @@ from cpcompose.parallel import (
 from cpcompose.sharding import cp_position_ids, cp_shard, cp_unshard
 
 __all__ = [
+    "CPOptions",
     "CommMeter",
     "ContextParallel",
+    "ContiguousLayout",
+    "Layout",
     "PackedLayout",
     "PackedShard",
     "ParallelDims",
+    "ZigzagLayout",
     "allreduce_gradients",
     "context_parallel",
     "context_parallel_unshard",
     "cp_attention",
     "cp_cross_entropy",
+    "cp_distribute",
+    "cp_from_local",
+    "cp_full_tensor",
     "cp_position_ids",
     "cp_shard",
     "cp_shard_packed",
     "cp_unshard",
     "pad_pack",
+    "resolve_layout",
 ]
 __version__ = "0.1.0"

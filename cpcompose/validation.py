@@ -2,13 +2,15 @@
 
 A bad input on one rank must not leave the others blocked in a collective. So each
 public entry point checks its arguments locally, then every rank contributes its
-verdict and a small integer signature (shapes, dtypes, options) to one tiny
-all-gather. If any rank found a problem, or the signatures differ, every rank
-raises the same ValueError, and no K/V collective is ever posted.
+verdict and a small integer signature (shapes, dtypes, options, the layout's
+identity) to one tiny all-gather. If any rank found a problem, or the signatures
+differ, every rank raises the same ValueError, and no K/V collective is ever posted.
 """
 
 from __future__ import annotations
 
+import math
+import struct
 import zlib
 from typing import Sequence
 
@@ -19,33 +21,47 @@ from cpcompose.comm import CPGroup, all_gather
 
 _DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
 
+Field = tuple[str, int]
+"""One named integer of a cross-rank signature."""
 
-def dtype_code(dtype: torch.dtype) -> int:
+
+def dtype_code(dtype: object) -> int:
     """A small integer for a dtype, for the cross-rank signature."""
+    if dtype in _DTYPES:
+        return _DTYPES.index(dtype)  # type: ignore[arg-type]
     # zlib.crc32, not hash(): Python salts str hashes per process, and ranks are processes.
-    return _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES) + zlib.crc32(str(dtype).encode()) % 1000
+    return len(_DTYPES) + zlib.crc32(str(dtype).encode()) % 1000
 
 
-def shape_code(shape: Sequence[int], ndim: int = 4) -> list[int]:
-    """A fixed-length encoding of a shape (padded with -1)."""
-    return list(shape[:ndim]) + [-1] * (ndim - len(shape)) + [len(shape)]
+def float_code(x: float | None) -> int:
+    """The bits of a float as an int64 (None and NaN get codes of their own), for the signature."""
+    if x is None:
+        return -1
+    if isinstance(x, float) and math.isnan(x):
+        return -2
+    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
+
+
+def shape_fields(name: str, shape: Sequence[int], ndim: int = 4) -> list[Field]:
+    """A fixed-length encoding of a shape (padded with -1, then the rank)."""
+    dims = list(shape[:ndim]) + [-1] * (ndim - len(shape[:ndim]))
+    return [(name, int(d)) for d in dims] + [(name, len(shape))]
 
 
 def agree_across_ranks(
-    cp: CPGroup, local_error: str | None, signature: Sequence[int], *, what: str, device: torch.device,
-    describe: Sequence[str] = (),
+    cp: CPGroup, local_error: str | None, signature: Sequence[Field], *, what: str, device: torch.device,
 ) -> None:
-    """Raise the same ValueError on every rank if any rank's input is bad or they differ.
+    """Raise the same ValueError on every rank if any rank's input is bad or the signatures differ.
 
     Args:
         cp: the CP group.
         local_error: this rank's complaint about its input, or None.
-        signature: integers that must be equal on every rank (same length everywhere).
+        signature: named integers that must be equal on every rank (same names everywhere).
         what: the entry point's name, for messages.
         device: where the tiny metadata tensor lives (CUDA for NCCL groups).
-        describe: names for the signature's fields, to say what differs.
     """
-    mine = torch.tensor([int(local_error is not None), *signature], dtype=torch.int64, device=device)
+    values = [int(v) for _, v in signature]
+    mine = torch.tensor([int(local_error is not None), *values], dtype=torch.int64, device=device)
     table = all_gather(mine, cp).tolist()
     if any(row[0] for row in table):
         errors: list[str | None] = [None] * cp.world
@@ -53,9 +69,9 @@ def agree_across_ranks(
         lines = [f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None]
         raise ValueError(f"{what}: invalid input on CP rank(s):\n  " + "\n  ".join(lines))
     if any(row != table[0] for row in table):
-        differing = [
-            name for i, name in enumerate(describe) if len({row[1 + i] for row in table}) > 1
-        ] or ["signature"]
+        differing = list(dict.fromkeys(
+            name for i, (name, _) in enumerate(signature) if len({row[1 + i] for row in table}) > 1
+        ))
         per_rank = "; ".join(f"rank {r}: {row[1:]}" for r, row in enumerate(table))
         raise ValueError(
             f"{what}: inputs differ between CP ranks ({', '.join(differing)}); every rank must pass "

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from cpcompose import CommMeter, cp_attention, cp_shard
-from cpcompose.layout import SeqLayout, resolve_layout
+from cpcompose.layouts import resolve_layout
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ def make_inputs(case: Case) -> dict[str, Tensor]:
 def run_cp(mesh, case: Case) -> dict[str, Tensor]:
     """On each rank: shard, CP attention forward + backward; return local results."""
     full = make_inputs(case)
-    layout = resolve_layout(case.layout, is_causal=case.causal)
+    layout = case.layout
     local = {
         name: cp_shard(t.to(case.dtype), mesh, seq_dim=2, layout=layout).detach()
         for name, t in full.items()
@@ -90,7 +90,7 @@ def place_shards(per_rank: list[dict[str, Tensor]], layout, seq_len: int) -> dic
 
 def unshard_results(case: Case, per_rank: list[dict[str, Tensor]]) -> dict[str, Tensor]:
     """The CP results in global order."""
-    layout = SeqLayout(resolve_layout(case.layout, is_causal=case.causal), case.world)
+    layout = resolve_layout(case.layout, case.world)
     return place_shards(per_rank, layout, case.seq)
 
 

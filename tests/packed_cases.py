@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from cpcompose import CommMeter, cp_attention
-from cpcompose.packing import PackedLayout
+from cpcompose.layouts import PackedLayout
 from tests.attention_cases import place_shards
 
 

@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import parallelize_module
 
 from cpcompose import (
+    cp_from_local,
     ContextParallel,
     PackedLayout,
     allreduce_gradients,
@@ -124,9 +125,10 @@ class DTensorIn(nn.Module):
         m = self.model
         x = m.tok(tokens) + m.pos(positions)
         for block in m.blocks:
-            h = DTensor.from_local(torch.tanh(x), self.mesh, [Shard(1)], run_check=False)
+            h = cp_from_local(torch.tanh(x), self.mesh, seq_dim=1, layout="zigzag")
             y = block(h)
             assert isinstance(y, DTensor) and y.placements == (Shard(1),)
+            assert y.device_mesh.mesh_dim_names == h.device_mesh.mesh_dim_names
             x = x + y.to_local()
         return m.head(x)
 
@@ -173,7 +175,7 @@ def sdpa_on_dtensors(mesh) -> dict:
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(1, 4, 16, 8, generator=g, dtype=torch.float64) for _ in range(3))
     local = [cp_shard(t, mesh, seq_dim=2, layout="zigzag").detach().requires_grad_() for t in (q, k, v)]
-    dq, dk, dv = (DTensor.from_local(t, mesh, [Shard(2)], run_check=False) for t in local)
+    dq, dk, dv = (cp_from_local(t, mesh, seq_dim=2, layout="zigzag") for t in local)
     with context_parallel(mesh):
         out = F.scaled_dot_product_attention(dq, dk, dv, is_causal=True)
         assert isinstance(out, DTensor) and out.placements == (Shard(2),)

@@ -8,13 +8,13 @@ import torch
 from cpcompose.attention.blocks import MaskSpec, plan
 from cpcompose.attention.kernels import attention_backward, attention_forward
 from cpcompose.attention.merge import SoftmaxAccumulator
-from cpcompose.layout import Run, SeqLayout
+from cpcompose.layouts import Run, resolve_layout
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 @pytest.mark.parametrize("name", ["zigzag", "contiguous"])
 def test_layout_round_trip(name: str, world: int) -> None:
-    layout = SeqLayout(name, world)
+    layout = resolve_layout(name, world)
     x = torch.arange(8 * world * 3).view(3, 8 * world)
     shards = [layout.shard(x, 1, r) for r in range(world)]
     for r, shard in enumerate(shards):
@@ -24,11 +24,11 @@ def test_layout_round_trip(name: str, world: int) -> None:
 
 
 def test_zigzag_chunks() -> None:
-    assert [SeqLayout("zigzag", 4).chunk_ids(r) for r in range(4)] == [(0, 7), (1, 6), (2, 5), (3, 4)]
-    assert SeqLayout("zigzag", 2).local_indices(1, 8).tolist() == [2, 3, 4, 5]
+    assert [resolve_layout("zigzag", 4).chunk_ids(r) for r in range(4)] == [(0, 7), (1, 6), (2, 5), (3, 4)]
+    assert resolve_layout("zigzag", 2).local_indices(1, 8).tolist() == [2, 3, 4, 5]
 
 
-def _rank_flops(layout: SeqLayout, rank: int) -> float:
+def _rank_flops(layout, rank: int) -> float:
     n = layout.num_chunks  # one token a chunk: each diagonal block computes 1 pair
     return sum(
         t.flops_weight() for src in range(layout.world)
@@ -38,11 +38,11 @@ def _rank_flops(layout: SeqLayout, rank: int) -> float:
 
 @pytest.mark.parametrize("world", [2, 3, 4, 8])
 def test_zigzag_balances_causal_work(world: int) -> None:
-    zigzag = [_rank_flops(SeqLayout("zigzag", world), r) for r in range(world)]
+    zigzag = [_rank_flops(resolve_layout("zigzag", world), r) for r in range(world)]
     assert max(zigzag) == min(zigzag)
     n = 2 * world
     assert sum(zigzag) == n * (n + 1) / 2  # exactly the causal triangle, nothing masked computed
-    contiguous = [_rank_flops(SeqLayout("contiguous", world), r) for r in range(world)]
+    contiguous = [_rank_flops(resolve_layout("contiguous", world), r) for r in range(world)]
     # Contiguous: rank r computes r full pairs and its diagonal one: max/mean = P / ((P+1)/2).
     assert max(contiguous) / (sum(contiguous) / world) == pytest.approx(2 * world / (world + 1))
 

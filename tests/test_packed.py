@@ -15,7 +15,7 @@ import torch
 
 from cpcompose.attention.blocks import MaskSpec, plan
 from cpcompose.data import long_tailed_lengths
-from cpcompose.packing import PackedLayout
+from cpcompose.layouts import PackedLayout
 from tests.packed_cases import PackedCase, reference, run_packed, unshard
 
 PACKS = {
@@ -96,19 +96,19 @@ def bad_packed(mesh, case: str) -> str:
 
     q = torch.randn(1, 2, 8, 4)
     kwargs: dict = {"mesh": mesh, "is_causal": True}
-    if case == "not_zero":
-        kwargs["cu_seqlens"] = [1, 16]
-    elif case == "not_increasing":
-        kwargs["cu_seqlens"] = [0, 9, 9, 16]
-    elif case == "wrong_end":
-        kwargs["cu_seqlens"] = [0, 5, 12]
-    elif case == "differs_between_ranks":
-        kwargs["cu_seqlens"] = [0, 5, 16] if mesh.get_local_rank() == 0 else [0, 6, 16]
-    elif case == "window_zero":
-        kwargs["window_size"] = 0
-    elif case == "window_bidirectional":
-        kwargs.update(window_size=4, is_causal=False)
     try:
+        if case == "not_zero":
+            kwargs["layout"] = PackedLayout.build([1, 16], 2)
+        elif case == "not_increasing":
+            kwargs["layout"] = PackedLayout.build([0, 9, 9, 16], 2)
+        elif case == "wrong_end":
+            kwargs["layout"] = PackedLayout.build([0, 5, 12], 2)
+        elif case == "differs_between_ranks":
+            kwargs["layout"] = PackedLayout.build([0, 5, 16] if mesh.get_local_rank() == 0 else [0, 6, 16], 2)
+        elif case == "window_zero":
+            kwargs["window_size"] = 0
+        elif case == "window_bidirectional":
+            kwargs.update(window_size=4, is_causal=False)
         cp_attention(q, q, q, **kwargs)
     except ValueError as e:
         return str(e)
@@ -121,7 +121,7 @@ def bad_packed(mesh, case: str) -> str:
         ("not_zero", "must start at 0"),
         ("not_increasing", "strictly increasing"),
         ("wrong_end", "does not match the packed layout"),
-        ("differs_between_ranks", "layout/cu_seqlens"),
+        ("differs_between_ranks", "differ between CP ranks (layout)"),
         ("window_zero", "positive number"),
         ("window_bidirectional", "needs is_causal=True"),
     ],

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from cpcompose import cp_position_ids, cp_shard, cp_unshard
-from cpcompose.layout import SeqLayout
+from cpcompose.layouts import resolve_layout
 
 
 def shard_unshard_round_trip(mesh, layout: str) -> dict:
@@ -33,7 +33,7 @@ def test_round_trip_and_gradients(pools, world: int, layout: str) -> None:
         assert torch.equal(r["gathered"], r["full"])
         # d(sum of all ranks' local losses)/d(full) = weight everywhere, after the all-gather.
         assert torch.equal(r["shard_grad"], r["weight"])
-        assert torch.equal(r["unshard_grad"], SeqLayout(layout, world).shard(r["weight"], 1, r["rank"]))
+        assert torch.equal(r["unshard_grad"], resolve_layout(layout, world).shard(r["weight"], 1, r["rank"]))
 
 
 def position_ids(mesh) -> list[int]:

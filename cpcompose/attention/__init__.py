@@ -1,5 +1,6 @@
 """Context-parallel attention: kernels, block planning, and the three strategies."""
 
 from cpcompose.attention.api import STRATEGIES, cp_attention
+from cpcompose.attention.options import CPOptions
 
-__all__ = ["STRATEGIES", "cp_attention"]
+__all__ = ["CPOptions", "STRATEGIES", "cp_attention"]

@@ -2,26 +2,27 @@
 
 from __future__ import annotations
 
-import hashlib
 import math
-from typing import Literal, Sequence
+import zlib
+from typing import Any
 
+import torch
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
 from cpcompose.attention.allgather import AllGatherAttention
 from cpcompose.attention.alltoall import AllToAllAttention
 from cpcompose.attention.blocks import KernelArgs, MaskSpec
-from cpcompose.attention.kernels import select_backend
+from cpcompose.attention.kernels import Backend, select_backend
+from cpcompose.attention.options import STRATEGY_NAMES, CPOptions
 from cpcompose.attention.ring import RingAttention
-from cpcompose.attention.setup import AttentionSetup, Layout
-from cpcompose.comm import CommMeter, CPGroup
-from cpcompose.layout import LAYOUTS, SeqLayout, resolve_layout
-from cpcompose.packing import PackedLayout, check_cu_seqlens
-from cpcompose.validation import agree_across_ranks, dtype_code, shape_code
+from cpcompose.attention.setup import AttentionSetup
+from cpcompose.comm import CPGroup
+from cpcompose.layouts import Layout, resolve_layout
+from cpcompose.validation import Field, agree_across_ranks, dtype_code, float_code, shape_fields
 
-Strategy = Literal["ring", "allgather", "alltoall"]
 STRATEGIES: dict[str, type] = {"ring": RingAttention, "allgather": AllGatherAttention, "alltoall": AllToAllAttention}
+assert tuple(STRATEGIES) == STRATEGY_NAMES
 
 
 def cp_attention(
@@ -32,108 +33,105 @@ def cp_attention(
     mesh: DeviceMesh,
     is_causal: bool = False,
     scale: float | None = None,
-    strategy: Strategy = "ring",
-    layout: str | PackedLayout | None = None,
-    cu_seqlens: Sequence[int] | Tensor | None = None,
-    window_size: int | None = None,
-    backend: str | None = None,
+    options: CPOptions | None = None,
     return_lse: bool = False,
-    meter: CommMeter | None = None,
+    **overrides: Any,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Exact attention over the global sequence, given this rank's shards.
 
     Args:
-        q, k, v: local shards `(batch, heads, seq_local, head_dim)`, cut by `layout`
-            (see `cp_shard`, `cp_shard_packed`). K/V may have fewer heads (GQA/MQA).
+        q, k, v: local shards `(batch, heads, seq_local, head_dim)`, cut by the
+            layout (see `cp_shard`, `cp_shard_packed`). K/V may have fewer heads (GQA/MQA).
         mesh: the 1-D CP mesh (`mesh["cp"]` of a larger one).
         is_causal: causal mask by global position.
         scale: softmax scale; default `1/sqrt(head_dim)`.
-        strategy: "ring" (K/V point-to-point), "allgather" (gather K/V), or
-            "alltoall" (Ulysses: heads for sequence).
-        layout: "zigzag" or "contiguous" (None = zigzag if causal else contiguous),
-            or a `PackedLayout` from `cp_shard_packed` for packed documents.
-        cu_seqlens: document boundaries of a packed sequence (0, ..., total); the
-            shards must then be cut by `PackedLayout.build(cu_seqlens, P)`.
-        window_size: sliding window: each query sees at most this many earlier
-            positions (causal only).
-        backend: force a local kernel (see `kernels.BACKENDS`); None = best available.
+        options: a `CPOptions` (strategy, layout, window_size, backend, meter).
         return_lse: also return the float32 log-sum-exp `(batch, heads, seq_local)`.
-        meter: counts the bytes this rank sends.
+        **overrides: any `CPOptions` field by name, e.g. `strategy="alltoall"`,
+            `layout=shard.layout` (a `PackedLayout` for packed documents: the very
+            object the shards were cut by), `window_size=512`.
 
     Returns:
         The local output shard (same layout as `q`), and the LSE if asked for.
 
     Raises:
         ValueError: on every rank, before any K/V moves, if any rank's input is
-            invalid or the ranks disagree on shapes, dtypes or options.
+            invalid or the ranks disagree on shapes, dtypes, options or layout.
+        TypeError: an override that is not a `CPOptions` field.
+    """
+    opts = (options or CPOptions()).replace(**overrides)
+    return attend(q, k, v, mesh=mesh, is_causal=is_causal, scale=scale, options=opts, return_lse=return_lse)
+
+
+def attend(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    mesh: DeviceMesh,
+    is_causal: bool,
+    scale: float | None,
+    options: CPOptions,
+    return_lse: bool = False,
+    caller_error: str | None = None,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """`cp_attention` for callers that checked inputs of their own (`caller_error`: their complaint).
+
+    The caller's complaint joins this rank's verdict in the one cross-rank agreement,
+    so every rank raises it, or none does.
     """
     cp = CPGroup.from_mesh(mesh)
-    chosen, error = _choose_layout(layout, cu_seqlens, is_causal, cp.world, window_size)
-    error = error or _local_error(q, k, v, cp.world, strategy, chosen, is_causal, window_size)
-    signature = [
-        *shape_code(q.shape), *shape_code(k.shape), *shape_code(v.shape),
-        dtype_code(q.dtype), int(is_causal), list(STRATEGIES).index(strategy) if strategy in STRATEGIES else -1,
-        _layout_code(chosen), -1 if window_size is None else int(window_size),
-    ]
-    names = ["q"] * 5 + ["k"] * 5 + ["v"] * 5 + ["dtype", "is_causal", "strategy", "layout/cu_seqlens", "window_size"]
-    agree_across_ranks(cp, error, signature, what="cp_attention", device=q.device, describe=names)
-    assert chosen is not None
-    kernel = KernelArgs(
-        scale=scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]),
-        backend=select_backend(q, backend),
+    layout: Layout | None = None
+    backend: Backend | None = None
+    error = caller_error or options.error(cp.world) or _tensor_error(q, k, v) or _scale_error(scale)
+    if error is None:
+        layout = resolve_layout(options.layout, cp.world)
+        error = layout.local_len_error(q.shape[2]) or _mask_error(is_causal, options.window_size)
+    if error is None:
+        try:
+            backend = select_backend(q, options.backend)
+        except ValueError as e:
+            error = str(e)
+    agree_across_ranks(
+        cp, error, _signature(q, k, v, is_causal, scale, options, layout, return_lse),
+        what="cp_attention", device=_metadata_device(q),
     )
-    mask = MaskSpec(is_causal, window_size)
-    setup = AttentionSetup(cp, chosen, mask, kernel, meter, need_lse=return_lse)
-    out, lse = STRATEGIES[strategy].apply(q, k, v, setup)
+    assert layout is not None and backend is not None
+    kernel = KernelArgs(scale=scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]), backend=backend)
+    setup = AttentionSetup(cp, layout, MaskSpec(is_causal, options.window_size), kernel, options.meter, return_lse)
+    out, lse = STRATEGIES[options.strategy].apply(q, k, v, setup)
     return (out, lse) if return_lse else out
 
 
-def _choose_layout(
-    layout: str | PackedLayout | None, cu_seqlens: Sequence[int] | Tensor | None, causal: bool, world: int,
-    window: int | None,
-) -> tuple[Layout | None, str | None]:
-    """The layout object for the arguments, or why there is none."""
-    if isinstance(layout, PackedLayout):
-        if cu_seqlens is not None:
-            return None, "pass either layout=PackedLayout or cu_seqlens, not both"
-        if layout.world != world:
-            return None, f"the PackedLayout was built for {layout.world} ranks, the CP mesh has {world}"
-        return layout, None
-    if cu_seqlens is not None:
-        if layout not in (None, "packed"):
-            return None, f"layout={layout!r} cannot cut a packed sequence; leave layout=None with cu_seqlens"
-        cu = cu_seqlens.tolist() if isinstance(cu_seqlens, Tensor) else list(cu_seqlens)
-        problem = check_cu_seqlens(cu)
-        if problem:
-            return None, problem
-        balance_window = window if isinstance(window, int) and window > 0 else None
-        return PackedLayout.build(cu, world, window=balance_window), None
-    if layout is not None and layout not in LAYOUTS:
-        return None, f"layout={layout!r} is unknown; choose one of {LAYOUTS} or pass a PackedLayout"
-    return SeqLayout(resolve_layout(layout, is_causal=causal), world), None
+def _metadata_device(q: object) -> torch.device:
+    """Where the agreement's tiny tensor lives: q's device (CUDA for NCCL), CPU if q has none."""
+    return q.device if isinstance(q, Tensor) and q.device.type != "meta" else torch.device("cpu")
 
 
-def _layout_code(layout: Layout | None) -> int:
-    """A number every rank computes alike for the same layout (documents included)."""
-    if layout is None:
-        return -1
-    if isinstance(layout, SeqLayout):
-        return LAYOUTS.index(layout.name)
-    digest = hashlib.sha256(repr((layout.doc_bounds, layout.world)).encode()).digest()
-    return int.from_bytes(digest[:7], "little")
+def _signature(
+    q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float | None, options: CPOptions, layout: Layout | None,
+    return_lse: bool,
+) -> list[Field]:
+    """What must be equal on every rank: shapes, dtype, mask, options and the whole split."""
+    shapes = [(n, t.shape if isinstance(t, Tensor) else ()) for n, t in (("q", q), ("k", k), ("v", v))]
+    strategy = STRATEGY_NAMES.index(options.strategy) if options.strategy in STRATEGY_NAMES else -1
+    return [
+        *(f for name, shape in shapes for f in shape_fields(name, shape)),
+        ("dtype", dtype_code(getattr(q, "dtype", None))),
+        ("is_causal", int(bool(causal))),
+        ("strategy", strategy),
+        ("layout", -1 if layout is None else layout.identity),
+        ("window_size", -1 if not isinstance(options.window_size, int) else int(options.window_size)),
+        ("scale", float_code(scale) if isinstance(scale, (int, float)) else -3),
+        ("backend", zlib.crc32(str(options.backend).encode())),
+        ("return_lse", int(bool(return_lse))),
+    ]
 
 
-def _local_error(
-    q: Tensor, k: Tensor, v: Tensor, world: int, strategy: str, layout: Layout | None, causal: bool,
-    window_size: int | None,
-) -> str | None:
-    """What is wrong with this rank's arguments, or None."""
-    if strategy not in STRATEGIES:
-        return f"strategy={strategy!r} is unknown; choose one of {tuple(STRATEGIES)}"
-    if window_size is not None and (isinstance(window_size, bool) or not isinstance(window_size, int) or window_size < 1):
-        return f"window_size must be a positive number of positions, got {window_size!r}"
-    if window_size is not None and not causal:
-        return "window_size needs is_causal=True (the window is to the left of each query)"
+def _tensor_error(q: Tensor, k: Tensor, v: Tensor) -> str | None:
+    """What is wrong with this rank's q, k, v on their own, or None."""
+    if not all(isinstance(t, Tensor) for t in (q, k, v)):
+        return f"q, k, v must be tensors, got {type(q).__name__}, {type(k).__name__}, {type(v).__name__}"
     if any(t.ndim != 4 for t in (q, k, v)):
         return (
             f"q, k, v must be 4-D (batch, heads, seq, head_dim), got shapes "
@@ -143,6 +141,8 @@ def _local_error(
         return f"q, k, v must share one floating dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
     if not (q.device == k.device == v.device):
         return f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}"
+    if q.device.type == "meta":
+        return "q, k, v are meta tensors (no data): materialize the model (e.g. to_empty + init) before attending"
     if not (q.shape[0] == k.shape[0] == v.shape[0]) or not (q.shape[2] == k.shape[2] == v.shape[2]):
         return (
             f"q, k, v must share batch (dim 0) and local sequence length (dim 2), got shapes "
@@ -155,5 +155,21 @@ def _local_error(
             f"query heads ({q.shape[1]}) must be a multiple of key/value heads (k: {k.shape[1]}, "
             f"v: {v.shape[1]}, which must be equal)"
         )
-    assert layout is not None
-    return layout.split_error(q.shape[2] * world, what=f"global sequence length (local {q.shape[2]} x {world} ranks)")
+    empty = [name for name, n in (("batch", q.shape[0]), ("heads", q.shape[1]), ("head_dim", q.shape[3])) if n == 0]
+    if empty:
+        return f"q, k, v have no {' or '.join(empty)} (size 0): attention needs at least one of each"
+    return None
+
+
+def _scale_error(scale: object) -> str | None:
+    if scale is None:
+        return None
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+        return f"scale must be a finite positive number or None (1/sqrt(head_dim)), got {scale!r}"
+    return None
+
+
+def _mask_error(causal: bool, window: int | None) -> str | None:
+    if window is not None and not causal:
+        return "window_size needs is_causal=True (the window is to the left of each query)"
+    return None

@@ -31,7 +31,7 @@ from torch import Tensor
 
 from cpcompose.attention.kernels import Backend, attention_backward, attention_forward
 from cpcompose.attention.merge import SoftmaxAccumulator
-from cpcompose.layout import Run
+from cpcompose.layouts import Run
 
 NO_WINDOW = 1 << 62
 BAND_TILE = 512  # rows per band tile: masks stay <= 512 x (512 + window) elements

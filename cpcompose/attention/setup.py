@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -11,10 +11,8 @@ from torch import Tensor
 from cpcompose.attention.blocks import BlockTask, KernelArgs, MaskSpec, plan
 from cpcompose.attention.merge import SoftmaxAccumulator
 from cpcompose.comm import CommMeter, CPGroup
-from cpcompose.layout import SeqLayout
-from cpcompose.packing import PackedLayout
-
-Layout = Union[SeqLayout, PackedLayout]
+from cpcompose.layouts import Layout
+from cpcompose.precision import accumulator_zeros
 
 
 @dataclass(frozen=True)
@@ -48,8 +46,8 @@ class AttentionSetup:
 
 
 def float_zeros(like: Tensor) -> Tensor:
-    """A float32 (float64 for float64) accumulator shaped like `like`."""
-    return torch.zeros(like.shape, dtype=torch.promote_types(like.dtype, torch.float32), device=like.device)
+    """An accumulator shaped like `like` (see `cpcompose.precision`)."""
+    return accumulator_zeros(like.shape, like)
 
 
 def finish_forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, acc: SoftmaxAccumulator, setup: AttentionSetup):

@@ -2,25 +2,27 @@
 
 Code written for `torch.distributed.tensor.experimental.context_parallel` works by
 changing the import: the buffers are sharded in place along their sequence dims
-(zigzag by default, and both causal and bidirectional attention stay exact under
-it), SDPA inside the block is context-parallel, and the buffers are restored on
-exit unless listed in `no_restore_buffers`.
+(zigzag by default, the same default as `cp_shard` and `cp_attention`; causal and
+bidirectional attention are both exact under it), SDPA inside the block is
+context-parallel, and the buffers are restored on exit unless listed in
+`no_restore_buffers`.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
-from cpcompose.comm import CommMeter, CPGroup
-from cpcompose.layout import SeqLayout, resolve_layout
-from cpcompose.packing import PackedLayout
-from cpcompose.parallel.dispatch import CPAttentionMode, CPConfig
-from cpcompose.sharding import cp_unshard
+from cpcompose.attention.options import CPOptions
+from cpcompose.comm import CPGroup
+from cpcompose.layouts import LayoutSpec, layout_error, resolve_layout
+from cpcompose.parallel.dispatch import CPAttentionMode
+from cpcompose.sharding import cp_unshard, dim_error
+from cpcompose.validation import agree_across_ranks, shape_fields
 
 
 @contextlib.contextmanager
@@ -30,10 +32,8 @@ def context_parallel(
     buffers: Sequence[Tensor] | None = None,
     buffer_seq_dims: Sequence[int] | None = None,
     no_restore_buffers: set[Tensor] | None = None,
-    strategy: str = "ring",
-    layout: str | PackedLayout = "zigzag",
-    meter: CommMeter | None = None,
-    window_size: int | None = None,
+    options: CPOptions | None = None,
+    **overrides: Any,
 ) -> Iterator[None]:
     """Shard `buffers` in place and make SDPA context-parallel inside the block.
 
@@ -46,32 +46,38 @@ def context_parallel(
             identical on every rank; replaced in place by this rank's shard.
         buffer_seq_dims: the sequence dim of each buffer.
         no_restore_buffers: buffers to leave sharded on exit.
-        strategy, layout, meter, window_size: as for `cp_attention`; `layout` may be a
-            `PackedLayout` (buffers are then the padded pack).
+        options: the `CPOptions`; `**overrides` sets any of its fields by name
+            (`strategy=`, `layout=` (a `PackedLayout`: buffers are the padded pack), ...).
 
     Raises:
-        ValueError: buffers and dims differ in number, or a buffer's sequence
-            cannot be split by the layout (checked before any buffer changes).
+        ValueError: on every rank, before any buffer changes: buffers and dims differ
+            in number, a dim is out of range, or a buffer's sequence cannot be split.
     """
-    config = CPConfig(mesh, strategy, layout, meter, window_size=window_size)
+    opts = (options or CPOptions()).replace(**overrides)
+    cp = CPGroup.from_mesh(mesh)
     buffers, dims = list(buffers or []), list(buffer_seq_dims or [])
+    error = layout_error(opts.layout, cp.world)
     if len(buffers) != len(dims):
-        raise ValueError(f"got {len(buffers)} buffers but {len(dims)} buffer_seq_dims; give one dim per buffer")
-    seq_layout = (
-        layout if isinstance(layout, PackedLayout)
-        else SeqLayout(resolve_layout(layout, is_causal=True), CPGroup.from_mesh(mesh).world)
-    )
+        error = f"got {len(buffers)} buffers but {len(dims)} buffer_seq_dims; give one dim per buffer"
+    seq_layout = resolve_layout(opts.layout, cp.world) if error is None else None
     for i, (buf, dim) in enumerate(zip(buffers, dims)):
-        seq_layout.check_split(buf.shape[dim], what=f"buffers[{i}] sequence length (dim {dim})")
+        if error is None and seq_layout is not None:
+            error = dim_error(dim, buf.ndim) or seq_layout.split_error(
+                buf.shape[dim], what=f"buffers[{i}] sequence length (dim {dim})"
+            )
+    signature = [("buffers", len(buffers)), ("layout", -1 if seq_layout is None else seq_layout.identity)]
+    signature += [f for b in buffers for f in shape_fields("buffer shape", b.shape, 6)]
+    device = buffers[0].device if buffers else torch.device("cpu")
+    agree_across_ranks(cp, error, signature, what="context_parallel", device=device)
+    assert seq_layout is not None
     keep = {id(b) for b in (no_restore_buffers or ())}
     originals = [None if id(b) in keep else b.clone() for b in buffers]
-    rank = mesh.get_local_rank()
-    shards = [seq_layout.shard(b, dim, rank) for b, dim in zip(buffers, dims)]
+    shards = [seq_layout.shard(b, dim, cp.rank) for b, dim in zip(buffers, dims)]
     with torch.no_grad():
         for buf, shard in zip(buffers, shards):
             buf.resize_(shard.shape).copy_(shard)
     try:
-        with CPAttentionMode(config):
+        with CPAttentionMode(mesh, opts):
             yield
     finally:
         with torch.no_grad():
@@ -81,7 +87,7 @@ def context_parallel(
 
 
 def context_parallel_unshard(
-    mesh: DeviceMesh, buffers: Sequence[Tensor], seq_dims: Sequence[int], *, layout: str | PackedLayout = "zigzag"
+    mesh: DeviceMesh, buffers: Sequence[Tensor], seq_dims: Sequence[int], *, layout: LayoutSpec = None
 ) -> list[Tensor]:
     """All-gather sharded `buffers` back to full sequences in global order (differentiable)."""
     if len(buffers) != len(seq_dims):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from typing import Any, Iterator
 
 from torch import nn
@@ -11,9 +10,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
-from cpcompose.comm import CommMeter
-from cpcompose.packing import PackedLayout
-from cpcompose.parallel.dispatch import CPAttentionMode, CPConfig
+from cpcompose.attention.options import CPOptions
+from cpcompose.cp_dtensor import split_mismatch
+from cpcompose.layouts import LayoutSpec
+from cpcompose.parallel.dispatch import CPAttentionMode
 
 
 class ContextParallel(ParallelStyle):
@@ -24,15 +24,13 @@ class ContextParallel(ParallelStyle):
     become ring / all-gather / all-to-all attention over the local shards. The
     rest of the model runs on the local shards as it is.
 
-    Args (keyword-only):
-        strategy: "ring", "allgather" or "alltoall".
-        layout: how the sequence was sharded: "zigzag" (default) or "contiguous".
-        seq_dim: sequence dim of the module's tensor inputs and outputs.
-        use_local_output: when inputs arrive as DTensors (`Shard(seq_dim)` on the CP
-            mesh), return a plain local tensor (True) or a DTensor like the input.
-        meter: counts the bytes CP attention sends.
-        backend: force a local attention kernel (tests).
-        window_size: sliding window of the (causal) SDPA calls, in positions to the left.
+    Args:
+        options: the `CPOptions` (strategy, layout, window_size, backend, meter).
+        seq_dim: (keyword) sequence dim of the module's tensor inputs and outputs.
+        use_local_output: (keyword) when inputs arrive as DTensors (`Shard(seq_dim)`
+            on the CP mesh, in the layout's order: see `cp_distribute`), return a
+            plain local tensor (True) or a DTensor like the input.
+        **overrides: any `CPOptions` field by name, e.g. `strategy="alltoall"`.
 
     For packed sequences the layout changes with every batch: wrap the forward
     *and* backward in `with style.layout_for(packed_layout):` (a recompute under
@@ -40,54 +38,43 @@ class ContextParallel(ParallelStyle):
     """
 
     def __init__(
-        self,
-        *,
-        strategy: str = "ring",
-        layout: str = "zigzag",
-        seq_dim: int = 1,
-        use_local_output: bool = True,
-        meter: CommMeter | None = None,
-        backend: str | None = None,
-        window_size: int | None = None,
+        self, options: CPOptions | None = None, *, seq_dim: int = 1, use_local_output: bool = True, **overrides: Any
     ) -> None:
         super().__init__()
-        self.strategy, self.layout, self.seq_dim = strategy, layout, seq_dim
-        self.use_local_output, self.meter, self.backend = use_local_output, meter, backend
-        self.window_size = window_size
-        self._configs: dict[int, CPConfig] = {}  # per mesh this style was applied on
-        self._override: str | PackedLayout | None = None
+        self.options = (options or CPOptions()).replace(**overrides)
+        self.seq_dim, self.use_local_output = seq_dim, use_local_output
+        self._layout_override: LayoutSpec = None
 
     @contextlib.contextmanager
-    def layout_for(self, layout: str | PackedLayout) -> Iterator[None]:
+    def layout_for(self, layout: LayoutSpec) -> Iterator[None]:
         """Use `layout` (e.g. this batch's `PackedLayout`) for the forward passes inside."""
-        previous, self._override = self._override, layout
+        previous, self._layout_override = self._layout_override, layout
         try:
             yield
         finally:
-            self._override = previous
+            self._layout_override = previous
 
-    def _config(self, mesh: DeviceMesh) -> CPConfig:
-        config = self._configs[id(mesh)]
-        return config if self._override is None else dataclasses.replace(config, layout=self._override)
+    def current_options(self) -> CPOptions:
+        """The options a forward entered now uses (with any `layout_for` override)."""
+        if self._layout_override is None:
+            return self.options
+        return self.options.replace(layout=self._layout_override)
 
     def __repr__(self) -> str:
         return (
-            f"{type(self).__name__}(strategy={self.strategy!r}, layout={self.layout!r}, "
-            f"seq_dim={self.seq_dim}, use_local_output={self.use_local_output}, window_size={self.window_size})"
+            f"{type(self).__name__}({self.options!r}, seq_dim={self.seq_dim}, "
+            f"use_local_output={self.use_local_output})"
         )
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        self._configs[id(device_mesh)] = CPConfig(
-            device_mesh, self.strategy, self.layout, self.meter, self.backend, self.window_size
-        )
         active: list[tuple[CPAttentionMode, DTensor | None]] = []  # re-entrant (recursion, recompute)
 
         def enter(_module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            mode = CPAttentionMode(device_mesh, self.current_options())
             template = next((a for a in (*args, *kwargs.values()) if isinstance(a, DTensor)), None)
             if template is not None:
-                args = tuple(self._to_local(a) for a in args)
-                kwargs = {k: self._to_local(a) for k, a in kwargs.items()}
-            mode = CPAttentionMode(self._config(device_mesh))
+                args = tuple(self._to_local(a, mode) for a in args)
+                kwargs = {k: self._to_local(a, mode) for k, a in kwargs.items()}
             mode.__enter__()
             active.append((mode, template))
             return args, kwargs
@@ -103,7 +90,7 @@ class ContextParallel(ParallelStyle):
         module.register_forward_hook(leave, with_kwargs=True, always_call=True)
         return module
 
-    def _to_local(self, x: Any) -> Any:
+    def _to_local(self, x: Any, mode: CPAttentionMode) -> Any:
         if not isinstance(x, DTensor):
             return x
         if not any(isinstance(p, Shard) and p.dim % x.ndim == self.seq_dim % x.ndim for p in x.placements):
@@ -111,4 +98,8 @@ class ContextParallel(ParallelStyle):
                 f"ContextParallel got a DTensor input with placements {x.placements}; it expects "
                 f"Shard({self.seq_dim}) (the sequence) on the CP mesh, or a plain local shard"
             )
+        layout = mode.layout()
+        error = None if layout is None else split_mismatch(x, layout, what="ContextParallel input")
+        if error:
+            raise ValueError(error)
         return x.to_local()

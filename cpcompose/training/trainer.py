@@ -18,10 +18,10 @@ from torch import Tensor
 from cpcompose.comm import CommMeter
 from cpcompose.config import JobConfig
 from cpcompose.data import IGNORE_INDEX, Batch, build_data_source
-from cpcompose.layout import SeqLayout
+from cpcompose.layouts import PackedLayout, resolve_layout
 from cpcompose.models import Llama, split_llama_for_pipeline
 from cpcompose.models.parallelize import build_pipeline_stage, needs_manual_grad_reduce, parallelize_llama
-from cpcompose.packing import PackedLayout, pad_pack
+from cpcompose.packing import pad_pack
 from cpcompose.parallel import ContextParallel, ParallelDims, allreduce_gradients, cp_cross_entropy
 from cpcompose.parallel.parallel_dims import flat_mesh
 from cpcompose.training.checkpoint import CheckpointManager
@@ -48,7 +48,7 @@ class Trainer:
         self.loss_mesh = flat_mesh(self.mesh, "dp_cp")
         dp_mesh = flat_mesh(self.mesh, "dp")
         self.cp_rank = self.mesh["cp"].get_local_rank()
-        self.layout = SeqLayout(p.cp_layout, p.cp)
+        self.layout = resolve_layout(p.cp_layout, p.cp)
         self.meter = CommMeter()
         # Packed documents: the layout changes every batch, so keep the style to switch it.
         self.cp_style = (
@@ -122,7 +122,7 @@ class Trainer:
             return self._shard_packed(batch)
         tokens = self.layout.shard(batch.input_ids, 1, self.cp_rank).to(self.device)
         labels = self.layout.shard(batch.labels, 1, self.cp_rank).to(self.device)
-        positions = self.layout.local_indices(self.cp_rank, batch.input_ids.shape[1], self.device)
+        positions = self.layout.position_ids(self.cp_rank, batch.input_ids.shape[1], self.device)
         return tokens, labels, positions.expand(tokens.shape[0], -1).contiguous(), None
 
     def _shard_packed(self, batch: Batch) -> tuple[Tensor, Tensor, Tensor, PackedLayout]:
@@ -134,7 +134,7 @@ class Trainer:
         tokens = pad_pack(batch.input_ids.reshape(1, -1), layout, dim=1)
         labels = pad_pack(batch.labels.reshape(1, -1), layout, dim=1, value=IGNORE_INDEX)
         local = [layout.shard(t, 1, self.cp_rank).to(self.device) for t in (tokens, labels)]
-        return local[0], local[1], layout.position_ids(self.cp_rank, self.device)[None], layout
+        return local[0], local[1], layout.position_ids(self.cp_rank, device=self.device)[None], layout
 
     def _global_tokens(self, batches: list[Batch]) -> Tensor:
         """Valid labels in this step's global batch (each dp rank counts its full sequences)."""

@@ -1,0 +1,56 @@
+"""`CPOptions`: how CP attention is computed, one object from the config to the kernel call.
+
+The trainer builds one from its config, `parallelize` hands it to `ContextParallel`,
+the style hands it to the SDPA route, and the route hands it to `cp_attention`:
+nobody re-threads its fields by hand, so a new option is one field here. It is
+checked where it is used, through the cross-rank agreement, so a bad value on one
+rank raises on every rank instead of leaving the others waiting in a collective.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from cpcompose.comm import CommMeter
+from cpcompose.layouts import LayoutSpec, layout_error
+
+Strategy = Literal["ring", "allgather", "alltoall"]
+STRATEGY_NAMES: tuple[str, ...] = ("ring", "allgather", "alltoall")
+
+
+@dataclass(frozen=True)
+class CPOptions:
+    """The CP attention options shared by every entry point.
+
+    Attributes:
+        strategy: "ring" (K/V point-to-point), "allgather" (gather K/V) or
+            "alltoall" (Ulysses: heads for sequence).
+        layout: how the shards were cut: a registered name ("zigzag", the default,
+            or "contiguous") or a `Layout` object such as a `PackedLayout`.
+        window_size: causal sliding window, in positions to the left of each query.
+        backend: force a local kernel (see `kernels.BACKENDS`); None = best available.
+        meter: counts the bytes CP attention sends.
+    """
+
+    strategy: Strategy = "ring"
+    layout: LayoutSpec = None
+    window_size: int | None = None
+    backend: str | None = None
+    meter: CommMeter | None = None
+
+    def replace(self, **changes: Any) -> "CPOptions":
+        """A copy with `changes` (TypeError names an unknown option, as a function call would)."""
+        return dataclasses.replace(self, **changes) if changes else self
+
+    def error(self, world: int) -> str | None:
+        """Why these options cannot run on a CP group of `world` ranks, or None."""
+        if self.strategy not in STRATEGY_NAMES:
+            return f"strategy={self.strategy!r} is unknown; choose one of {STRATEGY_NAMES}"
+        w = self.window_size
+        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
+            return f"window_size must be a positive number of positions, got {w!r}"
+        if self.meter is not None and not isinstance(self.meter, CommMeter):
+            return f"meter must be a cpcompose.CommMeter, got {type(self.meter).__name__}"
+        return layout_error(self.layout, world)
