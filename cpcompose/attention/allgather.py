@@ -18,6 +18,7 @@ from cpcompose.attention.blocks import backward_blocks, forward_blocks
 from cpcompose.attention.merge import SoftmaxAccumulator
 from cpcompose.attention.setup import AttentionSetup, finish_forward
 from cpcompose.comm import all_gather, reduce_scatter
+from cpcompose.precision import accumulation_dtype
 
 
 def _gather_kv(k: Tensor, v: Tensor, setup: AttentionSetup) -> tuple[Tensor, Tensor]:
@@ -43,7 +44,7 @@ class AllGatherAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         setup: AttentionSetup = ctx.setup
         k_full, v_full = _gather_kv(k, v, setup)
-        acc_dtype = torch.promote_types(q.dtype, torch.float32)
+        acc_dtype = accumulation_dtype(q.dtype)
         dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
         dkv = torch.zeros((2, *k_full.shape), dtype=acc_dtype, device=q.device)
         tasks = setup.tasks_against_all(q.shape[2])

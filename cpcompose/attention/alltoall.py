@@ -26,6 +26,7 @@ from cpcompose.attention.kernels import attention_backward, attention_forward
 from cpcompose.attention.merge import SoftmaxAccumulator
 from cpcompose.attention.setup import AttentionSetup, float_zeros
 from cpcompose.comm import all_to_all_pieces
+from cpcompose.precision import accumulation_dtype
 
 HeadRange = tuple[int, int]
 
@@ -67,8 +68,9 @@ class _HeadPlan:
     def reduce_local_kv(self, dkv: Tensor, n_kv: int) -> Tensor:
         if not self.expand:
             return dkv
-        out = dkv.new_zeros((dkv.shape[0], n_kv, *dkv.shape[2:]), dtype=torch.float32)
-        return out.index_add_(1, self.kv_index, dkv.float()).to(dkv.dtype)
+        acc = accumulation_dtype(dkv.dtype)
+        out = dkv.new_zeros((dkv.shape[0], n_kv, *dkv.shape[2:]), dtype=acc)
+        return out.index_add_(1, self.kv_index, dkv.to(acc)).to(dkv.dtype)
 
 
 def _seq_to_heads(tensors: list[Tensor], ranges: list[list[HeadRange]], setup: AttentionSetup) -> list[Tensor]:
@@ -164,7 +166,7 @@ class AllToAllAttention(torch.autograd.Function):
         recv = _heads_to_seq([dq_h, dk_h, dv_h], ranges, setup)
         dq = torch.cat([parts[0] for parts in recv], dim=1)
         b, seq = dq.shape[0], dq.shape[2]
-        acc_dtype = torch.promote_types(dq.dtype, torch.float32)
+        acc_dtype = accumulation_dtype(dq.dtype)
         dk = torch.zeros((b, ctx.n_kv, seq, kh.shape[-1]), dtype=acc_dtype, device=dq.device)
         dv = torch.zeros((b, ctx.n_kv, seq, vh.shape[-1]), dtype=acc_dtype, device=dq.device)
         for (klo, khi), parts in zip(plan.kv_ranges, recv):

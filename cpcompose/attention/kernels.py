@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from cpcompose import _compat
+from cpcompose.precision import accumulation_dtype
 
 Backend = Literal["cpu_flash", "math", "cuda_flash", "cuda_efficient", "flash_attn"]
 BACKENDS: tuple[str, ...] = ("cpu_flash", "math", "cuda_flash", "cuda_efficient", "flash_attn")
@@ -121,7 +122,7 @@ def attention_backward(
 
 def _scores(q: Tensor, k: Tensor, *, causal: bool, scale: float, mask: Tensor | None) -> Tensor:
     """Scaled, masked scores `(B, Hkv, group, Sq, Sk)` in at least float32."""
-    acc = torch.promote_types(q.dtype, torch.float32)
+    acc = accumulation_dtype(q.dtype)
     b, hq, sq, d = q.shape
     hkv = k.shape[1]
     qg = q.to(acc).view(b, hkv, hq // hkv, sq, d)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from cpcompose.precision import accumulation_dtype
 
 
 class SoftmaxAccumulator:
@@ -27,7 +28,7 @@ class SoftmaxAccumulator:
 
     def __init__(self, like: Tensor, value_dim: int) -> None:
         b, h, s, _ = like.shape
-        acc = torch.promote_types(like.dtype, torch.float32)
+        acc = accumulation_dtype(like.dtype)
         self.out = torch.zeros(b, h, s, value_dim, dtype=acc, device=like.device)
         self.lse = torch.full((b, h, s), float("-inf"), dtype=acc, device=like.device)
 

@@ -75,7 +75,7 @@ class Layout(ABC):
 
     @property
     def keeps_global_order(self) -> bool:
-        """True if layout order is global order (contiguous chunks): plain DTensors mean the same."""
+        """True if layout order is global order (e.g. contiguous chunks): plain DTensors mean the same."""
         return False
 
     def check_split(self, seq_len: int, what: str = "sequence length") -> None:

@@ -41,6 +41,10 @@ class ChunkedLayout(Layout):
         return stable_code(self.name, self.world)
 
     @property
+    def keeps_global_order(self) -> bool:
+        return [c for r in range(self.world) for c in self.chunk_ids(r)] == list(range(self.num_chunks))
+
+    @property
     def chunks_per_rank(self) -> int:
         return self.num_chunks // self.world
 

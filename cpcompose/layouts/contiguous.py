@@ -18,7 +18,3 @@ class ContiguousLayout(ChunkedLayout):
 
     def chunk_ids(self, rank: int) -> tuple[int, ...]:
         return (rank,)
-
-    @property
-    def keeps_global_order(self) -> bool:
-        return True

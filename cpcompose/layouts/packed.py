@@ -107,6 +107,11 @@ class PackedLayout(Layout):
         return self._identity
 
     @property
+    def keeps_global_order(self) -> bool:
+        order = [p for rank in self.pieces for p, _, _ in rank]
+        return order == sorted(order)
+
+    @property
     def seq_len(self) -> int:
         """The padded pack's length, a multiple of `world`."""
         return self.doc_bounds[-1]

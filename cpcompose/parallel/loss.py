@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from cpcompose.comm import CPGroup
+from cpcompose.precision import accumulation_dtype
 
 
 def global_token_count(labels: Tensor, mesh: DeviceMesh, *, ignore_index: int = -100) -> Tensor:
@@ -58,7 +59,7 @@ def cp_cross_entropy(
         )
     if num_tokens is None:
         num_tokens = global_token_count(labels, mesh, ignore_index=ignore_index)
-    acc = torch.promote_types(logits.dtype, torch.float32)  # bf16 logits: the loss in float32
+    acc = accumulation_dtype(logits.dtype)  # bf16 logits: the loss in float32
     total = F.cross_entropy(
         logits.reshape(-1, logits.shape[-1]).to(acc), labels.reshape(-1), ignore_index=ignore_index, reduction="sum"
     )
