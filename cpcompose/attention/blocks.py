@@ -173,7 +173,8 @@ def _cover(q: Run, a0: int, a1: int, k: Run, c0: int, c1: int, left: int, right:
     if right == 0 and (lo, hi) == (r0, r1) and r1 - r0 - 1 <= left:
         return [_task(q, r0, r1, k, lo, hi, "causal", left)]
     if r1 - r0 > BAND_TILE:
-        return [t for a in range(r0, r1, BAND_TILE) for t in _cover(q, a, min(a + BAND_TILE, r1), k, lo, hi, left, right)]
+        tiles = [(a, min(a + BAND_TILE, r1)) for a in range(r0, r1, BAND_TILE)]
+        return [t for a, b in tiles for t in _cover(q, a, b, k, lo, hi, left, right)]
     f0, f1 = max(lo, r1 - 1 - left), min(hi, r0 + right + 1)  # keys every row of the tile sees
     if f0 < f1 and hi - lo > 2 * BAND_TILE:
         return [*_cover(q, r0, r1, k, lo, f0, left, right), _task(q, r0, r1, k, f0, f1, "full"),

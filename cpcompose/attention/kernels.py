@@ -80,9 +80,11 @@ def attention_forward(
     elif backend == "flash_attn":
         out, lse = _flash_attn_forward(q, k, v, causal=causal, scale=scale, softcap=softcap)
     elif backend == "cuda_flash":
-        out, lse = _compat.cuda_flash_forward(q, _expand_kv(q, k), _expand_kv(q, v), 0.0, causal, False, scale=scale)[:2]
+        ke, ve = _expand_kv(q, k), _expand_kv(q, v)
+        out, lse = _compat.cuda_flash_forward(q, ke, ve, 0.0, causal, False, scale=scale)[:2]
     else:
-        res = _compat.cuda_efficient_forward(q, _expand_kv(q, k), _expand_kv(q, v), None, True, 0.0, causal, scale=scale)
+        ke, ve = _expand_kv(q, k), _expand_kv(q, v)
+        res = _compat.cuda_efficient_forward(q, ke, ve, None, True, 0.0, causal, scale=scale)
         out, lse = res[0], res[1][..., : q.shape[2]]
     return out[..., :dv], lse.contiguous()
 

@@ -7,8 +7,8 @@ For full attention that is the whole shard, so the volume equals the classic rin
 rotation (P-1 shards). Under masks it is less: with a causal zigzag layout a rank
 earlier in the order needs only the early chunk; with documents only the pieces of
 shared documents; with a sliding window only the rows within the window (a halo,
-not a rotation; a two-sided window gives a halo on both sides). Rows nobody needs are never sent, and rounds with nothing to
-attend are skipped.
+not a rotation; a two-sided window gives a halo on both sides). Rows nobody
+needs are never sent, and rounds with nothing to attend are skipped.
 
 Backward repeats the exchange of K/V and sends each block's dK/dV (float32, so
 bf16 rounding does not grow with P) straight back to the rank that owns those
