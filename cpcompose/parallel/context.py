@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from cpcompose.attention.options import CPOptions
 from cpcompose.comm import CPGroup
 from cpcompose.layouts import LayoutSpec, layout_error, resolve_layout
-from cpcompose.parallel.dispatch import CPAttentionMode
+from cpcompose.parallel.dispatch import NO_ATTENTION_ROUTED, CPAttentionMode
 from cpcompose.sharding import cp_unshard, dim_error
 from cpcompose.validation import agree_across_ranks, shape_fields
 
@@ -52,6 +52,8 @@ def context_parallel(
     Raises:
         ValueError: on every rank, before any buffer changes: buffers and dims differ
             in number, a dim is out of range, or a buffer's sequence cannot be split.
+            On exit, if no attention call inside went through CP (the model's
+            attention would have run on this rank's tokens only).
     """
     opts = (options or CPOptions()).replace(**overrides)
     cp = CPGroup.from_mesh(mesh)
@@ -76,9 +78,12 @@ def context_parallel(
     with torch.no_grad():
         for buf, shard in zip(buffers, shards):
             buf.resize_(shard.shape).copy_(shard)
+    mode = CPAttentionMode(mesh, opts)
     try:
-        with CPAttentionMode(mesh, opts):
+        with mode:
             yield
+        if mode.routed == 0:
+            raise ValueError(f"context_parallel: {NO_ATTENTION_ROUTED}")
     finally:
         with torch.no_grad():
             for buf, original in zip(buffers, originals):
