@@ -2,10 +2,10 @@
 
 from cpcompose.attention import cp_attention
 from cpcompose.comm import CommMeter
+from cpcompose.distributed import ParallelDims
 from cpcompose.packing import PackedLayout, PackedShard, cp_shard_packed, pad_pack
 from cpcompose.parallel import (
     ContextParallel,
-    ParallelDims,
     allreduce_gradients,
     context_parallel,
     context_parallel_unshard,

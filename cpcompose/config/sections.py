@@ -47,8 +47,10 @@ class Job:
 
 @dataclass
 class Model:
-    """Llama-style decoder shape."""
+    """Model family and its decoder shape."""
 
+    name: str = "llama"
+    """Model family, looked up in cpcompose.models.registry (which builds and parallelizes it): llama."""
     vocab_size: int = 320
     """Embedding rows; must cover the data's ids (byte-level text: 258, synthetic: num_symbols + 4)."""
     dim: int = 128
