@@ -2,12 +2,12 @@
 
 from cpcompose.attention import CPOptions, cp_attention
 from cpcompose.comm import CommMeter
+from cpcompose.distributed import ParallelDims
 from cpcompose.cp_dtensor import cp_distribute, cp_from_local, cp_full_tensor
 from cpcompose.layouts import ContiguousLayout, Layout, PackedLayout, ZigzagLayout, resolve_layout
 from cpcompose.packing import PackedShard, cp_shard_packed, pad_pack
 from cpcompose.parallel import (
     ContextParallel,
-    ParallelDims,
     allreduce_gradients,
     context_parallel,
     context_parallel_unshard,

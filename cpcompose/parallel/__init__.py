@@ -3,13 +3,11 @@
 from cpcompose.parallel.context import context_parallel, context_parallel_unshard
 from cpcompose.parallel.dispatch import CPAttentionMode
 from cpcompose.parallel.loss import allreduce_gradients, cp_cross_entropy, global_token_count
-from cpcompose.parallel.parallel_dims import ParallelDims
 from cpcompose.parallel.style import ContextParallel
 
 __all__ = [
     "CPAttentionMode",
     "ContextParallel",
-    "ParallelDims",
     "allreduce_gradients",
     "context_parallel",
     "context_parallel_unshard",
