@@ -12,6 +12,7 @@ from cpcompose.parallel import (
     context_parallel,
     context_parallel_unshard,
     cp_cross_entropy,
+    parallelize_module,
 )
 from cpcompose.sharding import cp_position_ids, cp_shard, cp_unshard
 
@@ -38,6 +39,7 @@ __all__ = [
     "cp_shard_packed",
     "cp_unshard",
     "pad_pack",
+    "parallelize_module",
     "resolve_layout",
 ]
 __version__ = "0.1.0"

@@ -3,6 +3,7 @@
 from cpcompose.parallel.context import context_parallel, context_parallel_unshard
 from cpcompose.parallel.dispatch import CPAttentionMode
 from cpcompose.parallel.loss import allreduce_gradients, cp_cross_entropy, global_token_count
+from cpcompose.parallel.plan import parallelize_module
 from cpcompose.parallel.style import ContextParallel
 
 __all__ = [
@@ -13,4 +14,5 @@ __all__ = [
     "context_parallel_unshard",
     "cp_cross_entropy",
     "global_token_count",
+    "parallelize_module",
 ]

@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from cpcompose.attention.options import CPOptions
 from cpcompose.comm import CPGroup
 from cpcompose.layouts import LayoutSpec, layout_error, resolve_layout
-from cpcompose.parallel.dispatch import NO_ATTENTION_ROUTED, CPAttentionMode
+from cpcompose.parallel.dispatch import CPAttentionMode
 from cpcompose.sharding import cp_unshard, dim_error
 from cpcompose.validation import agree_across_ranks, shape_fields
 
@@ -82,8 +82,7 @@ def context_parallel(
     try:
         with mode:
             yield
-        if mode.routed == 0:
-            raise ValueError(f"context_parallel: {NO_ATTENTION_ROUTED}")
+        mode.check_routed("context_parallel")
     finally:
         with torch.no_grad():
             for buf, original in zip(buffers, originals):

@@ -9,9 +9,10 @@ settings in one process never see each other's.
 
 `F.multi_head_attention_forward` (PyTorch's `nn.MultiheadAttention`,
 `TransformerEncoderLayer`) is computed with its attention routed the same way
-(`mha.py`); `flex_attention` inside a region raises, since it would run local-only.
-The mode counts what it routed (`routed`), so a region can refuse to end a forward
-in which no attention went through CP.
+(`mha.py`). `flex_attention` cannot be routed: the mode records it (the call sits
+inside flex's own dynamo trace, where an exception would come out mangled) and
+`check_routed` raises at the end of the forward or region. The mode also counts
+what it routed, so a region in which no attention went through CP raises too.
 
 Arguments may be plain tensors (this rank's sequence shard) or DTensors placed
 `Shard(2)` on the CP mesh dimension whose split is the region's (see
@@ -57,6 +58,7 @@ class CPAttentionMode(TorchFunctionMode):
         self.mesh, self.options = mesh, options
         self.world = CPGroup.from_mesh(mesh).world
         self.routed = 0
+        self.local_only = 0  # flex_attention calls, which ran on this rank's tokens only
 
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -65,12 +67,22 @@ class CPAttentionMode(TorchFunctionMode):
         if func is F.multi_head_attention_forward:
             return multi_head_attention_forward(self._attend_plain, *args, **kwargs)
         if getattr(func, "__name__", "") == "flex_attention":
-            raise ValueError(
-                "flex_attention is not context-parallel in cpcompose: inside a CP region it would attend this "
-                "rank's tokens only. Use F.scaled_dot_product_attention (is_causal=True, or a PackedLayout for "
-                "document masks) or cpcompose.cp_attention"
-            )
+            self.local_only += 1
         return func(*args, **kwargs)
+
+    def check_routed(self, where: str) -> None:
+        """Raise unless every attention call in this region went through CP (and there was one).
+
+        Every rank runs the same model code, so every rank raises here alike.
+        """
+        if self.local_only:
+            raise ValueError(
+                f"{where}: flex_attention is not context-parallel in cpcompose: inside a CP region it attended "
+                "this rank's tokens only. Use F.scaled_dot_product_attention (is_causal=True, or a PackedLayout "
+                "for document masks) or cpcompose.cp_attention"
+            )
+        if self.routed == 0:
+            raise ValueError(f"{where}: {NO_ATTENTION_ROUTED}")
 
     def layout(self) -> Layout | None:
         """The region's split, or None if the options name none (the attention then reports why)."""

@@ -13,7 +13,7 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 from cpcompose.attention.options import CPOptions
 from cpcompose.cp_dtensor import split_mismatch
 from cpcompose.layouts import LayoutSpec
-from cpcompose.parallel.dispatch import NO_ATTENTION_ROUTED, CPAttentionMode
+from cpcompose.parallel.dispatch import CPAttentionMode
 
 
 class ContextParallel(ParallelStyle):
@@ -82,8 +82,7 @@ class ContextParallel(ParallelStyle):
         def leave(_module: nn.Module, _args: tuple, _kwargs: dict, output: Any) -> Any:
             mode, template = active.pop()
             mode.__exit__(None, None, None)
-            if mode.routed == 0:  # every rank runs the same module code, so every rank raises here
-                raise ValueError(f"ContextParallel on {type(_module).__name__}: {NO_ATTENTION_ROUTED}")
+            mode.check_routed(f"ContextParallel on {type(_module).__name__}")
             if template is None or self.use_local_output:
                 return output
             return DTensor.from_local(output, template.device_mesh, template.placements, run_check=False)

@@ -32,10 +32,11 @@ rank owns its shard and the replicated norms get identical gradients.
 from __future__ import annotations
 
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from cpcompose.distributed import ParallelDims, apply_activation_checkpointing, apply_compile, apply_fsdp
 from cpcompose.models.llama.model import Llama
+from cpcompose.parallel.plan import parallelize_module
 from cpcompose.parallel.style import ContextParallel
 
 __all__ = ["parallelize_llama"]
