@@ -163,6 +163,11 @@ class Data:
     def __post_init__(self) -> None:
         require(self.source != "text" or self.path is not None, "data.path", "required when data.source = 'text'")
         require(not self.pack or self.source == "text", "data.pack", "only applies to data.source = 'text'")
+        for name in ("path", "tokenizer", "eos_token"):  # ignored by synthetic data: say so rather than drop it
+            require(self.source == "text" or getattr(self, name) is None, f"data.{name}",
+                    "only applies to data.source = 'text'; add --data.source=text or remove it")
+        require(self.eos_token is None or self.tokenizer is not None, "data.eos_token",
+                "only applies with data.tokenizer (the byte-level tokenizer's EOS is fixed)")
         require(self.num_symbols >= 2, "data.num_symbols", f"must be >= 2, got {self.num_symbols}")
         require(1 <= self.num_pairs <= self.num_symbols, "data.num_pairs",
                 f"must be in [1, num_symbols], got {self.num_pairs}")
