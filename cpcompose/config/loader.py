@@ -12,6 +12,7 @@ import json
 import math
 import sys
 import textwrap
+import tomllib  # Python >= 3.11, as pyproject requires
 import types
 from dataclasses import MISSING, fields
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
@@ -19,10 +20,6 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 from cpcompose.config.job_config import JobConfig
 from cpcompose.config.sections import ConfigError, require
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - only on Python < 3.11
-    import tomli as tomllib
 
 __all__ = ["format_help", "load_config"]
 
