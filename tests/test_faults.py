@@ -59,7 +59,8 @@ def start(args: list[str], fault: str | None = None, *, new_session: bool = Fals
     proc = subprocess.Popen([sys.executable, "-m", "cpcompose.train", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT, start_new_session=new_session)
     job = Job(proc)
-    threading.Thread(target=lambda: [job.lines.append((time.monotonic(), ln)) for ln in proc.stdout], daemon=True).start()
+    stamp_lines = lambda: [job.lines.append((time.monotonic(), ln)) for ln in proc.stdout]  # noqa: E731
+    threading.Thread(target=stamp_lines, daemon=True).start()
     threading.Thread(target=lambda: [job.err.append(ln) for ln in proc.stderr], daemon=True).start()
     return job
 

@@ -101,7 +101,7 @@ class MetricsLogger:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
-        run = [(s, l) for s, l in self.history if not self._losses or s < self._losses[0][0]] + self._losses
+        run = [(s, x) for s, x in self.history if not self._losses or s < self._losses[0][0]] + self._losses
         outputs = []
         if self.plot_path is not None and run:
             steps, losses = zip(*run)
