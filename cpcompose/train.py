@@ -66,8 +66,7 @@ def train(config: JobConfig) -> list[float]:
         # (build_mesh hands the world's timeout to every mesh group, and ring waits read it from there.)
         dist.group.WORLD.set_timeout(timedelta(seconds=config.comm.timeout_s))
     try:
-        trainer = Trainer(config)
-        return trainer.run()
+        losses = Trainer(config).run()
     except RuntimeError as e:  # a failure while building: the run loop explains its own
         cause = None if isinstance(e, TrainingError) else is_comm_failure(e)
         if cause is None:
@@ -76,11 +75,12 @@ def train(config: JobConfig) -> list[float]:
             f"rank {dist.get_rank()}: a collective failed while the trainer was starting ({cause}); another rank "
             f"has probably died or stalled, see its log (comm.timeout_s = {config.comm.timeout_s:g} s)"
         ) from e
-    finally:
-        if owns_group:
-            # Tear the groups down while every thread is still alive: left to interpreter exit,
-            # gloo's threads can be destroyed in the wrong order and abort the process.
-            dist.destroy_process_group()
+    # Only after success: tearing a group down while a peer may still be inside a collective can hang.
+    if owns_group:
+        # Destroy while the interpreter is whole: gloo's threads may hold work objects with
+        # tensors, and freeing those during interpreter finalization aborts the process.
+        dist.destroy_process_group()
+    return losses
 
 
 def run_rank(config: JobConfig) -> None:

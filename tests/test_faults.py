@@ -51,13 +51,14 @@ class Job:
         return "".join(self.err)
 
 
-def start(args: list[str], fault: str | None = None, *, new_session: bool = False) -> Job:
+def start(args: list[str], fault: str | None = None) -> Job:
+    """Start the launcher in its own session, so that a test can signal (or kill) it with its ranks."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("CPCOMPOSE_FAULT", None)
     if fault:
         env["CPCOMPOSE_FAULT"] = fault
     proc = subprocess.Popen([sys.executable, "-m", "cpcompose.train", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT, start_new_session=new_session)
+                            stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT, start_new_session=True)
     job = Job(proc)
     stamp_lines = lambda: [job.lines.append((time.monotonic(), ln)) for ln in proc.stdout]  # noqa: E731
     threading.Thread(target=stamp_lines, daemon=True).start()
@@ -66,8 +67,13 @@ def start(args: list[str], fault: str | None = None, *, new_session: bool = Fals
 
 
 def finish(job: Job, timeout: float = 240) -> float:
-    """Wait for the launcher; returns when it ended (monotonic)."""
-    job.proc.wait(timeout=timeout)
+    """Wait for the launcher; returns when it ended (monotonic). A launcher that hangs is killed, and fails."""
+    try:
+        job.proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(job.proc.pid, signal.SIGKILL)  # the launcher and its ranks (own session)
+        job.proc.wait()
+        raise AssertionError(f"the launcher hung for {timeout} s:\n{job.stdout[-2000:]}\n{job.stderr[-2000:]}")
     ended = time.monotonic()
     time.sleep(0.2)  # let the reader threads drain
     return ended
@@ -188,13 +194,12 @@ def test_the_launcher_ends_every_rank_with_one_message(tmp_path: Path) -> None:
 def test_successful_runs_always_exit_zero(tmp_path: Path) -> None:
     """Runs used to abort at interpreter exit now and then ('terminate called without an active exception')."""
     outputs = ["--metrics.enable_tensorboard=true", "--metrics.plot_loss=true"]
-    for round_ in range(2):
-        jobs = [start(SHORT + outputs + ["--training.steps=2", f"--job.dump_folder={tmp_path / f'{round_}-{i}'}"])
-                for i in range(2)]
-        for job in jobs:
-            finish(job)
-            assert job.proc.returncode == 0, job.stderr[-3000:]
-            assert "terminate called" not in job.stderr
+    jobs = [start(SHORT + outputs + ["--training.steps=2", f"--job.dump_folder={tmp_path / str(i)}"])
+            for i in range(3)]  # at once: they overlap their start-up, and their exits race each other
+    for job in jobs:
+        finish(job)
+        assert job.proc.returncode == 0, job.stderr[-3000:]
+        assert "terminate called" not in job.stderr
     out = jobs[0].stdout
     assert "parameters" in out and "outputs:" in out and "tokens per step" in out, out  # the banner
     assert re.search(r"^\d\d:\d\d:\d\d step +2/2", out, re.M), out  # timestamps
@@ -211,7 +216,7 @@ def test_preemption_saves_at_the_next_step_boundary(tmp_path: Path) -> None:
         return SHORT + ["--training.steps=100000", "--checkpoint.enable=true", "--checkpoint.interval=100000",
                         f"--job.dump_folder={tmp_path / name}"]
 
-    jobs = {sig: start(args(sig.name), new_session=True) for sig in (signal.SIGTERM, signal.SIGINT)}
+    jobs = {sig: start(args(sig.name)) for sig in (signal.SIGTERM, signal.SIGINT)}
     for sig, job in jobs.items():
         deadline = time.monotonic() + 120
         while job.first(r"step +3/") is None and time.monotonic() < deadline and job.proc.poll() is None:

@@ -80,8 +80,7 @@ def launch_local(fn: Callable[[JobConfig], object], config: JobConfig, world: in
 def _supervise(procs: list) -> int:
     """Wait for every rank; once one fails, end the rest after GRACE_S; returns the exit code."""
     deadline = None
-    while any(p.exitcode is None for p in procs):
-        running = [p for p in procs if p.exitcode is None]
+    while running := [p for p in procs if p.exitcode is None]:  # one snapshot: waiting on none would block
         timeout = None if deadline is None else max(deadline - time.monotonic(), 0)
         wait([p.sentinel for p in running], timeout=timeout)
         for p in running:
