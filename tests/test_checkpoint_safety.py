@@ -120,3 +120,25 @@ def test_all_checkpoints_corrupt_is_an_error(pools, tmp_path: Path) -> None:
     (tmp_path / "checkpoint" / "step-3").mkdir(parents=True)
     got = run(pools, CKPT + [f"--job.dump_folder={tmp_path}", "--training.steps=4"])
     assert "no intact checkpoint" in got["error"] and "step-3" in got["error"]
+
+
+def stop_on_one_rank(mesh, args: list[str]) -> dict:
+    """Only rank 1 gets SIGTERM (a real signal, from a timer thread) while training."""
+    import signal
+    import threading
+
+    trainer = Trainer(load_config(TINY + args))
+    if torch.distributed.get_rank() == 1:
+        threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
+    losses = trainer.run()
+    return {"steps": len(losses), "handler_restored": signal.getsignal(signal.SIGTERM) != trainer._on_signal}
+
+
+def test_a_signal_on_one_rank_stops_every_rank_at_the_same_step(pools, tmp_path: Path) -> None:
+    """Ranks agree through a tiny all-reduce at each step boundary, so they save the same step."""
+    got = pools.get(2).run(stop_on_one_rank, CKPT + [f"--job.dump_folder={tmp_path}", "--training.steps=100000",
+                                                     "--checkpoint.interval=100000"])
+    assert got[0] == got[1] and got[0]["handler_restored"], got
+    steps = got[0]["steps"]
+    assert 0 < steps < 100000
+    assert verify(tmp_path / "checkpoint" / f"step-{steps}") is None

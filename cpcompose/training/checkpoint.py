@@ -98,6 +98,15 @@ def saved_step(folder: Path) -> int:
     return int(torch.load(folder / TRAINER_STATE, weights_only=False)["step"])
 
 
+def earlier_run_message(folder: Path, existing: list[tuple[int, Path]]) -> str:
+    """Why a fresh run (checkpoint.resume = false) may not use a folder holding checkpoints."""
+    return (
+        f"{folder} already holds checkpoints of an earlier run ({', '.join(p.name for _, p in existing)}); "
+        "continue it with --checkpoint.resume=true, or start a new run with another --job.dump_folder "
+        "(or delete that folder)"
+    )
+
+
 class CheckpointManager:
     """Saves every `interval` steps into `folder`, keeping the newest `keep_latest_k` (0: all)."""
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from cpcompose.config import ConfigError, JobConfig
-from cpcompose.training.checkpoint import CheckpointManager, saved_step, verify
+from cpcompose.training.checkpoint import CheckpointManager, earlier_run_message, saved_step, verify
 from cpcompose.training.run_lock import LOCK_NAME, holder
 
 _SUFFIXES = (".txt", ".jsonl")
@@ -108,11 +108,7 @@ def _check_dump_folder(config: JobConfig) -> str | None:
     manager = CheckpointManager(dump / c.folder, interval=c.interval, keep_latest_k=c.keep_latest_k)
     existing = manager.complete()
     if existing and not c.resume:
-        raise ConfigError(
-            f"checkpoint.resume: {manager.folder} already holds checkpoints of an earlier run "
-            f"({', '.join(p.name for _, p in existing)}); continue it with --checkpoint.resume=true, or start a "
-            "new run with another --job.dump_folder (or delete that folder)"
-        )
+        raise ConfigError(f"checkpoint.resume: {earlier_run_message(manager.folder, existing)}")
     for _, path in reversed(existing):
         if verify(path) is None:
             step = saved_step(path)

@@ -29,7 +29,7 @@ from cpcompose.models.parallelize import build_pipeline_stage, needs_manual_grad
 from cpcompose.packing import PackedLayout, pad_pack
 from cpcompose.parallel import ContextParallel, ParallelDims, allreduce_gradients, cp_cross_entropy
 from cpcompose.parallel.parallel_dims import flat_mesh
-from cpcompose.training.checkpoint import CheckpointManager
+from cpcompose.training.checkpoint import CheckpointManager, earlier_run_message
 from cpcompose.training.errors import TrainingError
 from cpcompose.training.faults import Fault, Progress, describe_comm_failure, is_comm_failure
 from cpcompose.training.grad_norm import clip_grad_norm
@@ -359,11 +359,7 @@ class Trainer:
         existing = self.checkpoints.complete()
         if existing and not c.checkpoint.resume:
             self.lock.release()
-            raise TrainingError(
-                f"{self.checkpoints.folder} already holds checkpoints of an earlier run "
-                f"({', '.join(p.name for _, p in existing)}); continue it with --checkpoint.resume=true, or start "
-                "a new run with another --job.dump_folder (or delete that folder)"
-            )
+            raise TrainingError(earlier_run_message(self.checkpoints.folder, existing))
         if not existing:
             return {"error": None, "resume": None, "notes": notes}
         path, skipped = self.checkpoints.newest_intact()
