@@ -35,6 +35,8 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.optim import Optimizer
 
+from cpcompose.training.errors import TrainingError
+
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _TMP_DIR = re.compile(r"^step-(\d+)\.tmp$")
 TRAINER_STATE = "trainer_state.pt"
@@ -151,6 +153,26 @@ class CheckpointManager:
             path.rename(aside)
             skipped.append(f"skipped checkpoint {path}: {reason} (moved to {aside.name})")
         return None, skipped
+
+    def choose_resume(self, *, enable: bool, resume: bool) -> tuple[Path | None, list[str]]:
+        """Rank 0, holding the run lock: clean stale saves, then the checkpoint to resume (or None).
+
+        Returns the path and the lines to print (stale folders removed, corrupt ones skipped).
+
+        Raises:
+            TrainingError: a fresh run in a folder with checkpoints, or no intact checkpoint left.
+        """
+        notes = [f"removed {p} (a save that did not finish)" for p in self.remove_stale_tmp()]
+        existing = self.complete() if enable else []
+        if existing and not resume:
+            raise TrainingError(earlier_run_message(self.folder, existing))
+        if not existing:
+            return None, notes
+        path, skipped = self.newest_intact()
+        if path is None:
+            raise TrainingError(f"no intact checkpoint in {self.folder} ({'; '.join(skipped)}); "
+                                "start a new run with another --job.dump_folder")
+        return path, notes + skipped
 
     def save(self, step: int, model: nn.Module, optimizer: Optimizer, trainer_state: dict[str, Any]) -> SavedCheckpoint:
         """Write checkpoint `step` from every rank (collective); returns its folder, size and time."""

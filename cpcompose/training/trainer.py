@@ -29,7 +29,7 @@ from cpcompose.models.parallelize import build_pipeline_stage, needs_manual_grad
 from cpcompose.packing import PackedLayout, pad_pack
 from cpcompose.parallel import ContextParallel, ParallelDims, allreduce_gradients, cp_cross_entropy
 from cpcompose.parallel.parallel_dims import flat_mesh
-from cpcompose.training.checkpoint import CheckpointManager, earlier_run_message
+from cpcompose.training.checkpoint import CheckpointManager
 from cpcompose.training.errors import TrainingError
 from cpcompose.training.faults import Fault, Progress, describe_comm_failure, is_comm_failure
 from cpcompose.training.grad_norm import clip_grad_norm
@@ -350,26 +350,11 @@ class Trainer:
 
     def _decide_resume(self) -> dict:
         """Rank 0: take the lock, then choose what to resume (or refuse)."""
-        c = self.config
         assert self.lock is not None
         self.lock.acquire()
-        notes = [f"removed {p} (a save that did not finish)" for p in self.checkpoints.remove_stale_tmp()]
-        if not c.checkpoint.enable:
-            return {"error": None, "resume": None, "notes": notes}
-        existing = self.checkpoints.complete()
-        if existing and not c.checkpoint.resume:
-            self.lock.release()
-            raise TrainingError(earlier_run_message(self.checkpoints.folder, existing))
-        if not existing:
-            return {"error": None, "resume": None, "notes": notes}
-        path, skipped = self.checkpoints.newest_intact()
-        if path is None:
-            self.lock.release()
-            raise TrainingError(
-                f"no intact checkpoint in {self.checkpoints.folder} ({'; '.join(skipped)}); "
-                "start a new run with another --job.dump_folder"
-            )
-        return {"error": None, "resume": str(path), "notes": notes + skipped}
+        c = self.config.checkpoint
+        path, notes = self.checkpoints.choose_resume(enable=c.enable, resume=c.resume)
+        return {"error": None, "resume": None if path is None else str(path), "notes": notes}
 
     def _restore(self, path: Path) -> None:
         state = self.checkpoints.load(path, self.model, self.optimizer)
