@@ -48,3 +48,10 @@ def group_timeout(group: Any) -> Any:
     """The timeout a process group was created with (read from its backend: private in torch 2.13)."""
     device = next(iter(group._device_types))
     return group._get_backend(device).options._timeout
+
+
+def default_store() -> Any:
+    """The default process group's key-value store (`_get_default_store` is private in torch 2.13)."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return _get_default_store()
