@@ -90,7 +90,8 @@ def split_mismatch(dtensor: DTensor, layout: Layout, *, what: str, cp_name: str 
     base = cp_name if cp_name is not None else names[0][0] if len(names) == 1 else None
     dims = [i for i, parts in enumerate(names) if parts[0] == base]
     if not dims:
-        return f"{what}: the DTensor's mesh dims {dtensor.device_mesh.mesh_dim_names} do not include the CP dim {base!r}"
+        dims_names = dtensor.device_mesh.mesh_dim_names
+        return f"{what}: the DTensor's mesh dims {dims_names} do not include the CP dim {base!r}"
     tag = names[dims[0]][1] if len(names[dims[0]]) > 1 else None
     if tag is not None and tag != layout.tag:
         return (

@@ -50,4 +50,6 @@ def test_non_finite_values_propagate_like_sdpa(pools, kind: str, causal: bool, w
     assert not torch.isfinite(want).all()  # the case really has non-finite outputs
     for got in pools.get(world).run(run, kind, causal):
         for strategy, out in got.items():
-            torch.testing.assert_close(out, want, equal_nan=True, atol=1e-5, rtol=1e-5, msg=lambda m: f"{strategy}: {m}")
+            torch.testing.assert_close(
+                out, want, equal_nan=True, atol=1e-5, rtol=1e-5, msg=lambda m: f"{strategy}: {m}"
+            )

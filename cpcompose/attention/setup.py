@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import Tensor
 
 from cpcompose.attention.blocks import BlockTask, KernelArgs, MaskSpec, plan

@@ -83,7 +83,8 @@ class PackedLayout(Layout):
             error = f"world must be a positive number of CP ranks, got {world!r}"
         if error is None and balance not in BALANCES:
             error = f"balance={balance!r} is unknown; choose one of {BALANCES}"
-        if error is None and window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 0):
+        bad_window = window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 0)
+        if error is None and bad_window:
             error = f"window must be a non-negative number of positions or None, got {window!r}"
         if error:
             raise ValueError(error)
