@@ -48,3 +48,8 @@ def group_timeout(group: Any) -> Any:
     """The timeout a process group was created with (read from its backend: private in torch 2.13)."""
     device = next(iter(group._device_types))
     return group._get_backend(device).options._timeout
+
+
+def function_mode_stack() -> list[Any]:
+    """The active TorchFunctionModes, outermost first (`torch.overrides`' private accessor in torch 2.13)."""
+    return list(torch.overrides._get_current_function_mode_stack())

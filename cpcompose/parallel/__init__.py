@@ -1,7 +1,7 @@
 """Composable CP: the SDPA dispatch, the ParallelStyle, the context manager, the loss."""
 
 from cpcompose.parallel.context import context_parallel, context_parallel_unshard
-from cpcompose.parallel.dispatch import CPAttentionMode
+from cpcompose.parallel.dispatch import CPAttentionMode, active_cp_region
 from cpcompose.parallel.loss import allreduce_gradients, cp_cross_entropy, global_token_count
 from cpcompose.parallel.parallel_dims import ParallelDims
 from cpcompose.parallel.style import ContextParallel
@@ -10,6 +10,7 @@ __all__ = [
     "CPAttentionMode",
     "ContextParallel",
     "ParallelDims",
+    "active_cp_region",
     "allreduce_gradients",
     "context_parallel",
     "context_parallel_unshard",

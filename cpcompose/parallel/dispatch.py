@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.overrides import TorchFunctionMode
 
+from cpcompose import _compat
 from cpcompose.attention.api import attend
 from cpcompose.attention.options import CPOptions
 from cpcompose.comm import CPGroup
@@ -100,6 +101,16 @@ class CPAttentionMode(TorchFunctionMode):
             if error:
                 return error
         return None
+
+
+def active_cp_region() -> CPAttentionMode | None:
+    """The innermost active CP region (a `CPAttentionMode` on this thread's mode stack), or None.
+
+    For attention code that is not an SDPA call (e.g. a Hugging Face attention
+    function) but must use the region's mesh and options.
+    """
+    regions = [m for m in _compat.function_mode_stack() if isinstance(m, CPAttentionMode)]
+    return regions[-1] if regions else None
 
 
 def _refusal(tensors: tuple[Tensor, ...], attn_mask: object, dropout_p: float, enable_gqa: bool) -> str | None:

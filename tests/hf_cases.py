@@ -1,0 +1,191 @@
+"""Tiny random Hugging Face models and the CP cases the HF integration tests run on every rank.
+
+Every model is built locally from a config (nothing is downloaded), in float64, and
+its weights are sent to the ranks, so the CP run and the single-process reference
+start from the same parameters.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+import transformers as hf
+
+import cpcompose.integrations.transformers as cphf
+from cpcompose import allreduce_gradients, context_parallel, cp_cross_entropy, cp_unshard
+
+STRATEGIES = ("ring", "allgather", "alltoall")
+BATCH, SEQ, VOCAB = 2, 32, 64
+_COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
+_GQA = dict(_COMMON, num_key_value_heads=2)
+
+ARCHS: dict[str, Callable[[], hf.PretrainedConfig]] = {
+    "llama": lambda: hf.LlamaConfig(**_GQA),
+    "qwen2": lambda: hf.Qwen2Config(**_GQA, use_sliding_window=True, sliding_window=8, max_window_layers=1),
+    "mistral": lambda: hf.MistralConfig(**_GQA, sliding_window=8),
+    "gemma3": lambda: hf.Gemma3TextConfig(
+        **_GQA, head_dim=8, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+        query_pre_attn_scalar=16,
+    ),
+    "gpt_neox": lambda: hf.GPTNeoXConfig(**_COMMON, rotary_pct=0.5),
+    "phi3": lambda: hf.Phi3Config(**_GQA, partial_rotary_factor=0.5, pad_token_id=0, eos_token_id=1, bos_token_id=1),
+    "qwen3": lambda: hf.Qwen3Config(**_GQA, head_dim=8),
+    "olmo2": lambda: hf.Olmo2Config(**_GQA, pad_token_id=0, eos_token_id=1),
+    "gemma2": lambda: hf.Gemma2Config(
+        **_GQA, head_dim=8, sliding_window=8, attn_logit_softcapping=5.0, final_logit_softcapping=3.0,
+        query_pre_attn_scalar=16,
+    ),
+    "modernbert": lambda: hf.ModernBertConfig(
+        **_COMMON, local_attention=8, global_attn_every_n_layers=2, pad_token_id=0, eos_token_id=1, bos_token_id=1,
+        cls_token_id=1, sep_token_id=1,
+    ),
+}
+MASKED_LM = {"modernbert"}  # bidirectional encoders: per-token targets, no shift
+
+
+def reference_impl(name: str) -> str:
+    """transformers' own float64 attention for the reference: sdpa, or eager where sdpa refuses softcap."""
+    return "eager" if name == "gemma2" else "sdpa"
+
+
+def build(name: str, impl: str, state: dict | None = None) -> torch.nn.Module:
+    cls = hf.AutoModelForMaskedLM if name in MASKED_LM else hf.AutoModelForCausalLM
+    torch.manual_seed(0)
+    model = cls.from_config(ARCHS[name](), attn_implementation=impl, dtype=torch.float64)
+    if state is not None:
+        model.load_state_dict(state)
+    return model
+
+
+def plain_batch(name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids `(BATCH, SEQ)` and each token's target (-100: none)."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(2, VOCAB, (BATCH, SEQ), generator=g)
+    labels = ids.clone()
+    labels[0, :5] = -100  # uneven valid counts per rank: the global count matters
+    return ids, labels if name in MASKED_LM else cphf.shift_labels(labels)
+
+
+def forward(model: torch.nn.Module, name: str, **inputs: Any) -> torch.Tensor:
+    extra = {} if name in MASKED_LM else {"use_cache": False}
+    return model(**inputs, **extra).logits
+
+
+def result(model: torch.nn.Module, loss: torch.Tensor) -> dict:
+    return {"loss": loss.detach().clone(), "grads": {n: p.grad.clone() for n, p in model.named_parameters()}}
+
+
+def reference_plain(name: str) -> tuple[dict, dict]:
+    """The single-process run on the full batch, and the weights it started from."""
+    model = build(name, reference_impl(name))
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    ids, targets = plain_batch(name)
+    logits = forward(model, name, input_ids=ids)
+    F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100).backward()
+    loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
+    return result(model, loss), state
+
+
+def cp_plain(mesh, name: str, state: dict, strategies: tuple[str, ...] = STRATEGIES) -> dict:
+    """Each strategy on the zigzag split of the plain batch: loss summed over ranks, gradients all-reduced."""
+    model = build(name, "cpcompose", state)
+    out = {}
+    for strategy in strategies:
+        model.zero_grad(set_to_none=True)
+        ids, targets = plain_batch(name)
+        positions = torch.arange(SEQ)[None].clone()
+        with context_parallel(mesh, buffers=[ids, targets, positions], buffer_seq_dims=[1, 1, 1], strategy=strategy):
+            logits = forward(model, name, input_ids=ids, position_ids=positions)
+            loss = cp_cross_entropy(logits, targets, mesh=mesh)
+            loss.backward()
+        allreduce_gradients(model, mesh)
+        dist.all_reduce(total := loss.detach().clone(), group=mesh.get_group())
+        out[strategy] = result(model, total)
+    return out
+
+
+# --- packed rows (transformers' flattening collator) and right-padded batches, through pack_batch ---
+
+DOCS = (5, 17, 1, 3, 12, 9)  # 47 tokens: documents of length 1, a pack no group size divides
+ROWS = (29, 18, 32)  # real lengths of a right-padded batch of 3 rows of 32
+
+
+def flattened_features() -> dict[str, torch.Tensor]:
+    """One packed row as transformers' DataCollatorWithFlattening builds it."""
+    g = torch.Generator().manual_seed(2)
+    features = [{"input_ids": torch.randint(2, VOCAB, (n,), generator=g).tolist()} for n in DOCS]
+    return hf.DataCollatorWithFlattening(return_tensors="pt")(features)
+
+
+def padded_batch(name: str) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(2, VOCAB, (len(ROWS), SEQ), generator=g)
+    mask = (torch.arange(SEQ)[None] < torch.tensor(ROWS)[:, None]).long()
+    labels = ids.masked_fill(mask == 0, -100)
+    ids = ids.masked_fill(mask == 0, 0)  # pad_token_id
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def targets_of(name: str, labels: torch.Tensor) -> torch.Tensor:
+    return labels if name in MASKED_LM else cphf.shift_labels(labels)
+
+
+def reference_packed(name: str) -> tuple[dict, dict]:
+    """transformers on the whole packed row: its own document mask from the restarting position_ids."""
+    model = build(name, reference_impl(name))
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    batch = flattened_features()
+    logits = forward(model, name, input_ids=batch["input_ids"], position_ids=batch["position_ids"])
+    loss = F.cross_entropy(logits[0], targets_of(name, batch["labels"])[0], ignore_index=-100)
+    loss.backward()
+    return result(model, loss), state
+
+
+def reference_padded(name: str) -> tuple[dict, dict]:
+    """Each row's real tokens on their own (no padding anywhere); one mean over every real target."""
+    model = build(name, reference_impl(name))
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    batch = padded_batch(name)
+    targets = targets_of(name, batch["labels"])
+    total, count, logits_rows = 0.0, (targets != -100).sum(), []
+    for row, n in enumerate(ROWS):
+        logits = forward(model, name, input_ids=batch["input_ids"][row : row + 1, :n])
+        total = total + F.cross_entropy(logits[0], targets[row, :n], ignore_index=-100, reduction="sum")
+        logits_rows.append(logits[0].detach())
+    loss = total / count
+    loss.backward()
+    return {**result(model, loss), "logits": torch.cat(logits_rows)}, state
+
+
+def cp_packed(mesh, name: str, state: dict, kind: str) -> dict:
+    """Each strategy on pack_batch's balanced split of a flattened row (kind="packed") or a padded batch."""
+    model = build(name, "cpcompose", state)
+    out: dict[str, Any] = {}
+    for strategy in STRATEGIES:
+        model.zero_grad(set_to_none=True)
+        if kind == "packed":
+            f = flattened_features()
+            batch = cphf.pack_batch(
+                f["input_ids"], mesh, position_ids=f["position_ids"], labels=f["labels"], shift=name not in MASKED_LM
+            )
+        else:
+            f = padded_batch(name)
+            batch = cphf.pack_batch(
+                f["input_ids"], mesh, attention_mask=f["attention_mask"], labels=f["labels"],
+                shift=name not in MASKED_LM,
+            )
+        layout = batch.layout
+        with context_parallel(mesh, buffers=batch.buffers, buffer_seq_dims=batch.seq_dims, layout=layout,
+                              strategy=strategy):
+            logits = forward(model, name, input_ids=batch.input_ids, position_ids=batch.position_ids)
+            loss = cp_cross_entropy(logits, batch.labels, mesh=mesh)
+            loss.backward()
+            full_logits = cp_unshard(logits.detach(), mesh, seq_dim=1, layout=layout)[0]
+        allreduce_gradients(model, mesh)
+        dist.all_reduce(total := loss.detach().clone(), group=mesh.get_group())
+        out[strategy] = {**result(model, total), "logits": full_logits, "bounds": layout.doc_bounds,
+                         "pad": layout.pad}
+    return out
