@@ -89,16 +89,24 @@ def reference_plain(name: str) -> tuple[dict, dict]:
     return result(model, loss), state
 
 
-def cp_plain(mesh, name: str, state: dict, strategies: tuple[str, ...] = STRATEGIES) -> dict:
-    """Each strategy on the zigzag split of the plain batch: loss summed over ranks, gradients all-reduced."""
+def cp_plain(
+    mesh, name: str, state: dict, strategies: tuple[str, ...] = STRATEGIES, ones_mask: bool = False
+) -> dict:
+    """Each strategy on the zigzag split of the plain batch: loss summed over ranks, gradients all-reduced.
+
+    `ones_mask`: also give the model an explicit all-ones attention_mask (as a buffer).
+    """
     model = build(name, "cpcompose", state)
     out = {}
     for strategy in strategies:
         model.zero_grad(set_to_none=True)
         ids, targets = plain_batch(name)
         positions = torch.arange(SEQ)[None].clone()
-        with context_parallel(mesh, buffers=[ids, targets, positions], buffer_seq_dims=[1, 1, 1], strategy=strategy):
-            logits = forward(model, name, input_ids=ids, position_ids=positions)
+        buffers, extra = [ids, targets, positions], {}
+        if ones_mask:
+            buffers.append(extra.setdefault("attention_mask", torch.ones_like(ids)))
+        with context_parallel(mesh, buffers=buffers, buffer_seq_dims=[1] * len(buffers), strategy=strategy):
+            logits = forward(model, name, input_ids=ids, position_ids=positions, **extra)
             loss = cp_cross_entropy(logits, targets, mesh=mesh)
             loss.backward()
         allreduce_gradients(model, mesh)
@@ -189,3 +197,75 @@ def cp_packed(mesh, name: str, state: dict, kind: str) -> dict:
         out[strategy] = {**result(model, total), "logits": full_logits, "bounds": layout.doc_bounds,
                          "pad": layout.pad}
     return out
+
+
+# --- refusals: a bad input (on one rank only where it can be), then a valid step in the same group ---
+
+
+def _plain_inputs(seq: int = SEQ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ids, targets = plain_batch("llama")
+    return ids[:, :seq].clone(), targets[:, :seq].clone(), torch.arange(seq)[None].clone()
+
+
+def _bad_step(mesh, case: str, rank: int) -> None:
+    name = {"overlay": "gemma3", "softcap": "gemma2", "bidirectional_window": "modernbert",
+            "window_option": "mistral"}.get(case, "llama")
+    cfg_changes = {"overlay": {"use_bidirectional_attention": True}}.get(case, {})
+    model = build(name, "cpcompose")
+    for key, value in cfg_changes.items():
+        setattr(model.config, key, value)
+        for module in model.modules():
+            if hasattr(module, "is_causal") and key == "use_bidirectional_attention":
+                module.is_causal = not value
+    ids, targets, positions = _plain_inputs(30 if case == "unsplittable" else SEQ)
+    inputs: dict[str, Any] = {"input_ids": ids, "position_ids": positions}
+    buffers, options = [ids, targets, positions], {}
+    if case == "padding_mask":  # only the last chunk (rank 0's under zigzag) holds padding
+        inputs["attention_mask"] = torch.ones_like(ids)
+        inputs["attention_mask"][1, -3:] = 0
+        buffers.append(inputs["attention_mask"])
+    if case == "no_position_ids":  # contiguous: rank 0's local 0..L-1 happen to be right, the others' are not
+        del inputs["position_ids"]
+        options["layout"] = "contiguous"
+    if case == "dropout_one_rank":
+        model.train()
+        if rank == 1:
+            for module in model.modules():
+                if hasattr(module, "attention_dropout"):
+                    module.attention_dropout = 0.1
+    if case == "window_option":
+        options["window_size"] = 4
+    if case == "left_padding_one_rank":
+        mask = torch.ones_like(ids)
+        if rank == 1:
+            mask[0, :3] = 0
+        cphf.pack_batch(ids, mesh, attention_mask=mask)
+        return
+    seq_dims = [1] * len(buffers)
+    with context_parallel(mesh, buffers=buffers, buffer_seq_dims=seq_dims, **options):
+        if case == "mask_4d" and rank == 0:
+            local = ids.shape[1]
+            inputs["attention_mask"] = torch.ones(1, 1, local, local, dtype=torch.bool).tril()
+        if case == "kv_cache":
+            cache = hf.DynamicCache(config=model.config)
+            model(**inputs, use_cache=True, past_key_values=cache)
+            if rank == 1:
+                inputs["past_key_values"] = cache
+            model(**inputs, use_cache=rank == 1)
+            return
+        forward(model, name, **inputs)
+
+
+def refusal(mesh, case: str) -> dict:
+    """The error each rank raised for `case`, and the loss of a valid step run right after."""
+    message = "no error"
+    try:
+        _bad_step(mesh, case, mesh.get_local_rank())
+    except ValueError as e:
+        message = str(e)
+    model = build("llama", "cpcompose")
+    ids, targets, positions = _plain_inputs()
+    with context_parallel(mesh, buffers=[ids, targets, positions], buffer_seq_dims=[1, 1, 1]):
+        loss = cp_cross_entropy(forward(model, "llama", input_ids=ids, position_ids=positions), targets, mesh=mesh)
+    dist.all_reduce(total := loss.detach().clone(), group=mesh.get_group())
+    return {"message": message, "after": total}

@@ -144,6 +144,8 @@ def cpcompose_attention_forward(
         or _feature_refusal(query, key, value, dropout, softcap, window, causal, region, kwargs)
         or _position_refusal(kwargs.get("position_ids"), region, query)
     )
+    if error:
+        error = f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}): {error}"
     options = region.options.replace(window_size=None if error or window is None else window[0])
     out = attend(query, key, value, mesh=region.mesh, is_causal=causal, scale=scaling, options=options,
                  caller_error=error)
@@ -156,9 +158,9 @@ def _mask_refusal(attention_mask: object) -> str | None:
         return None
     reason = getattr(attention_mask, _REFUSAL_ATTR, None)
     if reason:
-        return f"Hugging Face attention through CP: {reason}"
+        return reason
     return (
-        "Hugging Face attention through CP got a mask tensor (a 4-D attention_mask given to the model, or a mask "
+        "got a mask tensor (a 4-D attention_mask given to the model, or a mask "
         "built outside the CP region, e.g. with ContextParallel on the attention modules only): run the whole "
         "forward inside cpcompose.context_parallel, and express padding and documents with pack_batch"
     )
