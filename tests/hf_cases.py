@@ -15,7 +15,8 @@ import torch.nn.functional as F
 import transformers as hf
 
 import cpcompose.integrations.transformers as cphf
-from cpcompose import allreduce_gradients, context_parallel, cp_cross_entropy, cp_unshard
+from cpcompose.parallel import recompute_context
+from cpcompose import CommMeter, allreduce_gradients, context_parallel, cp_cross_entropy, cp_unshard
 
 STRATEGIES = ("ring", "allgather", "alltoall")
 BATCH, SEQ, VOCAB = 2, 32, 64
@@ -269,3 +270,44 @@ def refusal(mesh, case: str) -> dict:
         loss = cp_cross_entropy(forward(model, "llama", input_ids=ids, position_ids=positions), targets, mesh=mesh)
     dist.all_reduce(total := loss.detach().clone(), group=mesh.get_group())
     return {"message": message, "after": total}
+
+
+def kv_bytes(mesh, kv_heads: int) -> int:
+    """Bytes this rank's ring attention sends in one forward of a Llama with `kv_heads` K/V heads."""
+    model = cphf_llama(kv_heads)
+    meter = CommMeter()
+    ids, _, positions = _plain_inputs()
+    with torch.no_grad(), context_parallel(mesh, buffers=[ids, positions], buffer_seq_dims=[1, 1], meter=meter):
+        forward(model, "llama", input_ids=ids, position_ids=positions)
+    return meter.total
+
+
+def cphf_llama(kv_heads: int) -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = hf.LlamaConfig(**dict(_GQA, num_key_value_heads=kv_heads))
+    return hf.AutoModelForCausalLM.from_config(config, attn_implementation="cpcompose", dtype=torch.float64)
+
+
+def checkpointed_step(mesh, state: dict, context_fn: bool = True) -> dict:
+    """transformers' activation checkpointing, the recomputation re-entering the CP region (`recompute_context`)."""
+    model = build("llama", "cpcompose", state)
+    kwargs = {"use_reentrant": False, **({"context_fn": recompute_context} if context_fn else {})}
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    model.train()
+    ids, targets = plain_batch("llama")
+    positions = torch.arange(SEQ)[None].clone()
+    with context_parallel(mesh, buffers=[ids, targets, positions], buffer_seq_dims=[1, 1, 1]):
+        loss = cp_cross_entropy(forward(model, "llama", input_ids=ids, position_ids=positions), targets, mesh=mesh)
+        loss.backward()
+    allreduce_gradients(model, mesh)
+    dist.all_reduce(total := loss.detach().clone(), group=mesh.get_group())
+    return {"ring": result(model, total)}
+
+
+def checkpoint_without_context(mesh, state: dict) -> str:
+    """Checkpointing without `recompute_context`: every rank refuses the recomputation outside the region."""
+    try:
+        checkpointed_step(mesh, state, context_fn=False)
+    except ValueError as e:
+        return str(e)
+    return "no error"

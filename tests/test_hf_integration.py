@@ -150,3 +150,23 @@ def test_outside_a_cp_region_it_is_plain_attention(name: str) -> None:
     for row, n in enumerate(cases.ROWS):
         alone = cases.forward(reference, name, input_ids=batch["input_ids"][row : row + 1, :n])
         torch.testing.assert_close(logits[row, :n], alone[0], **tol)
+
+
+def test_gqa_kv_is_not_expanded_before_sending(pools) -> None:
+    """Llama with 2 K/V heads for 4 query heads sends exactly half the K/V bytes of the same model with 4."""
+    pool = pools.get(2)
+    for gqa, mha in zip(pool.run(cases.kv_bytes, 2), pool.run(cases.kv_bytes, 4)):
+        assert gqa > 0 and 2 * gqa == mha
+
+
+def test_gradient_checkpointing_recompute_is_exact(pools) -> None:
+    want, state = cases.reference_plain("llama")
+    assert_matches(want, pools.get(2).run(cases.checkpointed_step, state), "llama")
+
+
+def test_checkpointing_without_recompute_context_is_refused(pools) -> None:
+    want, state = cases.reference_plain("llama")
+    pool = pools.get(2)
+    for message in pool.run(cases.checkpoint_without_context, state):
+        assert "recomputed outside its CP region" in message and "recompute_context" in message, message
+    assert_matches(want, pool.run(cases.checkpointed_step, state), "llama")  # the group is still usable

@@ -37,6 +37,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from cpcompose import _compat
 from cpcompose.attention.api import attend
 from cpcompose.comm import CPGroup
 from cpcompose.integrations._hf_batch import PackedBatch, cu_seqlens_from_position_ids, pack_batch, shift_labels
@@ -57,6 +58,7 @@ __all__ = [
 ATTN_IMPLEMENTATION = "cpcompose"
 """The name to pass as `attn_implementation=` (registered on import)."""
 
+_UNDER_CP_ATTR = "_cpcompose_forward_under_cp"  # set on attention modules by each forward
 _REFUSAL_ATTR = "_cpcompose_refusal"  # set on the marker mask the hook returns for what CP cannot honour
 _FLASH_VARLEN_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
@@ -132,6 +134,14 @@ def cpcompose_attention_forward(
         ValueError: on every CP rank, before any K/V moves, naming what cannot be honoured.
     """
     region = active_cp_region()
+    if region is None and _compat.in_backward() and getattr(module, _UNDER_CP_ATTR, False):
+        raise ValueError(
+            f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}): a checkpointed forward that ran "
+            "under CP is being recomputed outside its CP region; enable checkpointing with "
+            "activation_checkpointing_kwargs={'use_reentrant': False, 'context_fn': cpcompose.parallel.recompute_context}"
+        )
+    if not _compat.in_backward():
+        setattr(module, _UNDER_CP_ATTR, region is not None)  # what a recomputation of this call must reproduce
     if region is None:
         return _single_process(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, softcap=softcap,

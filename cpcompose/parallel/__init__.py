@@ -4,6 +4,7 @@ from cpcompose.parallel.context import context_parallel, context_parallel_unshar
 from cpcompose.parallel.dispatch import CPAttentionMode, active_cp_region
 from cpcompose.parallel.loss import allreduce_gradients, cp_cross_entropy, global_token_count
 from cpcompose.parallel.parallel_dims import ParallelDims
+from cpcompose.parallel.recompute import recompute_context
 from cpcompose.parallel.style import ContextParallel
 
 __all__ = [
@@ -16,4 +17,5 @@ __all__ = [
     "context_parallel_unshard",
     "cp_cross_entropy",
     "global_token_count",
+    "recompute_context",
 ]
