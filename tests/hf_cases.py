@@ -212,7 +212,7 @@ def _bad_step(mesh, case: str, rank: int) -> None:
     name = {"overlay": "gemma3", "softcap": "gemma2", "bidirectional_window": "modernbert",
             "window_option": "mistral"}.get(case, "llama")
     cfg_changes = {"overlay": {"use_bidirectional_attention": True}}.get(case, {})
-    model = build(name, "cpcompose")
+    model = llama4_text() if case == "chunked" else build(name, "cpcompose")
     for key, value in cfg_changes.items():
         setattr(model.config, key, value)
         for module in model.modules():
@@ -311,3 +311,14 @@ def checkpoint_without_context(mesh, state: dict) -> str:
     except ValueError as e:
         return str(e)
     return "no error"
+
+
+def llama4_text() -> torch.nn.Module:
+    """Llama 4's text model with chunked attention layers (their chunk reaches attention only through the mask)."""
+    torch.manual_seed(0)
+    config = hf.Llama4TextConfig(
+        **_GQA, head_dim=8, intermediate_size_mlp=64, num_local_experts=1, attention_chunk_size=8,
+        layer_types=["chunked_attention", "full_attention"], no_rope_layers=[1, 0], pad_token_id=0,
+        eos_token_id=1, bos_token_id=1,
+    )
+    return hf.Llama4ForCausalLM._from_config(config, attn_implementation="cpcompose", dtype=torch.float64)

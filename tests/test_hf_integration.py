@@ -94,6 +94,7 @@ REFUSALS = [
     ("kv_cache", "a KV cache"),
     ("mask_4d", "got a mask tensor"),
     ("overlay", "custom mask function"),
+    ("chunked", "not its config's sliding_window"),
     ("window_option", "leave window_size unset"),
     ("unsplittable", "not divisible by 4"),
     ("left_padding_one_rank", "left (or inner) padding"),

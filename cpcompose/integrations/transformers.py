@@ -86,8 +86,13 @@ def cpcompose_mask(*args: Any, **kwargs: Any) -> Tensor | None:
     """
     if active_cp_region() is None:
         return sdpa_mask(*args, **kwargs)
-    padding = kwargs.get("attention_mask")
-    if kwargs.get("use_vmap"):
+    padding, local_size = kwargs.get("attention_mask"), kwargs.get("local_size")
+    if local_size is not None and local_size != getattr(kwargs.get("config"), "sliding_window", None):
+        reason = (
+            f"the model builds a local mask of size {local_size} that is not its config's sliding_window "
+            "(e.g. chunked attention, attention_chunk_size), which its attention layers do not pass on"
+        )
+    elif kwargs.get("use_vmap"):
         reason = (
             "the model combines its mask with a custom mask function (or_mask_function/and_mask_function, "
             "e.g. image-token or bidirectional overlays), which CP attention cannot read from a shard"
@@ -137,8 +142,8 @@ def cpcompose_attention_forward(
     if region is None and _compat.in_backward() and getattr(module, _UNDER_CP_ATTR, False):
         raise ValueError(
             f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}): a checkpointed forward that ran "
-            "under CP is being recomputed outside its CP region; enable checkpointing with "
-            "activation_checkpointing_kwargs={'use_reentrant': False, 'context_fn': cpcompose.parallel.recompute_context}"
+            "under CP is being recomputed outside its CP region; enable checkpointing with activation_checkpointing_"
+            "kwargs={'use_reentrant': False, 'context_fn': cpcompose.parallel.recompute_context}"
         )
     if not _compat.in_backward():
         setattr(module, _UNDER_CP_ATTR, region is not None)  # what a recomputation of this call must reproduce
@@ -279,8 +284,10 @@ def _single_process(
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     if attention_mask is None and causal and query.shape[2] > 1:
         attention_mask = torch.ones(query.shape[2], key.shape[2], dtype=torch.bool, device=query.device).tril()
-    if attention_mask is not None:
+    if attention_mask is not None and attention_mask.dtype == torch.bool:
         scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
+    elif attention_mask is not None:  # an additive float mask given by the caller
+        scores = scores + attention_mask
     probs = torch.nn.functional.dropout(scores.softmax(dim=-1), p=dropout, training=dropout > 0)
     return (probs @ value).transpose(1, 2).contiguous(), None
 
