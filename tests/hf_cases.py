@@ -228,6 +228,8 @@ def _bad_step(mesh, case: str, rank: int) -> None:
     if case == "no_position_ids":  # contiguous: rank 0's local 0..L-1 happen to be right, the others' are not
         del inputs["position_ids"]
         options["layout"] = "contiguous"
+    if case == "packed_positions_zigzag":  # two documents in transformers' convention, but no PackedLayout
+        positions.copy_(torch.arange(SEQ)[None] % (SEQ // 2))
     if case == "dropout_one_rank":
         model.train()
         if rank == 1:
@@ -322,3 +324,25 @@ def llama4_text() -> torch.nn.Module:
         eos_token_id=1, bos_token_id=1,
     )
     return hf.Llama4ForCausalLM._from_config(config, attn_implementation="cpcompose", dtype=torch.float64)
+
+
+def fsdp_step(mesh, state: dict) -> dict:
+    """FSDP2 over the CP mesh instead of allreduce_gradients: gradients summed (the loss is a share of the mean)."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    model = build("llama", "cpcompose", state)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+    ids, targets = plain_batch("llama")
+    positions = torch.arange(SEQ)[None].clone()
+    with context_parallel(mesh, buffers=[ids, targets, positions], buffer_seq_dims=[1, 1, 1], strategy="alltoall"):
+        loss = cp_cross_entropy(forward(model, "llama", input_ids=ids, position_ids=positions), targets, mesh=mesh)
+        loss.backward()
+    dist.all_reduce(total := loss.detach().clone(), group=mesh.get_group())
+    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    return {"alltoall": {"loss": total, "grads": grads}}

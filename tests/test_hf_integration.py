@@ -90,6 +90,7 @@ def test_all_ones_attention_mask_is_exact(pools, world: int) -> None:
 REFUSALS = [
     ("padding_mask", "attention_mask has padding"),
     ("no_position_ids", "position_ids are not the positions of this rank's tokens"),
+    ("packed_positions_zigzag", "restarting at 0 per document"),
     ("dropout_one_rank", "attention dropout"),
     ("kv_cache", "a KV cache"),
     ("mask_4d", "got a mask tensor"),
@@ -171,3 +172,9 @@ def test_checkpointing_without_recompute_context_is_refused(pools) -> None:
     for message in pool.run(cases.checkpoint_without_context, state):
         assert "recomputed outside its CP region" in message and "recompute_context" in message, message
     assert_matches(want, pool.run(cases.checkpointed_step, state), "llama")  # the group is still usable
+
+
+def test_fsdp_reduces_gradients_exactly(pools) -> None:
+    """FSDP2 over the CP ranks in place of allreduce_gradients."""
+    want, state = cases.reference_plain("llama")
+    assert_matches(want, pools.get(2).run(cases.fsdp_step, state), "llama")
