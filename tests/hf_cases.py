@@ -43,6 +43,11 @@ ARCHS: dict[str, Callable[[], hf.PretrainedConfig]] = {
         **_COMMON, local_attention=8, global_attn_every_n_layers=2, pad_token_id=0, eos_token_id=1, bos_token_id=1,
         cls_token_id=1, sep_token_id=1,
     ),
+    "deepseek_v3": lambda: hf.DeepseekV3Config(  # MLA: V head dim 6, Q/K head dim 8 + 4 (rope)
+        **dict(_COMMON, num_key_value_heads=4), moe_intermediate_size=16, q_lora_rank=16, kv_lora_rank=16,
+        qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=6, first_k_dense_replace=2, n_routed_experts=2,
+        num_experts_per_tok=1, n_group=1, topk_group=1, pad_token_id=0, eos_token_id=1, bos_token_id=1,
+    ),
 }
 MASKED_LM = {"modernbert"}  # bidirectional encoders: per-token targets, no shift
 
@@ -210,7 +215,7 @@ def _plain_inputs(seq: int = SEQ) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
 
 def _bad_step(mesh, case: str, rank: int) -> None:
     name = {"overlay": "gemma3", "softcap": "gemma2", "bidirectional_window": "modernbert",
-            "window_option": "mistral"}.get(case, "llama")
+            "window_option": "mistral", "value_head_dim": "deepseek_v3"}.get(case, "llama")
     cfg_changes = {"overlay": {"use_bidirectional_attention": True}}.get(case, {})
     model = llama4_text() if case == "chunked" else build(name, "cpcompose")
     for key, value in cfg_changes.items():

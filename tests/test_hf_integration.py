@@ -101,6 +101,7 @@ REFUSALS = [
     ("left_padding_one_rank", "left (or inner) padding"),
     ("softcap", "logit softcapping"),
     ("bidirectional_window", "bidirectional local attention"),
+    ("value_head_dim", "value head dim (6) different from the query/key head dim (12)"),
 ]
 
 
