@@ -116,7 +116,8 @@ def pack_batch(
             error = str(e)
     shape = input_ids.shape if isinstance(input_ids, Tensor) else ()
     signature = [*shape_fields("input_ids", shape, 2), ("layout", -1 if layout is None else layout.identity)]
-    agree_across_ranks(cp, error, signature, what="pack_batch", device=torch.device("cpu"))
+    device = input_ids.device if isinstance(input_ids, Tensor) else torch.device("cpu")  # CUDA for NCCL
+    agree_across_ranks(cp, error, signature, what="pack_batch", device=device)
     assert layout is not None and packed is not None
     ids, positions, targets, _ = packed
     return PackedBatch(
@@ -173,7 +174,9 @@ def _flatten(
     if labels is None:
         labels = input_ids.masked_fill(~real, ignore_index)
     targets = shift_labels(labels, ignore_index=ignore_index) if shift else labels
-    pos = position_ids.expand(rows, -1) if position_ids is not None else torch.arange(seq).expand(rows, -1)
+    if position_ids is None:
+        position_ids = torch.arange(seq, device=input_ids.device)[None]
+    pos = position_ids.expand(rows, -1)
     lengths = real.sum(dim=1).tolist()
     cu = [0]
     for b, n in enumerate(lengths):
