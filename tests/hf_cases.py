@@ -213,16 +213,23 @@ def _plain_inputs(seq: int = SEQ) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     return ids[:, :seq].clone(), targets[:, :seq].clone(), torch.arange(seq)[None].clone()
 
 
+_REFUSAL_MODELS = {"overlay": "gemma3", "softcap": "gemma2", "bidirectional_window": "modernbert",
+                   "window_option": "mistral", "value_head_dim": "deepseek_v3"}
+
+
+def _refusal_model(case: str) -> tuple[str, torch.nn.Module]:
+    name = _REFUSAL_MODELS.get(case, "llama")
+    if case == "chunked":
+        return name, llama4_text()
+    if case == "overlay":  # Gemma 3 as an encoder: transformers lays a bidirectional overlay on its masks
+        config = ARCHS[name]()
+        config.use_bidirectional_attention = True
+        return name, hf.AutoModelForCausalLM.from_config(config, attn_implementation="cpcompose", dtype=torch.float64)
+    return name, build(name, "cpcompose")
+
+
 def _bad_step(mesh, case: str, rank: int) -> None:
-    name = {"overlay": "gemma3", "softcap": "gemma2", "bidirectional_window": "modernbert",
-            "window_option": "mistral", "value_head_dim": "deepseek_v3"}.get(case, "llama")
-    cfg_changes = {"overlay": {"use_bidirectional_attention": True}}.get(case, {})
-    model = llama4_text() if case == "chunked" else build(name, "cpcompose")
-    for key, value in cfg_changes.items():
-        setattr(model.config, key, value)
-        for module in model.modules():
-            if hasattr(module, "is_causal") and key == "use_bidirectional_attention":
-                module.is_causal = not value
+    name, model = _refusal_model(case)
     ids, targets, positions = _plain_inputs(30 if case == "unsplittable" else SEQ)
     inputs: dict[str, Any] = {"input_ids": ids, "position_ids": positions}
     buffers, options = [ids, targets, positions], {}
@@ -281,7 +288,7 @@ def refusal(mesh, case: str) -> dict:
 
 def kv_bytes(mesh, kv_heads: int) -> int:
     """Bytes this rank's ring attention sends in one forward of a Llama with `kv_heads` K/V heads."""
-    model = cphf_llama(kv_heads)
+    model = llama_with_kv_heads(kv_heads)
     meter = CommMeter()
     ids, _, positions = _plain_inputs()
     with torch.no_grad(), context_parallel(mesh, buffers=[ids, positions], buffer_seq_dims=[1, 1], meter=meter):
@@ -289,7 +296,7 @@ def kv_bytes(mesh, kv_heads: int) -> int:
     return meter.total
 
 
-def cphf_llama(kv_heads: int) -> torch.nn.Module:
+def llama_with_kv_heads(kv_heads: int) -> torch.nn.Module:
     torch.manual_seed(0)
     config = hf.LlamaConfig(**dict(_GQA, num_key_value_heads=kv_heads))
     return hf.AutoModelForCausalLM.from_config(config, attn_implementation="cpcompose", dtype=torch.float64)
