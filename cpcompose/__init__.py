@@ -2,16 +2,17 @@
 
 from cpcompose.attention import CPOptions, cp_attention
 from cpcompose.comm import CommMeter
+from cpcompose.distributed import ParallelDims
 from cpcompose.cp_dtensor import cp_distribute, cp_from_local, cp_full_tensor
 from cpcompose.layouts import ContiguousLayout, Layout, PackedLayout, ZigzagLayout, resolve_layout
 from cpcompose.packing import PackedShard, cp_shard_packed, pad_pack
 from cpcompose.parallel import (
     ContextParallel,
-    ParallelDims,
     allreduce_gradients,
     context_parallel,
     context_parallel_unshard,
     cp_cross_entropy,
+    parallelize_module,
 )
 from cpcompose.sharding import cp_position_ids, cp_shard, cp_unshard
 
@@ -38,6 +39,7 @@ __all__ = [
     "cp_shard_packed",
     "cp_unshard",
     "pad_pack",
+    "parallelize_module",
     "resolve_layout",
 ]
 __version__ = "0.1.0"

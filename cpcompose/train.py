@@ -12,7 +12,7 @@ One step: each data-parallel rank takes its batch of full sequences, each CP ran
 keeps its shard of every sequence (zigzag by default) with the global positions
 of its tokens, the model runs with its SDPA calls made context-parallel, and the
 loss is this rank's share of the global mean (`cp_cross_entropy`), so gradients
-are summed over dp x cp (by FSDP's reduce-scatter, or explicitly).
+are summed over dp x cp by FSDP's reduce-scatter.
 """
 
 from __future__ import annotations

@@ -89,8 +89,8 @@ from cpcompose.attention import STRATEGIES  # noqa: E402
 from cpcompose.attention.alltoall import query_head_ranges  # noqa: E402
 from cpcompose.attention.blocks import BlockTask, MaskSpec, needed_rows, plan  # noqa: E402
 from cpcompose.data import long_tailed_lengths  # noqa: E402
-from cpcompose.layout import LAYOUTS, SeqLayout  # noqa: E402
-from cpcompose.packing import PackedLayout, pad_pack  # noqa: E402
+from cpcompose.layouts import LAYOUTS, Layout, PackedLayout, resolve_layout  # noqa: E402
+from cpcompose.packing import pad_pack  # noqa: E402
 
 B, H, HKV, D = 1, 8, 2, 64
 DTYPE = torch.float32
@@ -112,11 +112,11 @@ def pack_cu_seqlens(seq_len: int, seed: int) -> list[int]:
     return [0, *itertools.accumulate(long_tailed_lengths(seq_len, seed))]
 
 
-def build_layout(case: dict[str, Any], world: int) -> SeqLayout | PackedLayout:
-    """The layout a case shards by: a dense SeqLayout, or a PackedLayout of the benchmark's pack."""
+def build_layout(case: dict[str, Any], world: int) -> Layout:
+    """The layout a case shards by: a registered dense layout, or a PackedLayout of the benchmark's pack."""
     if case["packed"]:
         return PackedLayout.build(pack_cu_seqlens(case["seq_len"], case["seed"]), world, balance=case["layout"])
-    return SeqLayout(case["layout"], world)
+    return resolve_layout(case["layout"], world)
 
 
 def timed(fn: Callable[[], T], warmup: int, repeats: int) -> list[T]:
@@ -151,7 +151,7 @@ def baseline_times(seq_len: int, seed: int | None, warmup: int, repeats: int) ->
     return timed(once, warmup, repeats)
 
 
-def rank_tasks(strategy: str, layout: SeqLayout | PackedLayout, seq_len: int) -> list[list[BlockTask]]:
+def rank_tasks(strategy: str, layout: Layout, seq_len: int) -> list[list[BlockTask]]:
     """The forward kernel calls of each rank, from the block plans (backward makes the same calls)."""
     tasks = []
     for rank in range(layout.world):
@@ -166,14 +166,14 @@ def rank_tasks(strategy: str, layout: SeqLayout | PackedLayout, seq_len: int) ->
     return tasks
 
 
-def rank_work(strategy: str, layout: SeqLayout | PackedLayout, seq_len: int) -> list[float]:
+def rank_work(strategy: str, layout: Layout, seq_len: int) -> list[float]:
     """Attention (query, key) pairs each rank computes, summed over its heads."""
     heads = [hi - lo for lo, hi in query_head_ranges(H, layout.world)] if strategy == "alltoall" else None
     return [(heads[rank] if heads else H) * sum(t.flops_weight() for t in tasks)
             for rank, tasks in enumerate(rank_tasks(strategy, layout, seq_len))]
 
 
-def flop_imbalance(strategy: str, layout: SeqLayout | PackedLayout, seq_len: int) -> float:
+def flop_imbalance(strategy: str, layout: Layout, seq_len: int) -> float:
     """max/mean over ranks of the attention work each rank's block plans compute."""
     work = rank_work(strategy, layout, seq_len)
     return max(work) / statistics.mean(work)
@@ -187,7 +187,7 @@ def dense_bytes(strategy: str, seq_len: int, world: int) -> float:
     return frac / world * 2 * (2 * qb + 2 * kb) if strategy == "alltoall" else frac * 6 * kb
 
 
-def plan_bytes(strategy: str, layout: SeqLayout | PackedLayout, seq_len: int) -> float:
+def plan_bytes(strategy: str, layout: Layout, seq_len: int) -> float:
     """Bytes the busiest rank should send per forward+backward given the mask (module docstring)."""
     if strategy != "ring":
         return dense_bytes(strategy, seq_len, layout.world)

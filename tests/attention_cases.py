@@ -32,22 +32,45 @@ class Case:
     seed: int = 0
     backend: str | None = None
     attend_layout: str | None = None  # attend with another layout than sharded (negative control)
+    window: int | tuple[int | None, int | None] | None = None  # cp_attention's window_size
+    softcap: float | None = None
+    v_dim: int | None = None  # V's head dim when it differs from Q/K's (MLA)
 
     def __str__(self) -> str:
         mask = "causal" if self.causal else "full"
+        if self.window is not None:
+            mask += f"-w{self.window}".replace(" ", "")
+        if self.softcap is not None:
+            mask += f"-cap{self.softcap:g}"
+        dims = f"-d{self.head_dim}v{self.v_dim}" if self.v_dim is not None else ""
         dt = str(self.dtype).removeprefix("torch.")
-        return f"{self.strategy}-{self.layout}-{mask}-h{self.heads}kv{self.kv_heads}-P{self.world}-{dt}"
+        return f"{self.strategy}-{self.layout}-{mask}-h{self.heads}kv{self.kv_heads}{dims}-P{self.world}-{dt}"
+
+    def visible(self) -> Tensor:
+        """The `(seq, seq)` boolean mask from the definition: -right <= i - j <= left, right = 0 if causal."""
+        i = torch.arange(self.seq)
+        d = i[:, None] - i[None, :]
+        left, right = (self.window, 0) if isinstance(self.window, int) else (self.window or (None, None))
+        if self.causal:
+            right = 0
+        ok = torch.ones(self.seq, self.seq, dtype=torch.bool)
+        if left is not None and left >= 0:
+            ok &= d <= left
+        if right is not None and right >= 0:
+            ok &= d >= -right
+        return ok
 
 
 def make_inputs(case: Case) -> dict[str, Tensor]:
     """Full-sequence q, k, v and upstream gradient, float64, identical on every rank."""
     g = torch.Generator().manual_seed(case.seed)
     b, l, d = case.batch, case.seq, case.head_dim
+    dv = case.v_dim or d
     return {
         "q": torch.randn(b, case.heads, l, d, generator=g, dtype=torch.float64),
         "k": torch.randn(b, case.kv_heads, l, d, generator=g, dtype=torch.float64),
-        "v": torch.randn(b, case.kv_heads, l, d, generator=g, dtype=torch.float64),
-        "dout": torch.randn(b, case.heads, l, d, generator=g, dtype=torch.float64),
+        "v": torch.randn(b, case.kv_heads, l, dv, generator=g, dtype=torch.float64),
+        "dout": torch.randn(b, case.heads, l, dv, generator=g, dtype=torch.float64),
     }
 
 
@@ -63,7 +86,7 @@ def run_cp(mesh, case: Case) -> dict[str, Tensor]:
     meter = CommMeter()
     out, lse = cp_attention(
         q, k, v, mesh=mesh, is_causal=case.causal, strategy=case.strategy,
-        layout=case.attend_layout or case.layout,
+        layout=case.attend_layout or case.layout, window_size=case.window, softcap=case.softcap,
         backend=case.backend, return_lse=True, meter=meter,
     )
     forward_bytes = meter.total
@@ -99,22 +122,36 @@ def reference(case: Case, dtype: torch.dtype) -> dict[str, Tensor]:
 
     float64 uses an explicit softmax (independent of every kernel cpcompose calls);
     other dtypes use PyTorch's own SDPA and its CPU kernel's LSE, the baseline that
-    a CP result's error is measured against.
+    a CP result's error is measured against. A window goes in as an additive mask;
+    Dv != Dqk is zero-padded to one head dim for the CPU kernel (zero columns change
+    nothing). Softcap, which no PyTorch kernel has, uses the explicit softmax in
+    `dtype` through autograd: still independent of cpcompose's kernels.
     """
     full = make_inputs(case)
     q, k, v = (full[n].to(dtype).requires_grad_() for n in ("q", "k", "v"))
     scale = case.head_dim**-0.5
-    if dtype == torch.float64:
+    if dtype == torch.float64 or case.softcap is not None:
         group = case.heads // case.kv_heads
         ke, ve = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
         s = q @ ke.transpose(-1, -2) * scale
-        if case.causal:
-            s = s.masked_fill(~torch.ones(case.seq, case.seq, dtype=torch.bool).tril(), float("-inf"))
+        if case.softcap is not None:
+            s = case.softcap * torch.tanh(s / case.softcap)
+        s = s.masked_fill(~case.visible(), float("-inf"))
         lse = torch.logsumexp(s, -1)
         out = torch.softmax(s, -1) @ ve
     else:
-        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=case.causal, enable_gqa=True)
+        width = max(case.head_dim, v.shape[-1])
+        qp, kp, vp = (torch.nn.functional.pad(t, (0, width - t.shape[-1])) for t in (q, k, v))
+        mask = None
+        if case.window is not None:
+            mask = torch.zeros(case.seq, case.seq, dtype=dtype).masked_fill(~case.visible(), float("-inf"))
+        causal = case.causal and mask is None
+        out = torch.nn.functional.scaled_dot_product_attention(
+            qp, kp, vp, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True
+        )[..., : v.shape[-1]]
         with torch.no_grad():
-            _, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, case.causal)
+            _, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                qp, kp, vp, 0.0, causal, attn_mask=mask, scale=scale
+            )
     out.backward(full["dout"].to(dtype))
     return {"out": out.detach(), "lse": lse.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 import transformers as hf
+from transformers import masking_utils
 
 import cpcompose.integrations.transformers as cphf
 from cpcompose.parallel import recompute_context
@@ -52,9 +53,30 @@ ARCHS: dict[str, Callable[[], hf.PretrainedConfig]] = {
 MASKED_LM = {"modernbert"}  # bidirectional encoders: per-token targets, no shift
 
 
+def _eager64(
+    module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+    softcap: float | None = None, **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' eager attention (Gemma 2's, with softcap) with its softmax in float64, not float32."""
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    scores = query @ key.transpose(2, 3) * scaling
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if attention_mask is not None:
+        scores = scores + attention_mask
+    probs = scores.softmax(dim=-1)
+    return (probs @ value).transpose(1, 2).contiguous(), probs
+
+
+hf.AttentionInterface.register("eager64", _eager64)
+masking_utils.AttentionMaskInterface.register("eager64", masking_utils.eager_mask)
+
+
 def reference_impl(name: str) -> str:
-    """transformers' own float64 attention for the reference: sdpa, or eager where sdpa refuses softcap."""
-    return "eager" if name == "gemma2" else "sdpa"
+    """The reference's attention: transformers' float64 sdpa; eager with a float64 softmax where sdpa refuses softcap."""
+    return "eager64" if name == "gemma2" else "sdpa"
 
 
 def build(name: str, impl: str, state: dict | None = None) -> torch.nn.Module:
@@ -148,12 +170,26 @@ def targets_of(name: str, labels: torch.Tensor) -> torch.Tensor:
 
 
 def reference_packed(name: str) -> tuple[dict, dict]:
-    """transformers on the whole packed row: its own document mask from the restarting position_ids."""
+    """transformers on the whole packed row: its own document mask from the restarting position_ids.
+
+    Its sdpa/eager masks for encoders ignore packing (only its flash-attention path honours it),
+    so an encoder's reference runs each document on its own.
+    """
     model = build(name, reference_impl(name))
     state = {k: v.clone() for k, v in model.state_dict().items()}
     batch = flattened_features()
-    logits = forward(model, name, input_ids=batch["input_ids"], position_ids=batch["position_ids"])
-    loss = F.cross_entropy(logits[0], targets_of(name, batch["labels"])[0], ignore_index=-100)
+    targets = targets_of(name, batch["labels"])[0]
+    if name in MASKED_LM:
+        bounds = torch.tensor([0, *DOCS]).cumsum(0).tolist()
+        total = sum(
+            F.cross_entropy(forward(model, name, input_ids=batch["input_ids"][:, a:b])[0], targets[a:b],
+                            ignore_index=-100, reduction="sum")
+            for a, b in zip(bounds, bounds[1:])
+        )
+        loss = total / (targets != -100).sum()
+    else:
+        logits = forward(model, name, input_ids=batch["input_ids"], position_ids=batch["position_ids"])
+        loss = F.cross_entropy(logits[0], targets, ignore_index=-100)
     loss.backward()
     return result(model, loss), state
 
@@ -213,8 +249,7 @@ def _plain_inputs(seq: int = SEQ) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     return ids[:, :seq].clone(), targets[:, :seq].clone(), torch.arange(seq)[None].clone()
 
 
-_REFUSAL_MODELS = {"overlay": "gemma3", "softcap": "gemma2", "bidirectional_window": "modernbert",
-                   "window_option": "mistral", "value_head_dim": "deepseek_v3"}
+_REFUSAL_MODELS = {"overlay": "gemma3", "window_option": "mistral"}
 
 
 def _refusal_model(case: str) -> tuple[str, torch.nn.Module]:

@@ -17,7 +17,7 @@ class PackedCase:
     strategy: str
     docs: tuple[int, ...]
     causal: bool
-    window: int | None
+    window: int | tuple[int, int] | None  # cp_attention's window_size: int (causal, left) or (left, right)
     heads: int
     kv_heads: int
     world: int
@@ -27,7 +27,7 @@ class PackedCase:
     balance: str = "documents"
 
     def __str__(self) -> str:
-        mask = ("causal" if self.causal else "full") + (f"-w{self.window}" if self.window else "")
+        mask = ("causal" if self.causal else "full") + (f"-w{self.window}".replace(" ", "") if self.window else "")
         return f"{self.strategy}-{len(self.docs)}docs{sum(self.docs)}-{mask}-h{self.heads}kv{self.kv_heads}-P{self.world}"
 
     @property
@@ -94,8 +94,11 @@ def reference(case: PackedCase, dtype: torch.dtype) -> dict[str, Tensor]:
         visible = torch.ones(n, n, dtype=torch.bool)
         if case.causal:
             visible &= i[:, None] >= i[None, :]
-        if case.window is not None:
-            visible &= i[:, None] - i[None, :] <= case.window
+        left, right = (case.window, None) if isinstance(case.window, int) else (case.window or (None, None))
+        if left is not None:
+            visible &= i[:, None] - i[None, :] <= left
+        if right is not None:
+            visible &= i[None, :] - i[:, None] <= right
         additive = torch.zeros(n, n, dtype=dtype).masked_fill(~visible, float("-inf"))
         group = case.heads // case.kv_heads
         if dtype == torch.float64:

@@ -54,6 +54,29 @@ def attempt(mesh, bad: str) -> str:
         q = q[0]
     elif bad == "causal_differs_between_ranks":
         kwargs["is_causal"] = rank == 0
+    # Window pairs and softcap: the bad value on ONE rank only; the others pass a valid one.
+    elif bad == "window_pair_negative_on_one_rank":
+        kwargs.update(is_causal=False, window_size=(-3, 2) if rank == 0 else (2, 2))
+    elif bad == "window_pair_not_int_on_one_rank":
+        kwargs.update(is_causal=False, window_size=(2.5, 1) if rank == 1 else (2, 1))
+    elif bad == "window_pair_three_sides_on_one_rank":
+        kwargs.update(is_causal=False, window_size=(2, 1, 0) if rank == 1 else (2, 1))
+    elif bad == "causal_with_right_window_on_one_rank":
+        kwargs["window_size"] = (4, 2) if rank == 0 else (4, 0)
+    elif bad == "int_window_without_causal_on_one_rank":
+        kwargs.update(is_causal=False, window_size=3 if rank == 1 else (3, 0))
+    elif bad == "softcap_zero_on_one_rank":
+        kwargs["softcap"] = 0.0 if rank == 1 else 5.0
+    elif bad == "softcap_negative_on_one_rank":
+        kwargs["softcap"] = -2.0 if rank == 0 else 2.0
+    elif bad == "softcap_nan_on_one_rank":
+        kwargs["softcap"] = float("nan") if rank == 0 else 2.0
+    elif bad == "softcap_differs_between_ranks":
+        kwargs["softcap"] = 5.0 + rank
+    elif bad == "window_differs_between_ranks":
+        kwargs.update(is_causal=False, window_size=(3, 3 + rank))
+    elif bad == "qk_head_dim_mismatch":
+        k = k[..., :6]
     try:
         cp_attention(q, k, v, **kwargs)
     except ValueError as e:
@@ -74,6 +97,17 @@ EXPECTED = {
     "unknown_layout": "layout='striped' is unknown",
     "three_d": "must be 4-D",
     "causal_differs_between_ranks": "is_causal",
+    "window_pair_negative_on_one_rank": "rank 0: window_size=(left, right) needs two non-negative ints",
+    "window_pair_not_int_on_one_rank": "rank 1: window_size=(left, right) needs two non-negative ints",
+    "window_pair_three_sides_on_one_rank": "rank 1: window_size=(left, right) needs two",
+    "causal_with_right_window_on_one_rank": "rank 0: window_size=(4, 2) with is_causal=True: a causal window has right",
+    "int_window_without_causal_on_one_rank": "rank 1: window_size needs is_causal=True",
+    "softcap_zero_on_one_rank": "rank 1: softcap must be a finite positive number",
+    "softcap_negative_on_one_rank": "rank 0: softcap must be a finite positive number",
+    "softcap_nan_on_one_rank": "rank 0: softcap must be a finite positive number",
+    "softcap_differs_between_ranks": "differ between CP ranks (softcap)",
+    "window_differs_between_ranks": "differ between CP ranks (window_size (right))",
+    "qk_head_dim_mismatch": "q and k must share head_dim",
 }
 
 

@@ -11,6 +11,11 @@ reference. We require, per tensor (output, LSE, dQ, dK, dV):
 * max error <= 4x the single-process max error. The largest error is a single
   rounding event, noisy to within ~2.3x here; 4x still flags any localized bug.
 
+A window is given to the single-process SDPA as an additive mask, and Dv != Dqk
+as zero-padded head dims. Softcap, which no PyTorch kernel has, is measured
+against an explicit softmax in the same dtype through autograd (cpcompose computes
+capped blocks the same explicit way in float32, so the ratio is ~1).
+
 For bf16 the same rule holds against bf16 SDPA: CP merges and accumulates in
 float32, so splitting the sequence adds only the rounding of each partial block
 output to bf16 (measured RMS ratio <= 1.12).
@@ -50,6 +55,33 @@ def assert_matches_single_process(case: Case, per_rank: list[dict]) -> None:
 
 @pytest.mark.parametrize("case", MATRIX, ids=str)
 def test_matches_single_process(pools, case: Case) -> None:
+    assert_matches_single_process(case, pools.get(case.world).run(run_cp, case))
+
+
+# Masks and shapes beyond plain SDPA. Chunks are 6 (zigzag, P=4) to 24 (contiguous,
+# P=2) positions, so (5, 3) stays near the chunk edges, (17, 30) reaches across
+# several chunks on both sides, and a right-only bound mixes unbounded and bounded.
+VARIANTS = [
+    dict(causal=False, window=(5, 3), heads=4, kv_heads=2),  # bidirectional local attention, GQA
+    dict(causal=False, window=(17, 30), heads=4, kv_heads=4),
+    dict(causal=False, window=(-1, 2), heads=6, kv_heads=2),  # everything before, 2 after
+    dict(causal=True, window=(9, 0), heads=4, kv_heads=2),  # the pair form of a causal window
+    dict(causal=True, heads=6, kv_heads=2, head_dim=24, v_dim=16),  # MLA-like: Dv < Dqk, with GQA
+    dict(causal=False, window=(7, 7), heads=4, kv_heads=4, head_dim=16, v_dim=24),  # Dv > Dqk
+    dict(causal=True, softcap=1.5, heads=4, kv_heads=2),  # logit cap (Gemma 2), causal
+    dict(causal=False, window=(6, 10), softcap=2.0, heads=4, kv_heads=1, head_dim=24, v_dim=16),  # all at once
+]
+MASK_MATRIX = [
+    Case(strategy, layout, seq=24 * world, world=world, **variant)  # type: ignore[arg-type]
+    for world, strategy, layout, variant in itertools.product(
+        (2, 4), ("ring", "allgather", "alltoall"), ("zigzag", "contiguous"), VARIANTS
+    )
+]
+
+
+@pytest.mark.parametrize("case", MASK_MATRIX, ids=str)
+def test_windows_mla_softcap_match_single_process(pools, case: Case) -> None:
+    """Two-sided windows, Dv != Dqk and softcap: exact under every strategy and layout (fp32)."""
     assert_matches_single_process(case, pools.get(case.world).run(run_cp, case))
 
 

@@ -29,9 +29,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.device_mesh import DeviceMesh
 
 from cpcompose import cp_cross_entropy
-from cpcompose.models import Llama
-from cpcompose.models.parallelize import parallelize_llama
-from cpcompose.parallel.parallel_dims import flat_mesh
+from cpcompose.distributed import flat_mesh
+from cpcompose.models import Llama, parallelize_llama
 from tests.test_composition import (
     CFG,
     F64_TOL,

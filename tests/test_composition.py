@@ -41,7 +41,6 @@ by > 1e-3 and is shown to fail the check.
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any
 
 import pytest
@@ -52,10 +51,9 @@ from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 from torch.distributed.tensor import DTensor
 
 from cpcompose import allreduce_gradients, cp_cross_entropy, cp_position_ids, cp_shard
-from cpcompose.models import Llama, LlamaConfig, split_llama_for_pipeline
-from cpcompose.models.parallelize import build_pipeline_stage, needs_manual_grad_reduce, parallelize_llama
-from cpcompose.parallel import ParallelDims
-from cpcompose.parallel.parallel_dims import flat_mesh
+from cpcompose.distributed import ParallelDims, build_pipeline_stage, flat_mesh
+from cpcompose.parallel import ContextParallel
+from cpcompose.models import Llama, LlamaConfig, parallelize_llama, split_llama_for_pipeline
 
 CFG = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden_dim=64, max_seq_len=128)
 SEED = 3
@@ -168,8 +166,8 @@ def train_step(_mesh: DeviceMesh, case: dict[str, Any]) -> dict[str, Any]:
     if dims.pp_enabled:
         split_llama_for_pipeline(model, num_stages=dims.pp, stage_index=mesh["pp"].get_local_rank())
     parallelize_llama(
-        model, parallel_dims=dims, mesh=mesh, cp_strategy=case.get("strategy", "ring"),
-        activation_checkpoint=case.get("ac", False), fsdp=fsdp,
+        model, parallel_dims=dims, mesh=mesh, activation_checkpoint=case.get("ac", False), fsdp=fsdp,
+        cp=ContextParallel(strategy=case.get("strategy", "ring"), seq_dim=1) if dims.cp_enabled else None,
     )
     optimizer = make_optimizer(model)
     loss_mesh = flat_mesh(mesh, "dp_cp")
@@ -201,7 +199,7 @@ def train_step(_mesh: DeviceMesh, case: dict[str, Any]) -> dict[str, Any]:
     expected = len(model.layers) * (2 if dims.pp_enabled else 1) * (2 if case.get("ac", False) else 1)
     ok = len(calls) >= expected if dims.pp_enabled else len(calls) == expected
     assert ok, f"{len(calls)} attention forwards, expected {expected}"
-    if needs_manual_grad_reduce(dims, fsdp=fsdp) and not case.get("skip_reduce", False):
+    if not fsdp and dims.dp_cp_size > 1 and not case.get("skip_reduce", False):  # nothing else sums them
         allreduce_gradients(model, loss_mesh)
     if loss is not None:
         loss = global_loss(loss, mesh)
@@ -292,14 +290,3 @@ def test_fp32_dp_shard_cp_within_single_process_error(pools) -> None:
             ratio = max(ratio, err / max(base_err, 1e-30))
     print(f"worst fp32 error / single-process fp32 error: {ratio:.2f}", end=" ")
 
-
-def test_needs_manual_grad_reduce() -> None:
-    def dims(**kw: int) -> ParallelDims:
-        return parallel_dims(math.prod(kw.values()), **kw)
-
-    assert not needs_manual_grad_reduce(dims(cp=2))
-    assert needs_manual_grad_reduce(dims(cp=2), fsdp=False)
-    assert needs_manual_grad_reduce(dims(tp=2, cp=2), fsdp=False)
-    assert not needs_manual_grad_reduce(dims(tp=2), fsdp=False)  # TP alone: nothing to sum
-    assert not needs_manual_grad_reduce(dims(pp=2), fsdp=False)
-    assert needs_manual_grad_reduce(dims(pp=2, dp_replicate=2), fsdp=False)

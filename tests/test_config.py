@@ -11,6 +11,7 @@ import pytest
 
 from cpcompose.config import ConfigError, JobConfig, load_config
 from cpcompose.config.loader import _field_docs
+from cpcompose.distributed import ParallelDims
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -74,7 +75,7 @@ def test_values_are_converted_by_annotation(tmp_path: Path) -> None:
         ("", ["--optimizer.betas=0.9"], r"^optimizer.betas: expected 2 comma-separated values"),
         ("", ["--optimizer.betas=0.9,x"], r"^optimizer.betas: expected float, got 'x'"),
         ("", ["--parallelism.cp_layout=diagonal"],
-         r"^parallelism.cp_layout: 'diagonal' is not one of zigzag, contiguous"),
+         r"^parallelism.cp_layout: 'diagonal' is not a registered layout; choose one of zigzag, contiguous"),
         ("", ["--training.steps"], r"^training.steps: missing value"),
         ("", ["stray"], r"^stray: unexpected argument"),
     ],
@@ -93,7 +94,10 @@ def test_missing_config_file_is_a_config_error(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--parallelism.cp=2", "--training.seq_len=1022"], r"^training.seq_len: 1022 must be divisible by 2\*cp = 4"),
+        (["--parallelism.cp=2", "--training.seq_len=1022"],
+         r"^training.seq_len: sequence length 1022 is not divisible by 4: the zigzag layout over 2 CP ranks"),
+        (["--training.seq_len=2"], r"^training.seq_len: 2 must be even and >= 4 for the copy task"),
+        (["--model.name=gpt"], r"^model.name: 'gpt' is not one of llama"),
         (["--parallelism.tp=3"], r"^model.n_heads: 4 must be divisible by parallelism.tp = 3"),
         (["--parallelism.tp=4"], r"^model.n_kv_heads: 2 must be divisible by parallelism.tp = 4"),
         (["--parallelism.pp=3"], r"^model.n_layers: 4 must be divisible by parallelism.pp = 3"),
@@ -121,14 +125,23 @@ def test_inconsistent_values_name_the_key(argv: list[str], message: str) -> None
 def test_seq_len_divisibility_follows_the_layout() -> None:
     argv = ["--parallelism.cp=2", "--training.seq_len=1022"]
     assert load_config([*argv, "--parallelism.cp_layout=contiguous"]).training.seq_len == 1022
-    with pytest.raises(ConfigError, match=r"^training.seq_len: .*2\*cp = 4 for cp_layout 'zigzag'"):
+    with pytest.raises(ConfigError, match=r"^training.seq_len: .* not divisible by 4: the zigzag layout over 2 CP"):
         load_config(argv)
 
 
-def test_validate_with_world_size_fills_dp_shard_and_checks_the_product() -> None:
+def test_alltoall_accepts_heads_not_divisible_by_cp() -> None:
+    """Ulysses all-to-all handles any head count (uneven head groups), so no rule ties heads to cp."""
+    config = load_config(["--parallelism.cp=4", "--parallelism.cp_strategy=alltoall", "--model.n_heads=2",
+                          "--model.n_kv_heads=1", "--model.dim=64"])
+    config.validate(world_size=4)
+
+
+def test_validate_with_world_size_checks_the_product_without_changing_the_config() -> None:
     config = load_config(["--parallelism.cp=2", "--parallelism.dp_replicate=2"])
+    before = config.to_dict()
     config.validate(world_size=8)
-    assert config.parallelism.dp_shard == 2
+    assert config.to_dict() == before and config.parallelism.dp_shard == -1  # validate only reads
+    assert ParallelDims.from_config(config.parallelism, 8).dp_shard == 2  # the degrees' owner resolves -1
     with pytest.raises(ConfigError, match=r"^parallelism.dp_shard: -1 needs world size 6 divisible by .* = 4"):
         load_config(["--parallelism.cp=2", "--parallelism.dp_replicate=2"]).validate(world_size=6)
     with pytest.raises(ConfigError, match=r"^parallelism.dp_shard: .* = 6 but the world size is 4"):
@@ -170,7 +183,8 @@ def test_shipped_configs_load_and_validate(name: str, world_size: int) -> None:
     config = load_config(["--config", str(REPO / "train_configs" / name)])
     config.validate(world_size=world_size)
     assert config.parallelism.cp > 1
-    assert config.parallelism.dp_replicate * config.parallelism.dp_shard * config.parallelism.cp == world_size
+    dims = ParallelDims.from_config(config.parallelism, world_size)
+    assert dims.dp_replicate * dims.dp_shard * dims.cp == world_size
 
 
 def test_llama3_8b_config_has_the_llama3_shape() -> None:

@@ -194,6 +194,9 @@ def test_sdpa_on_dtensors(pools) -> None:
 def bad_sdpa(mesh, case: str) -> str:
     q = torch.randn(1, 4, 8, 8)
     try:
+        if case == "unsplittable_buffer":
+            with context_parallel(mesh, buffers=[torch.zeros(2, 6)], buffer_seq_dims=[1]):
+                pass
         with context_parallel(mesh):
             if case == "mixed":
                 dq = DTensor.from_local(q, mesh, [Shard(2)], run_check=False)
@@ -205,9 +208,6 @@ def bad_sdpa(mesh, case: str) -> str:
 
                 dq = DTensor.from_local(q, mesh, [Replicate()], run_check=False)
                 F.scaled_dot_product_attention(dq, dq, dq)
-        if case == "unsplittable_buffer":
-            with context_parallel(mesh, buffers=[torch.zeros(2, 6)], buffer_seq_dims=[1]):
-                pass
     except ValueError as e:
         return str(e)
     return "no error"

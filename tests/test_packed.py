@@ -46,6 +46,23 @@ def test_packed_matches_per_document_reference(pools, case: PackedCase) -> None:
     assert_exact(case, pools.get(case.world).run(run_packed, case))
 
 
+# Bidirectional local attention over packed documents (the split balances causal
+# work; it only moves work, never results). (3, 2) is narrower than most pieces,
+# (11, 30) reaches across pieces and ranks on both sides.
+TWO_SIDED = [
+    PackedCase(strategy, PACKS[pack], False, window, 4, 2, world)
+    for world, strategy, (pack, window) in itertools.product(
+        (2, 4), ("ring", "allgather", "alltoall"),
+        [("mixed", (3, 2)), ("tiny", (3, 2)), ("one", (3, 2)), ("mixed", (11, 30))],
+    )
+]
+
+
+@pytest.mark.parametrize("case", TWO_SIDED, ids=str)
+def test_packed_two_sided_window(pools, case: PackedCase) -> None:
+    assert_exact(case, pools.get(case.world).run(run_packed, case))
+
+
 def test_window_with_plain_zigzag_split_and_long_window(pools) -> None:
     """The same machinery under the plain zigzag split, and a window longer than any document."""
     for case in (PackedCase("ring", PACKS["mixed"], True, 7, 4, 2, 3, balance="zigzag"),
@@ -81,6 +98,15 @@ def test_window_makes_the_ring_send_less(pools) -> None:
     narrow = pools.get(3).run(run_packed, PackedCase("ring", docs, True, 8, 4, 2, 3))
     for w, n in zip(wide, narrow):
         assert n["total_bytes"] < w["total_bytes"] / 3  # a halo of ~8 rows per chunk, not whole shards
+
+
+def test_two_sided_window_makes_the_ring_send_a_halo(pools) -> None:
+    """A two-sided window exchanges a halo on both sides: a few rows per chunk edge, not whole shards."""
+    docs = (300,)
+    wide = pools.get(3).run(run_packed, PackedCase("ring", docs, False, None, 4, 2, 3))
+    narrow = pools.get(3).run(run_packed, PackedCase("ring", docs, False, (8, 8), 4, 2, 3))
+    for w, n in zip(wide, narrow):
+        assert 0 < n["forward_bytes"] < w["forward_bytes"] / 3
 
 
 def test_documents_make_the_ring_send_less(pools) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from cpcompose.parallel.parallel_dims import MESH_DIM_NAMES, ParallelDims, flat_mesh
+from cpcompose.distributed.parallel_dims import MESH_DIM_NAMES, ParallelDims, flat_mesh
 
 
 def _dims(**overrides: int) -> ParallelDims:
@@ -22,25 +22,25 @@ def test_product_mismatch_names_degrees_and_field() -> None:
     with pytest.raises(ValueError) as info:
         _dims(dp_shard=2, cp=2, world_size=8)
     message = str(info.value)
-    assert "dp_replicate(1) * dp_shard(2) * cp(2) * tp(1) * pp(1) = 4 != world_size 8" in message
-    assert "parallelism.dp_shard" in message
+    assert "dp_replicate(1) * dp_shard(2) * cp(2) * tp(1) * pp(1) = 4 but the world size is 8" in message
+    assert message.startswith("parallelism.dp_shard: ")
 
 
 @pytest.mark.parametrize("field", ["dp_replicate", "cp", "tp", "pp"])
 def test_degree_below_one_is_rejected(field: str) -> None:
-    with pytest.raises(ValueError, match=f"parallelism.{field} must be >= 1"):
+    with pytest.raises(ValueError, match=f"^parallelism.{field}: must be >= 1"):
         _dims(**{field: 0})
 
 
 def test_dp_shard_must_be_positive_or_minus_one() -> None:
-    with pytest.raises(ValueError, match="parallelism.dp_shard"):
+    with pytest.raises(ValueError, match="^parallelism.dp_shard: must be >= 1 or -1"):
         _dims(dp_shard=-2)
 
 
 def test_dp_shard_minus_one_takes_the_rest() -> None:
     dims = _dims(dp_replicate=2, dp_shard=-1, cp=2, tp=2, world_size=16)
     assert dims.dp_shard == 2
-    with pytest.raises(ValueError, match="dp_shard=-1 needs world_size 6"):
+    with pytest.raises(ValueError, match="^parallelism.dp_shard: -1 needs world size 6"):
         _dims(dp_shard=-1, cp=4, world_size=6)
 
 

@@ -109,7 +109,8 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, setup: AttentionSetup) -> tuple[Ten
     whole = slice(0, q.shape[2])
     if len(tasks) == 1 and tasks[0].q == tasks[0].kv == whole and tasks[0].kind != "band":
         out, lse = attention_forward(
-            q, k, v, causal=tasks[0].kind == "causal", scale=setup.kernel.scale, backend=setup.kernel.backend
+            q, k, v, causal=tasks[0].kind == "causal", scale=setup.kernel.scale, backend=setup.kernel.backend,
+            softcap=setup.kernel.softcap,
         )
         return out, lse
     acc = SoftmaxAccumulator(q, v.shape[-1])
@@ -127,7 +128,7 @@ def _attend_backward(
     if len(tasks) == 1 and tasks[0].q == tasks[0].kv == whole and tasks[0].kind != "band":
         return attention_backward(
             dout, q, k, v, out, lse, causal=tasks[0].kind == "causal", scale=setup.kernel.scale,
-            backend=setup.kernel.backend,
+            backend=setup.kernel.backend, softcap=setup.kernel.softcap,
         )
     grads = (float_zeros(q), float_zeros(k), float_zeros(v))
     backward_blocks(grads, dout, q, k, v, out, lse, tasks, setup.kernel)

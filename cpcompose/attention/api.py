@@ -33,6 +33,7 @@ def cp_attention(
     mesh: DeviceMesh,
     is_causal: bool = False,
     scale: float | None = None,
+    softcap: float | None = None,
     options: CPOptions | None = None,
     return_lse: bool = False,
     **overrides: Any,
@@ -44,12 +45,15 @@ def cp_attention(
             layout (see `cp_shard`, `cp_shard_packed`). K/V may have fewer heads (GQA/MQA).
         mesh: the 1-D CP mesh (`mesh["cp"]` of a larger one).
         is_causal: causal mask by global position.
-        scale: softmax scale; default `1/sqrt(head_dim)`.
+        scale: softmax scale; default `1/sqrt(head_dim)` (of q and k; v's may differ, as in MLA).
+        softcap: cap the logits at +-softcap (`softcap * tanh(scores / softcap)`, as in
+            Gemma 2); None = no cap.
         options: a `CPOptions` (strategy, layout, window_size, backend, meter).
         return_lse: also return the float32 log-sum-exp `(batch, heads, seq_local)`.
         **overrides: any `CPOptions` field by name, e.g. `strategy="alltoall"`,
             `layout=shard.layout` (a `PackedLayout` for packed documents: the very
-            object the shards were cut by), `window_size=512`.
+            object the shards were cut by), `window_size=512` (causal) or
+            `window_size=(left, right)` (bidirectional local attention).
 
     Returns:
         The local output shard (same layout as `q`), and the LSE if asked for.
@@ -60,7 +64,9 @@ def cp_attention(
         TypeError: an override that is not a `CPOptions` field.
     """
     opts = (options or CPOptions()).replace(**overrides)
-    return attend(q, k, v, mesh=mesh, is_causal=is_causal, scale=scale, options=opts, return_lse=return_lse)
+    return attend(
+        q, k, v, mesh=mesh, is_causal=is_causal, scale=scale, softcap=softcap, options=opts, return_lse=return_lse
+    )
 
 
 def attend(
@@ -72,6 +78,7 @@ def attend(
     is_causal: bool,
     scale: float | None,
     options: CPOptions,
+    softcap: float | None = None,
     return_lse: bool = False,
     caller_error: str | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
@@ -83,22 +90,29 @@ def attend(
     cp = CPGroup.from_mesh(mesh)
     layout: Layout | None = None
     backend: Backend | None = None
-    error = caller_error or options.error(cp.world) or _tensor_error(q, k, v) or _scale_error(scale)
+    window, window_error = window_pair(options.window_size, is_causal)
+    error = (
+        caller_error or options.error(cp.world) or window_error or _tensor_error(q, k, v)
+        or _positive_error("scale", scale) or _positive_error("softcap", softcap)
+    )
     if error is None:
         layout = resolve_layout(options.layout, cp.world)
-        error = layout.local_len_error(q.shape[2]) or _mask_error(is_causal, options.window_size)
+        error = layout.local_len_error(q.shape[2])
     if error is None:
         try:
             backend = select_backend(q, options.backend)
         except ValueError as e:
             error = str(e)
     agree_across_ranks(
-        cp, error, _signature(q, k, v, is_causal, scale, options, layout, return_lse),
+        cp, error, _signature(q, k, v, is_causal, scale, softcap, window, options, layout, return_lse),
         what="cp_attention", device=_metadata_device(q),
     )
     assert layout is not None and backend is not None
-    kernel = KernelArgs(scale=scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]), backend=backend)
-    setup = AttentionSetup(cp, layout, MaskSpec(is_causal, options.window_size), kernel, options.meter, return_lse)
+    kernel = KernelArgs(
+        scale=scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]), backend=backend,
+        softcap=None if softcap is None else float(softcap),
+    )
+    setup = AttentionSetup(cp, layout, MaskSpec(is_causal, *window), kernel, options.meter, return_lse)
     out, lse = STRATEGIES[options.strategy].apply(q, k, v, setup)
     return (out, lse) if return_lse else out
 
@@ -109,8 +123,8 @@ def _metadata_device(q: object) -> torch.device:
 
 
 def _signature(
-    q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float | None, options: CPOptions, layout: Layout | None,
-    return_lse: bool,
+    q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float | None, softcap: float | None,
+    window: tuple[int | None, int | None], options: CPOptions, layout: Layout | None, return_lse: bool,
 ) -> list[Field]:
     """What must be equal on every rank: shapes, dtype, mask, options and the whole split."""
     shapes = [(n, t.shape if isinstance(t, Tensor) else ()) for n, t in (("q", q), ("k", k), ("v", v))]
@@ -121,8 +135,10 @@ def _signature(
         ("is_causal", int(bool(causal))),
         ("strategy", strategy),
         ("layout", -1 if layout is None else layout.identity),
-        ("window_size", -1 if not isinstance(options.window_size, int) else int(options.window_size)),
+        ("window_size (left)", -1 if window[0] is None else window[0]),
+        ("window_size (right)", -1 if window[1] is None else window[1]),
         ("scale", float_code(scale) if isinstance(scale, (int, float)) else -3),
+        ("softcap", float_code(softcap) if isinstance(softcap, (int, float)) else -3),
         ("backend", zlib.crc32(str(options.backend).encode())),
         ("return_lse", int(bool(return_lse))),
     ]
@@ -148,28 +164,61 @@ def _tensor_error(q: Tensor, k: Tensor, v: Tensor) -> str | None:
             f"q, k, v must share batch (dim 0) and local sequence length (dim 2), got shapes "
             f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
         )
-    if not (q.shape[3] == k.shape[3] == v.shape[3]):
-        return f"q, k, v must share head_dim (dim 3), got {q.shape[3]}, {k.shape[3]}, {v.shape[3]}"
+    if q.shape[3] != k.shape[3]:
+        return (
+            f"q and k must share head_dim (dim 3; v may differ, as in MLA), got {q.shape[3]}, {k.shape[3]}, "
+            f"and v {v.shape[3]}"
+        )
     if k.shape[1] != v.shape[1] or k.shape[1] == 0 or q.shape[1] % k.shape[1]:
         return (
             f"query heads ({q.shape[1]}) must be a multiple of key/value heads (k: {k.shape[1]}, "
             f"v: {v.shape[1]}, which must be equal)"
         )
-    empty = [name for name, n in (("batch", q.shape[0]), ("heads", q.shape[1]), ("head_dim", q.shape[3])) if n == 0]
+    sizes = (("batch", q.shape[0]), ("heads", q.shape[1]), ("head_dim", q.shape[3]), ("value head_dim", v.shape[3]))
+    empty = [name for name, n in sizes if n == 0]
     if empty:
         return f"q, k, v have no {' or '.join(empty)} (size 0): attention needs at least one of each"
     return None
 
 
-def _scale_error(scale: object) -> str | None:
-    if scale is None:
+def _positive_error(name: str, x: object) -> str | None:
+    """Why `x` (a scale or a softcap) is not a finite positive number or None."""
+    if x is None:
         return None
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
-        return f"scale must be a finite positive number or None (1/sqrt(head_dim)), got {scale!r}"
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x <= 0:
+        return f"{name} must be a finite positive number or None, got {x!r}"
     return None
 
 
-def _mask_error(causal: bool, window: int | None) -> str | None:
-    if window is not None and not causal:
-        return "window_size needs is_causal=True (the window is to the left of each query)"
-    return None
+def window_pair(window_size: object, causal: bool) -> tuple[tuple[int | None, int | None], str | None]:
+    """`window_size` as `(left, right)` (None = unbounded), or why it is invalid.
+
+    An int W means `(W, 0)` and needs a causal mask; a pair is flash-attn's convention
+    (-1 or None = unbounded on that side), and a causal window has right = 0.
+    """
+    if window_size is None:
+        return (None, None), None
+    if not isinstance(window_size, (tuple, list)):
+        if isinstance(window_size, bool) or not isinstance(window_size, int) or window_size < 1:
+            return (None, None), (
+                f"window_size must be a positive number of positions or a (left, right) pair, got {window_size!r}"
+            )
+        if not causal:
+            return (None, None), (
+                "window_size needs is_causal=True (an int window is to the left of each query); "
+                "pass window_size=(left, right) for bidirectional local attention"
+            )
+        return (window_size, 0), None
+    if len(window_size) != 2 or any(
+        side is not None and (isinstance(side, bool) or not isinstance(side, int) or side < -1) for side in window_size
+    ):
+        return (None, None), (
+            f"window_size=(left, right) needs two non-negative ints (-1 or None = unbounded), got {window_size!r}"
+        )
+    left, right = (None if side is None or side == -1 else side for side in window_size)
+    if causal and right != 0:
+        return (None, None), (
+            f"window_size={tuple(window_size)!r} with is_causal=True: a causal window has right = 0 "
+            "(use is_causal=False for a two-sided window)"
+        )
+    return (left, right), None

@@ -6,12 +6,12 @@ consecutive local rows, in increasing position. Zigzag and contiguous layouts
 give one or two runs per rank (one document: the whole sequence); a packed
 sequence gives runs per document piece.
 
-Query i may see key j when both are in the same document and, for causal
-attention, `j <= i`, and with a sliding window also `i - j <= window`. The planner
-turns two run lists into the fewest kernel calls that cover exactly the visible
-pairs:
+Query i may see key j when both are in the same document and
+`i - left <= j <= i + right` (flash-attn's window sizes, either side possibly
+unbounded; causal attention is right = 0). The planner turns two run lists into
+the fewest kernel calls that cover exactly the visible pairs:
 
-* `full`: every pair visible (keys wholly before the queries, within the window);
+* `full`: every pair visible (keys wholly before or after the queries, within the window);
 * `causal`: the same positions on both sides, a square causal mask;
 * `band`: anything else (window edges), with an explicit additive mask, tiled so
   the mask stays small and every row keeps at least one visible key.
@@ -34,19 +34,33 @@ from cpcompose.attention.merge import SoftmaxAccumulator
 from cpcompose.layouts import Run
 
 NO_WINDOW = 1 << 62
-BAND_TILE = 512  # rows per band tile: masks stay <= 512 x (512 + window) elements
+BAND_TILE = 512  # rows per band tile: masks stay under 512 x 1024 elements, whatever the window
 
 
 @dataclass(frozen=True)
 class MaskSpec:
-    """The attention mask by global position: documents always, causal, a left window."""
+    """The attention mask by global position: documents always, causal, a window on each side.
+
+    Query i sees key j of the same document iff `i - left <= j <= i + right`, with
+    flash-attn's `(left, right)` window sizes; None is unbounded on that side.
+    `causal` forces right = 0, so `MaskSpec(True, W)` is the causal sliding window.
+    """
 
     causal: bool
-    window: int | None = None  # keys at most `window` positions to the left (flash-attn's left size)
+    window: int | None = None  # left size: keys at most this many positions before the query
+    right: int | None = None  # right size: keys at most this many positions after (ignored if causal)
 
     @property
     def reach(self) -> int:
+        """How far left a query sees (the left window, or unbounded)."""
         return NO_WINDOW if self.window is None else self.window
+
+    @property
+    def right_reach(self) -> int:
+        """How far right a query sees: 0 when causal."""
+        if self.causal:
+            return 0
+        return NO_WINDOW if self.right is None else self.right
 
 
 @dataclass(frozen=True)
@@ -54,7 +68,7 @@ class BlockTask:
     """One kernel call: local query rows `q` against local key rows `kv`.
 
     For a `band`, query row `q.start + a` has position `offset + a` relative to key
-    row `kv.start` (so key `b` is visible iff `0 <= offset + a - b <= window`).
+    row `kv.start` (so key `b` is visible iff `-right <= offset + a - b <= window`).
     """
 
     q: slice
@@ -62,6 +76,7 @@ class BlockTask:
     kind: Literal["full", "causal", "band"]
     offset: int = 0
     window: int = NO_WINDOW
+    right: int = 0
 
     def visible(self, device: torch.device | str | None = None) -> Tensor:
         """The boolean mask of this block `(len(q), len(kv))`."""
@@ -70,7 +85,7 @@ class BlockTask:
         offset = self.offset if self.kind == "band" else 0
         d = (torch.arange(self.q.stop - self.q.start, device=device)[:, None] + offset
              - torch.arange(self.kv.stop - self.kv.start, device=device)[None, :])
-        return (d >= 0) & (d <= self.window)
+        return (d >= -self.right) & (d <= self.window)
 
     def additive_mask(self, dtype: torch.dtype, device: torch.device) -> Tensor | None:
         """The float mask a `band` needs (0 visible, -inf hidden); None for the other kinds."""
@@ -91,7 +106,8 @@ class BlockTask:
 
 def plan(q_runs: Sequence[Run], kv_runs: Sequence[Run], mask: MaskSpec) -> list[BlockTask]:
     """Kernel calls covering exactly the visible (query, key) pairs between two run lists."""
-    if mask.causal and mask.window is None and _same_single_document(q_runs, kv_runs):
+    left, right = mask.reach, mask.right_reach
+    if right == 0 and left == NO_WINDOW and _same_single_document(q_runs, kv_runs):
         # Same increasing positions of one document: local order is global order.
         rows = slice(q_runs[0].row, q_runs[-1].row + q_runs[-1].length)
         return [BlockTask(rows, slice(kv_runs[0].row, kv_runs[-1].row + kv_runs[-1].length), "causal")]
@@ -101,7 +117,7 @@ def plan(q_runs: Sequence[Run], kv_runs: Sequence[Run], mask: MaskSpec) -> list[
     tasks: list[BlockTask] = []
     for q in q_runs:
         for k in by_doc.get(q.doc, ()):
-            tasks += _pair(q, k, mask) if mask.causal else [_task(q, q.pos, q.pos + q.length, k, k.pos, k.pos + k.length, "full")]
+            tasks += _pair(q, k, left, right)
     return _merge_full(tasks)
 
 
@@ -110,50 +126,60 @@ def _same_single_document(q_runs: Sequence[Run], kv_runs: Sequence[Run]) -> bool
     return same and len({r.doc for r in (*q_runs, *kv_runs)}) == 1 and bool(q_runs)
 
 
-def _task(q: Run, q0: int, q1: int, k: Run, k0: int, k1: int, kind: str, window: int = NO_WINDOW) -> BlockTask:
+def _task(q: Run, q0: int, q1: int, k: Run, k0: int, k1: int, kind: str, left: int = NO_WINDOW,
+          right: int = 0) -> BlockTask:
     """A task for positions [q0, q1) of run q against positions [k0, k1) of run k."""
     return BlockTask(
         slice(q.row + q0 - q.pos, q.row + q1 - q.pos), slice(k.row + k0 - k.pos, k.row + k1 - k.pos),
-        kind, offset=q0 - k0, window=window,  # type: ignore[arg-type]
+        kind, offset=q0 - k0, window=left, right=right,  # type: ignore[arg-type]
     )
 
 
-def _pair(q: Run, k: Run, mask: MaskSpec) -> list[BlockTask]:
-    """Causal (windowed) attention of one query run to one key run of the same document."""
-    w = mask.reach
+def _pair(q: Run, k: Run, left: int, right: int) -> list[BlockTask]:
+    """Attention of one query run to one key run of the same document, within the `(left, right)` window.
+
+    With a side unbounded, the keys split into those before, among, and after the
+    queries' own positions: the first and last are then mostly full blocks and the
+    middle causal or full, so most of the work goes to unmasked kernel calls. With
+    both sides bounded the window itself decides, and fewer blocks mean fewer
+    float32 merges per row.
+    """
     q0, q1, k0, k1 = q.pos, q.pos + q.length, k.pos, k.pos + k.length
+    if left < NO_WINDOW and right < NO_WINDOW:
+        return _cover(q, q0, q1, k, k0, k1, left, right)
     tasks = []
-    before = (max(k0, q0 - w), min(k1, q0))  # keys left of every query that some query sees
-    if before[0] < before[1]:
-        if (q1 - 1) - before[0] <= w:
-            tasks.append(_task(q, q0, q1, k, *before, "full"))
-        else:
-            tasks += _tiles(q, q0, q1, k, *before, w)
-    inside = (max(k0, q0), min(k1, q1))  # keys among the queries' own positions
-    if inside[0] < inside[1]:
-        if inside == (q0, q1) and q1 - q0 - 1 <= w:
-            tasks.append(_task(q, q0, q1, k, q0, q1, "causal", w))
-        else:
-            tasks += _tiles(q, inside[0], q1, k, *inside, w)
+    for c0, c1 in ((k0, min(k1, q0)), (max(k0, q0), min(k1, q1)), (max(k0, q1), k1)):
+        if c0 < c1:
+            tasks += _cover(q, q0, q1, k, c0, c1, left, right)
     return tasks
 
 
-def _tiles(q: Run, a0: int, a1: int, k: Run, c0: int, c1: int, w: int) -> list[BlockTask]:
-    """Query positions [a0, a1) against keys [c0, c1), causal within window `w`, in row tiles."""
-    tasks = []
-    for a in range(a0, a1, BAND_TILE):
-        b = min(a + BAND_TILE, a1)
-        lo, hi = max(c0, a - w), min(c1, b)  # keys some row of the tile sees
-        r0, r1 = max(a, lo), min(b, hi + w)  # rows that see at least one of them
-        if lo >= hi or r0 >= r1:
-            continue
-        if hi - 1 <= r0 and (r1 - 1) - lo <= w:
-            tasks.append(_task(q, r0, r1, k, lo, hi, "full"))
-        elif (lo, hi) == (r0, r1) and r1 - r0 - 1 <= w:
-            tasks.append(_task(q, r0, r1, k, lo, hi, "causal", w))
-        else:
-            tasks.append(_task(q, r0, r1, k, lo, hi, "band", w))
-    return tasks
+def _cover(q: Run, a0: int, a1: int, k: Run, c0: int, c1: int, left: int, right: int) -> list[BlockTask]:
+    """Query positions [a0, a1) against keys [c0, c1): the fewest full/causal blocks plus small bands.
+
+    Rows and keys are first trimmed to those with a visible pair, so no task has a
+    fully masked row (the CPU kernel would return lse=0 for it, poisoning the merge).
+    A block that is not all visible is cut into row tiles of BAND_TILE; a tile
+    wider than 2 x BAND_TILE keys is cut into the keys every row sees (a full block)
+    and the edges on either side (bands under BAND_TILE wide), so masks stay small
+    however wide the window.
+    """
+    lo, hi = max(c0, a0 - left), min(c1, a1 + right)  # keys some query sees
+    r0, r1 = max(a0, lo - right), min(a1, hi + left)  # queries that see one of them
+    if lo >= hi or r0 >= r1:
+        return []
+    if (r1 - 1) - lo <= left and (hi - 1) - r0 <= right:
+        return [_task(q, r0, r1, k, lo, hi, "full")]
+    if right == 0 and (lo, hi) == (r0, r1) and r1 - r0 - 1 <= left:
+        return [_task(q, r0, r1, k, lo, hi, "causal", left)]
+    if r1 - r0 > BAND_TILE:
+        tiles = [(a, min(a + BAND_TILE, r1)) for a in range(r0, r1, BAND_TILE)]
+        return [t for a, b in tiles for t in _cover(q, a, b, k, lo, hi, left, right)]
+    f0, f1 = max(lo, r1 - 1 - left), min(hi, r0 + right + 1)  # keys every row of the tile sees
+    if f0 < f1 and hi - lo > 2 * BAND_TILE:
+        return [*_cover(q, r0, r1, k, lo, f0, left, right), _task(q, r0, r1, k, f0, f1, "full"),
+                *_cover(q, r0, r1, k, f1, hi, left, right)]
+    return [_task(q, r0, r1, k, lo, hi, "band", left, right)]
 
 
 def _merge_full(tasks: list[BlockTask]) -> list[BlockTask]:
@@ -206,6 +232,7 @@ class KernelArgs:
 
     scale: float
     backend: Backend
+    softcap: float | None = None  # logit cap (`softcap * tanh(s / softcap)`); None = no cap
 
 
 def forward_blocks(
@@ -215,7 +242,7 @@ def forward_blocks(
     for t in tasks:
         out, lse = attention_forward(
             q[:, :, t.q], k[:, :, t.kv], v[:, :, t.kv], causal=t.kind == "causal", scale=kernel.scale,
-            backend=kernel.backend, mask=t.additive_mask(q.dtype, q.device),
+            backend=kernel.backend, mask=t.additive_mask(q.dtype, q.device), softcap=kernel.softcap,
         )
         acc.merge(t.q, out, lse)
 
@@ -237,7 +264,7 @@ def backward_blocks(
         dq, dk, dv = attention_backward(
             dout[:, :, t.q], q[:, :, t.q], k[:, :, t.kv], v[:, :, t.kv], out[:, :, t.q], lse[:, :, t.q],
             causal=t.kind == "causal", scale=kernel.scale, backend=kernel.backend,
-            mask=t.additive_mask(q.dtype, q.device),
+            mask=t.additive_mask(q.dtype, q.device), softcap=kernel.softcap,
         )
         dq_acc[:, :, t.q] += dq
         dk_acc[:, :, t.kv] += dk

@@ -12,7 +12,10 @@ have fewer heads than Q (GQA/MQA, `heads_q % heads_kv == 0`); `lse` is float32
 `causal=True` is only ever asked for square blocks (the block planner guarantees
 it), so top-left versus bottom-right alignment never matters. `mask` is an
 additive float mask `(seq_q, seq_k)` for the few window-edge blocks that need one;
-the CPU kernel takes it directly, CUDA blocks with a mask use the math path.
+the CPU kernel takes it directly, CUDA blocks with a mask use the explicit path.
+V may have its own head dim (MLA); the fused kernels get zero-padded inputs.
+`softcap` blocks run flash-attn's fused softcap on CUDA and the explicit path
+(`explicit.py`) everywhere else.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import torch
 from torch import Tensor
 
 from cpcompose import _compat
-from cpcompose.precision import accumulation_dtype
+from cpcompose.attention.explicit import explicit_backward, explicit_forward
 
 Backend = Literal["cpu_flash", "math", "cuda_flash", "cuda_efficient", "flash_attn"]
 BACKENDS: tuple[str, ...] = ("cpu_flash", "math", "cuda_flash", "cuda_efficient", "flash_attn")
@@ -59,22 +62,31 @@ def select_backend(q: Tensor, override: str | None = None) -> Backend:
 
 
 def attention_forward(
-    q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float, backend: Backend, mask: Tensor | None = None
+    q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float, backend: Backend, mask: Tensor | None = None,
+    softcap: float | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Attention of `q` over `k`/`v`; returns `(out in q.dtype, lse float32)`."""
+    """Attention of `q` over `k`/`v`; returns `(out in q.dtype, lse float32)`.
+
+    `v` may have another head dim than `q`/`k` (MLA); `out` has V's. `softcap`
+    caps the logits (`softcap * tanh(scores / softcap)`): only flash-attn has it
+    fused, every other backend then takes the explicit path.
+    """
+    if _explicit(backend, mask, softcap):
+        return explicit_forward(q, k, v, causal=causal, scale=scale, mask=mask, softcap=softcap)
+    dv = v.shape[-1]
+    q, k, v = _same_head_dim(q, k, v)
     if backend == "cpu_flash":
         out, lse = _compat.cpu_flash_forward(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
-        return out, lse.contiguous()
-    if backend == "math" or mask is not None:
-        return _math_forward(q, k, v, causal=causal, scale=scale, mask=mask)
-    if backend == "flash_attn":
-        return _flash_attn_forward(q, k, v, causal=causal, scale=scale)
-    k, v = _expand_kv(q, k), _expand_kv(q, v)
-    if backend == "cuda_flash":
-        res = _compat.cuda_flash_forward(q, k, v, 0.0, causal, False, scale=scale)
-        return res[0], res[1].contiguous()
-    res = _compat.cuda_efficient_forward(q, k, v, None, True, 0.0, causal, scale=scale)
-    return res[0], res[1][..., : q.shape[2]].contiguous()
+    elif backend == "flash_attn":
+        out, lse = _flash_attn_forward(q, k, v, causal=causal, scale=scale, softcap=softcap)
+    elif backend == "cuda_flash":
+        ke, ve = _expand_kv(q, k), _expand_kv(q, v)
+        out, lse = _compat.cuda_flash_forward(q, ke, ve, 0.0, causal, False, scale=scale)[:2]
+    else:
+        ke, ve = _expand_kv(q, k), _expand_kv(q, v)
+        res = _compat.cuda_efficient_forward(q, ke, ve, None, True, 0.0, causal, scale=scale)
+        out, lse = res[0], res[1][..., : q.shape[2]]
+    return out[..., :dv], lse.contiguous()
 
 
 def attention_backward(
@@ -89,80 +101,71 @@ def attention_backward(
     scale: float,
     backend: Backend,
     mask: Tensor | None = None,
+    softcap: float | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of one block given the merged `out`/`lse` of the full softmax.
 
     Returns `(dq, dk, dv)` in the input dtype; `dk`/`dv` have K/V's head count.
     """
+    if _explicit(backend, mask, softcap):
+        return explicit_backward(dout, q, k, v, out, lse, causal=causal, scale=scale, mask=mask, softcap=softcap)
+    dqk, dv_dim = q.shape[-1], v.shape[-1]
+    q, k, v = _same_head_dim(q, k, v)
+    dout, out = _pad_last(dout, v.shape[-1]), _pad_last(out, v.shape[-1])
     if backend == "cpu_flash":
-        return _compat.cpu_flash_backward(dout, q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=scale)
-    if backend == "math" or mask is not None:
-        return _math_backward(dout, q, k, v, out, lse, causal=causal, scale=scale, mask=mask)
-    if backend == "flash_attn":
-        return _flash_attn_backward(dout, q, k, v, out, lse, causal=causal, scale=scale)
+        dq, dk, dv = _compat.cpu_flash_backward(dout, q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=scale)
+    elif backend == "flash_attn":
+        dq, dk, dv = _flash_attn_backward(dout, q, k, v, out, lse, causal=causal, scale=scale, softcap=softcap)
+    else:
+        dq, dk, dv = _cuda_backward(dout, q, k, v, out, lse, causal=causal, scale=scale, backend=backend)
+    return dq[..., :dqk], dk[..., :dqk], dv[..., :dv_dim]
+
+
+def _explicit(backend: Backend, mask: Tensor | None, softcap: float | None) -> bool:
+    """Blocks the fused kernels cannot do: the math backend, softcap without flash-attn, masks on CUDA."""
+    if backend == "math":
+        return True
+    if softcap is not None and backend != "flash_attn":
+        return True
+    return mask is not None and backend != "cpu_flash"
+
+
+def _pad_last(x: Tensor, width: int) -> Tensor:
+    return x if x.shape[-1] == width else torch.nn.functional.pad(x, (0, width - x.shape[-1]))
+
+
+def _same_head_dim(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Zero-pad Q/K or V to one head dim for the fused kernels, which require it (MLA has Dv != Dqk).
+
+    Exact: zero columns of Q and K add nothing to the scores (the scale is passed
+    explicitly, so it is not recomputed from the padded width), and zero columns of V
+    give zero output columns, which the caller slices off.
+    """
+    width = max(q.shape[-1], v.shape[-1])
+    return _pad_last(q, width), _pad_last(k, width), _pad_last(v, width)
+
+
+# --- CUDA helpers: thin, guarded, exercised by the same tests when a GPU is present ---
+
+
+def _cuda_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *, causal: bool, scale: float,
+    backend: Backend,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The aten CUDA kernels' backward (no native GQA: K/V expanded, gradients summed back)."""
     ke, ve = _expand_kv(q, k), _expand_kv(q, v)
+    zero = torch.zeros((), dtype=torch.int64, device=q.device)
     if backend == "cuda_flash":
-        zero = torch.zeros((), dtype=torch.int64, device=q.device)
         sq, sk = q.shape[2], k.shape[2]
         dq, dk, dv = _compat.cuda_flash_backward(
             dout, q, ke, ve, out, lse, None, None, sq, sk, 0.0, causal, zero, zero, scale=scale
         )
     else:
-        padded = _pad_lse_for_efficient(lse)
-        zero = torch.zeros((), dtype=torch.int64, device=q.device)
         dq, dk, dv, _ = _compat.cuda_efficient_backward(
-            dout, q, ke, ve, None, out, padded, zero, zero, 0.0, [True, True, True, False],
+            dout, q, ke, ve, None, out, _pad_lse_for_efficient(lse), zero, zero, 0.0, [True, True, True, False],
             causal, scale=scale,
         )
     return dq, _reduce_kv(dk, k), _reduce_kv(dv, v)
-
-
-# --- math path: explicit softmax, for devices without a fused kernel and for tests ---
-
-
-def _scores(q: Tensor, k: Tensor, *, causal: bool, scale: float, mask: Tensor | None) -> Tensor:
-    """Scaled, masked scores `(B, Hkv, group, Sq, Sk)` in at least float32."""
-    acc = accumulation_dtype(q.dtype)
-    b, hq, sq, d = q.shape
-    hkv = k.shape[1]
-    qg = q.to(acc).view(b, hkv, hq // hkv, sq, d)
-    s = torch.einsum("bhgqd,bhkd->bhgqk", qg, k.to(acc)) * scale
-    if causal:
-        causal_mask = torch.ones(sq, k.shape[2], dtype=torch.bool, device=q.device).tril()
-        s = s.masked_fill(~causal_mask, float("-inf"))
-    return s if mask is None else s + mask.to(s.dtype)
-
-
-def _math_forward(
-    q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float, mask: Tensor | None = None
-) -> tuple[Tensor, Tensor]:
-    s = _scores(q, k, causal=causal, scale=scale, mask=mask)
-    lse = torch.logsumexp(s, dim=-1)
-    out = torch.einsum("bhgqk,bhkd->bhgqd", torch.exp(s - lse.unsqueeze(-1)), v.to(s.dtype))
-    b, hq, sq, _ = q.shape
-    return out.reshape(b, hq, sq, v.shape[-1]).to(q.dtype), lse.reshape(b, hq, sq)
-
-
-def _math_backward(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *, causal: bool, scale: float,
-    mask: Tensor | None = None,
-) -> tuple[Tensor, Tensor, Tensor]:
-    s = _scores(q, k, causal=causal, scale=scale, mask=mask)
-    b, hq, sq, d = q.shape
-    hkv = k.shape[1]
-    acc = s.dtype
-    grp = (b, hkv, hq // hkv, sq)
-    p = torch.exp(s - lse.to(acc).view(*grp, 1))
-    do = dout.to(acc).view(*grp, -1)
-    delta = (do * out.to(acc).view(*grp, -1)).sum(-1, keepdim=True)
-    dv = torch.einsum("bhgqk,bhgqd->bhkd", p, do)
-    ds = p * (torch.einsum("bhgqd,bhkd->bhgqk", do, v.to(acc)) - delta)
-    dq = torch.einsum("bhgqk,bhkd->bhgqd", ds, k.to(acc)) * scale
-    dk = torch.einsum("bhgqk,bhgqd->bhkd", ds, q.to(acc).view(*grp, d)) * scale
-    return dq.reshape(b, hq, sq, d).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
-
-
-# --- CUDA helpers: thin, guarded, exercised by the same tests when a GPU is present ---
 
 
 def _expand_kv(q: Tensor, kv: Tensor) -> Tensor:
@@ -184,20 +187,23 @@ def _pad_lse_for_efficient(lse: Tensor) -> Tensor:
     return torch.nn.functional.pad(lse, (0, pad)) if pad else lse
 
 
-def _flash_attn_forward(q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+def _flash_attn_forward(
+    q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float, softcap: float | None
+) -> tuple[Tensor, Tensor]:
     fa = _compat.import_flash_attn()
     assert fa is not None
     res = fa._flash_attn_forward(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
         dropout_p=0.0, softmax_scale=scale, causal=causal,
-        window_size_left=-1, window_size_right=-1, softcap=0.0,
+        window_size_left=-1, window_size_right=-1, softcap=softcap or 0.0,
         alibi_slopes=None, return_softmax=False,
     )
     return res[0].transpose(1, 2), res[1].contiguous()
 
 
 def _flash_attn_backward(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *, causal: bool, scale: float
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *, causal: bool, scale: float,
+    softcap: float | None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     fa = _compat.import_flash_attn()
     assert fa is not None
@@ -206,7 +212,7 @@ def _flash_attn_backward(
     fa._flash_attn_backward(
         t[0], t[1], t[2], t[3], t[4], lse, dq, dk, dv,
         dropout_p=0.0, softmax_scale=scale, causal=causal,
-        window_size_left=-1, window_size_right=-1, softcap=0.0,
+        window_size_left=-1, window_size_right=-1, softcap=softcap or 0.0,
         alibi_slopes=None, deterministic=True, rng_state=None,
     )
     return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)

@@ -29,14 +29,16 @@ class CPOptions:
             "alltoall" (Ulysses: heads for sequence).
         layout: how the shards were cut: a registered name ("zigzag", the default,
             or "contiguous") or a `Layout` object such as a `PackedLayout`.
-        window_size: causal sliding window, in positions to the left of each query.
+        window_size: sliding window: an int W (causal: each query sees W positions to
+            its left) or flash-attn's `(left, right)` pair (-1 = unbounded), checked
+            per call against the mask (see `cp_attention`).
         backend: force a local kernel (see `kernels.BACKENDS`); None = best available.
         meter: counts the bytes CP attention sends.
     """
 
     strategy: Strategy = "ring"
     layout: LayoutSpec = None
-    window_size: int | None = None
+    window_size: int | tuple[int, int] | None = None
     backend: str | None = None
     meter: CommMeter | None = None
 
@@ -48,9 +50,6 @@ class CPOptions:
         """Why these options cannot run on a CP group of `world` ranks, or None."""
         if self.strategy not in STRATEGY_NAMES:
             return f"strategy={self.strategy!r} is unknown; choose one of {STRATEGY_NAMES}"
-        w = self.window_size
-        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
-            return f"window_size must be a positive number of positions, got {w!r}"
         if self.meter is not None and not isinstance(self.meter, CommMeter):
             return f"meter must be a cpcompose.CommMeter, got {type(self.meter).__name__}"
         return layout_error(self.layout, world)

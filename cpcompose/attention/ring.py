@@ -7,8 +7,8 @@ For full attention that is the whole shard, so the volume equals the classic rin
 rotation (P-1 shards). Under masks it is less: with a causal zigzag layout a rank
 earlier in the order needs only the early chunk; with documents only the pieces of
 shared documents; with a sliding window only the rows within the window (a halo,
-not a rotation). Rows nobody needs are never sent, and rounds with nothing to
-attend are skipped.
+not a rotation; a two-sided window gives a halo on both sides). Rows nobody
+needs are never sent, and rounds with nothing to attend are skipped.
 
 Backward repeats the exchange of K/V and sends each block's dK/dV (float32, so
 bf16 rounding does not grow with P) straight back to the rank that owns those
@@ -17,6 +17,7 @@ rows. dQ stays local.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -49,7 +50,7 @@ def _compact(tasks: list[BlockTask], rows: list[slice]) -> list[BlockTask]:
     for t in tasks:
         i = next(i for i, r in enumerate(rows) if r.start <= t.kv.start and t.kv.stop <= r.stop)
         shift = starts[i] - rows[i].start
-        out.append(BlockTask(t.q, slice(t.kv.start + shift, t.kv.stop + shift), t.kind, t.offset, t.window))
+        out.append(replace(t, kv=slice(t.kv.start + shift, t.kv.stop + shift)))
     return out
 
 

@@ -10,6 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from cpcompose.attention.options import CPOptions, Strategy
+from cpcompose.comm import CommMeter
+from cpcompose.layouts import DEFAULT_LAYOUT, LAYOUTS
+
 __all__ = [
     "ActivationCheckpoint", "Checkpoint", "Comm", "ConfigError", "Data", "Job", "LRScheduler",
     "Metrics", "Model", "Optimizer", "Parallelism", "Training", "require",
@@ -38,7 +42,8 @@ class Job:
     name: str = "debug"
     """Run name, shown in the log and the loss plot title."""
     dump_folder: str = "./outputs"
-    """Root folder for checkpoints, TensorBoard logs and plots."""
+    """Folder for checkpoints, TensorBoard logs and the loss plot; job.name is not added to the path, so give
+    each run its own folder."""
     seed: int = 0
     """Seed for parameter init and data; identical on every rank so replicas start equal."""
     dry_run: bool = False
@@ -47,8 +52,10 @@ class Job:
 
 @dataclass
 class Model:
-    """Llama-style decoder shape."""
+    """Model family and its decoder shape."""
 
+    name: str = "llama"
+    """Model family, looked up in cpcompose.models.registry (which builds and parallelizes it): llama."""
     vocab_size: int = 320
     """Embedding rows; must cover the data's ids (byte-level text: 258, synthetic: num_symbols + 4)."""
     dim: int = 128
@@ -92,16 +99,23 @@ class Parallelism:
     """Pipeline schedule; 1F1B holds fewer microbatches' activations at once than GPipe."""
     pp_microbatches: int = 4
     """Microbatches per local batch when pp > 1; must divide it (and be >= pp for 1F1B)."""
-    cp_strategy: Literal["ring", "allgather", "alltoall"] = "ring"
+    cp_strategy: Strategy = "ring"
     """ring: K/V blocks circulate, overlapped with compute; allgather: gather all K/V once
-    (simple, more memory); alltoall: Ulysses head/sequence transpose (heads / tp divisible by cp)."""
-    cp_layout: Literal["zigzag", "contiguous"] = "zigzag"
-    """zigzag gives rank r chunks r and 2cp-1-r so causal work is balanced; contiguous gives chunk r."""
+    (simple, more memory); alltoall: Ulysses head/sequence transpose (any head count)."""
+    cp_layout: str = DEFAULT_LAYOUT
+    """A registered layout (zigzag, contiguous): zigzag gives rank r chunks r and 2cp-1-r so causal
+    work is balanced; contiguous gives chunk r. Packed documents (data.pack) are split per batch."""
 
     def __post_init__(self) -> None:
         _positive(self, "parallelism", "dp_replicate", "cp", "tp", "pp", "pp_microbatches")
+        require(self.cp_layout in LAYOUTS, "parallelism.cp_layout",
+                f"{self.cp_layout!r} is not a registered layout; choose one of {', '.join(LAYOUTS)}")
         require(self.dp_shard == -1 or self.dp_shard >= 1, "parallelism.dp_shard",
                 f"must be >= 1 or -1, got {self.dp_shard}")
+
+    def cp_options(self, *, meter: CommMeter | None = None) -> CPOptions:
+        """The CP attention options these settings describe: one object, from here to every attention call."""
+        return CPOptions(strategy=self.cp_strategy, layout=self.cp_layout, meter=meter)
 
 
 @dataclass
@@ -123,7 +137,7 @@ class Training:
     mixed_precision: Literal["float32", "bfloat16"] = "float32"
     """Compute dtype; parameters, gradient reduction and the LSE merge stay float32."""
     compile: bool = False
-    """torch.compile each transformer block."""
+    """torch.compile each transformer block's feed-forward; attention, which communicates under CP, stays eager."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """auto picks cuda when available, else cpu (gloo)."""
 
@@ -215,13 +229,13 @@ class Checkpoint:
     enable: bool = False
     """Save checkpoints."""
     folder: str = "checkpoint"
-    """Sub-folder of dump_folder/name."""
+    """Sub-folder of job.dump_folder."""
     interval: int = 100
     """Save every this many steps (and at the last step)."""
     keep_latest_k: int = 2
     """Delete older checkpoints beyond this many; 0 keeps all."""
     resume: bool = True
-    """Resume from the latest checkpoint in folder if one exists."""
+    """With checkpoint.enable, resume from the latest complete checkpoint in folder if one exists."""
 
     def __post_init__(self) -> None:
         _positive(self, "checkpoint", "interval")
@@ -237,9 +251,9 @@ class Metrics:
     enable_tensorboard: bool = False
     """Write TensorBoard scalars (from one rank only)."""
     save_tb_folder: str = "tb"
-    """TensorBoard sub-folder of dump_folder/name."""
+    """TensorBoard sub-folder of job.dump_folder."""
     plot_loss: bool = False
-    """Save a loss-curve PNG in dump_folder/name when training ends."""
+    """Save a loss-curve PNG, job.dump_folder/loss.png, when training ends."""
 
     def __post_init__(self) -> None:
         _positive(self, "metrics", "log_freq")
@@ -260,7 +274,8 @@ class Comm:
     timeout_s: float = 300.0
     """Timeout of each collective after initialization."""
     init_timeout_s: float = 600.0
-    """Timeout of process-group setup and the first collectives (compilation, loading)."""
+    """Timeout of process-group setup, while the ranks start and meet; every collective after it uses
+    comm.timeout_s."""
 
     def __post_init__(self) -> None:
         _positive(self, "comm", "timeout_s", "init_timeout_s")

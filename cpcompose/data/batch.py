@@ -1,17 +1,29 @@
-"""What the data sources produce: one sample, a batch of them, and the source protocol."""
+"""What the data sources produce: one sample, a batch of them, the source protocol, and a parameter problem."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 from torch import Tensor
 
-__all__ = ["IGNORE_INDEX", "Batch", "Sample", "SampleSource"]
+__all__ = ["IGNORE_INDEX", "Batch", "ParamProblem", "Sample", "SampleSource"]
 
 IGNORE_INDEX = -100
 """Label of positions without a loss (``torch.nn.functional.cross_entropy``'s default ignore_index)."""
+
+
+class ParamProblem(NamedTuple):
+    """A source parameter that cannot be honoured, and why.
+
+    Sources report problems by their own parameter names; the config maps them to its keys.
+    """
+
+    param: str
+    """The parameter to change, e.g. ``"num_pairs"``."""
+    reason: str
+    """Why, starting with its value."""
 
 
 @dataclass(frozen=True)

@@ -19,9 +19,19 @@ from dataclasses import dataclass
 import torch
 
 from cpcompose.data._rng import seeded_generator
-from cpcompose.data.batch import IGNORE_INDEX, Sample
+from cpcompose.data.batch import IGNORE_INDEX, ParamProblem, Sample
 
-__all__ = ["SyntheticCopy"]
+__all__ = ["SyntheticCopy", "copy_task_problem"]
+
+
+def copy_task_problem(seq_len: int) -> ParamProblem | None:
+    """Why the copy task cannot fill sequences of ``seq_len`` tokens, or None if it can.
+
+    Each half needs its marker (BOS, COPY) and at least one symbol, and the halves must be equal.
+    """
+    if seq_len < 4 or seq_len % 2:
+        return ParamProblem("seq_len", f"{seq_len} must be even and >= 4 for the copy task")
+    return None
 
 
 @dataclass(frozen=True)
@@ -36,8 +46,8 @@ class SyntheticCopy:
     """Ordinary symbols (ids 0..num_symbols-1) to copy."""
 
     def __post_init__(self) -> None:
-        if self.seq_len < 4 or self.seq_len % 2:
-            raise ValueError(f"the copy task needs an even seq_len >= 4, got {self.seq_len}")
+        if problem := copy_task_problem(self.seq_len):
+            raise ValueError(f"{problem.param}: {problem.reason}")
 
     @property
     def bos_id(self) -> int:

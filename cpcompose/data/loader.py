@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from cpcompose.config import ConfigError, JobConfig
+# The sections module, not the package: the config's validate imports the data sources.
+from cpcompose.config.sections import ConfigError
 from cpcompose.data.batch import Batch, SampleSource
 from cpcompose.data.copy_task import SyntheticCopy
 from cpcompose.data.synthetic import SyntheticRecall
 from cpcompose.data.text import TextSource
 from cpcompose.data.tokenizer import build_tokenizer
+
+if TYPE_CHECKING:
+    from cpcompose.config import JobConfig
 
 __all__ = ["TokenBatcher", "build_data_source"]
 

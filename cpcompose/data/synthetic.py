@@ -22,9 +22,29 @@ from typing import Literal
 import torch
 
 from cpcompose.data._rng import seeded_generator
-from cpcompose.data.batch import IGNORE_INDEX, Sample
+from cpcompose.data.batch import IGNORE_INDEX, ParamProblem, Sample
 
-__all__ = ["SyntheticRecall"]
+__all__ = ["SyntheticRecall", "recall_task_problem"]
+
+
+def recall_task_problem(*, seq_len: int, num_pairs: int, num_queries: int, key_fraction: float) -> ParamProblem | None:
+    """Why the pairs or the queries do not fit in ``seq_len`` tokens, or None if they do.
+
+    The pairs take three-token slots after BOS within the first ``int(key_fraction * seq_len)``
+    tokens; the queries take the last ``3 * num_queries`` tokens, after the pairs.
+    """
+    key_end = int(key_fraction * seq_len)
+    if _num_slots(key_end) < num_pairs:
+        return ParamProblem("num_pairs", f"{num_pairs} triples (KEY k v) do not fit in the first {key_end} tokens")
+    if seq_len - 3 * num_queries < key_end:
+        return ParamProblem(
+            "num_queries", f"{num_queries} triples (QUERY k v) do not fit after the first {key_end} tokens"
+        )
+    return None
+
+
+def _num_slots(key_end: int) -> int:
+    return (key_end - 1) // 3  # three-token slots after BOS
 
 
 @dataclass(frozen=True)
@@ -50,9 +70,10 @@ class SyntheticRecall:
         if not 1 <= self.num_queries <= self.num_pairs <= self.num_symbols:
             raise ValueError(f"need 1 <= num_queries ({self.num_queries}) <= num_pairs ({self.num_pairs}) "
                              f"<= num_symbols ({self.num_symbols})")
-        if self._num_slots < self.num_pairs or self.seq_len - 3 * self.num_queries < self._key_end:
-            raise ValueError(f"seq_len {self.seq_len} is too short for {self.num_pairs} pairs in the first "
-                             f"{self.key_fraction} and {self.num_queries} queries after them")
+        problem = recall_task_problem(seq_len=self.seq_len, num_pairs=self.num_pairs, num_queries=self.num_queries,
+                                      key_fraction=self.key_fraction)
+        if problem:
+            raise ValueError(f"{problem.param}: {problem.reason}")
 
     @property
     def bos_id(self) -> int:
@@ -83,10 +104,6 @@ class SyntheticRecall:
     def _key_end(self) -> int:
         return int(self.key_fraction * self.seq_len)
 
-    @property
-    def _num_slots(self) -> int:
-        return (self._key_end - 1) // 3  # three-token slots after BOS
-
     def sample(self, index: int) -> Sample:
         """The sample at global position ``index``."""
         g = seeded_generator(self.seed, index)
@@ -96,7 +113,7 @@ class SyntheticRecall:
         else:
             ids = torch.full((self.seq_len,), self.fill_id)
         ids[0] = self.bos_id
-        starts = 1 + 3 * torch.randperm(self._num_slots, generator=g)[:n].sort().values
+        starts = 1 + 3 * torch.randperm(_num_slots(self._key_end), generator=g)[:n].sort().values
         keys = torch.randperm(self.num_symbols, generator=g)[:n]
         values = torch.randint(0, self.num_symbols, (n,), generator=g)
         ids[starts], ids[starts + 1], ids[starts + 2] = self.key_id, keys, values

@@ -156,14 +156,15 @@ def cpcompose_attention_forward(
     window = hf_window(sliding_window, causal)
     error = (
         _mask_refusal(attention_mask)
-        or _feature_refusal(query, key, value, dropout, softcap, window, causal, region, kwargs)
+        or _feature_refusal(query, key, dropout, region, kwargs)
         or _position_refusal(kwargs.get("position_ids"), region, query)
     )
     if error:
         error = f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}): {error}"
-    options = region.options.replace(window_size=None if error or window is None else window[0])
+    options = region.options.replace(window_size=None if error else window)
+    region.routed += 1  # this region's attention went through CP (its exit checks that some did)
     out = attend(query, key, value, mesh=region.mesh, is_causal=causal, scale=scaling, options=options,
-                 caller_error=error)
+                 softcap=softcap, caller_error=error)
     assert isinstance(out, Tensor)
     return out.transpose(1, 2).contiguous(), None
 
@@ -182,8 +183,7 @@ def _mask_refusal(attention_mask: object) -> str | None:
 
 
 def _feature_refusal(
-    query: Tensor, key: Tensor, value: Tensor, dropout: float, softcap: float | None, window: tuple[int, int] | None,
-    causal: bool, region: CPAttentionMode, kwargs: dict[str, Any],
+    query: Tensor, key: Tensor, dropout: float, region: CPAttentionMode, kwargs: dict[str, Any]
 ) -> str | None:
     """What this call asks that CP attention cannot honour, named as transformers names it, or None."""
     if dropout:
@@ -204,25 +204,11 @@ def _feature_refusal(
             "flash-attention varlen kwargs (cu_seq_lens_q/k, max_length_q/k) describe the whole pack, not a shard; "
             "pass packed documents as position_ids restarting at 0 through pack_batch instead"
         )
-    if softcap is not None:
-        return f"logit softcapping (softcap={softcap}, e.g. Gemma 2's attn_logit_softcapping) is not supported yet"
-    if value.shape[-1] != query.shape[-1]:
-        return (
-            f"a value head dim ({value.shape[-1]}) different from the query/key head dim ({query.shape[-1]}) "
-            "is not supported yet"
-        )
     if region.options.window_size is not None:
         return (
             f"context_parallel(..., window_size={region.options.window_size}) with a Hugging Face model: the "
             "window comes from each attention layer (config.sliding_window); leave window_size unset"
         )
-    if window is not None and not causal:
-        return (
-            f"bidirectional local attention (sliding_window={window[0] + 1} on a non-causal layer, e.g. "
-            "ModernBERT's local layers) is not supported yet"
-        )
-    if window is not None and window[0] < 1:
-        return f"sliding_window={window[0] + 1} (each token sees only itself) is not supported by CP attention"
     return None
 
 

@@ -3,19 +3,19 @@
 from cpcompose.parallel.context import context_parallel, context_parallel_unshard
 from cpcompose.parallel.dispatch import CPAttentionMode, active_cp_region
 from cpcompose.parallel.loss import allreduce_gradients, cp_cross_entropy, global_token_count
-from cpcompose.parallel.parallel_dims import ParallelDims
+from cpcompose.parallel.plan import parallelize_module
 from cpcompose.parallel.recompute import recompute_context
 from cpcompose.parallel.style import ContextParallel
 
 __all__ = [
     "CPAttentionMode",
     "ContextParallel",
-    "ParallelDims",
     "active_cp_region",
     "allreduce_gradients",
     "context_parallel",
     "context_parallel_unshard",
     "cp_cross_entropy",
     "global_token_count",
+    "parallelize_module",
     "recompute_context",
 ]

@@ -52,6 +52,8 @@ def context_parallel(
     Raises:
         ValueError: on every rank, before any buffer changes: buffers and dims differ
             in number, a dim is out of range, or a buffer's sequence cannot be split.
+            On exit, if no attention call inside went through CP (the model's
+            attention would have run on this rank's tokens only).
     """
     opts = (options or CPOptions()).replace(**overrides)
     cp = CPGroup.from_mesh(mesh)
@@ -76,9 +78,11 @@ def context_parallel(
     with torch.no_grad():
         for buf, shard in zip(buffers, shards):
             buf.resize_(shard.shape).copy_(shard)
+    mode = CPAttentionMode(mesh, opts)
     try:
-        with CPAttentionMode(mesh, opts):
+        with mode:
             yield
+        mode.check_routed("context_parallel")
     finally:
         with torch.no_grad():
             for buf, original in zip(buffers, originals):

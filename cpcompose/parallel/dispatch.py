@@ -7,6 +7,13 @@ mesh and `CPOptions`. The configuration lives in the mode object on the
 (thread-local) mode stack, not in a global, so two models with different CP
 settings in one process never see each other's.
 
+`F.multi_head_attention_forward` (PyTorch's `nn.MultiheadAttention`,
+`TransformerEncoderLayer`) is computed with its attention routed the same way
+(`mha.py`). `flex_attention` cannot be routed: the mode records it (the call sits
+inside flex's own dynamo trace, where an exception would come out mangled) and
+`check_routed` raises at the end of the forward or region. The mode also counts
+what it routed, so a region in which no attention went through CP raises too.
+
 Arguments may be plain tensors (this rank's sequence shard) or DTensors placed
 `Shard(2)` on the CP mesh dimension whose split is the region's (see
 `cpcompose.cp_dtensor`); other mesh dims (e.g. TP's head sharding) are kept as
@@ -30,6 +37,15 @@ from cpcompose.attention.options import CPOptions
 from cpcompose.comm import CPGroup
 from cpcompose.cp_dtensor import cp_dim_name, split_mismatch
 from cpcompose.layouts import Layout, resolve_layout
+from cpcompose.parallel.mha import multi_head_attention_forward
+
+NO_ATTENTION_ROUTED = (
+    "no attention call went through context parallelism: the attention in this CP region ran on this rank's "
+    "tokens only. Likely causes: the model computes attention with flex_attention or an explicit softmax "
+    "(eager attention) instead of F.scaled_dot_product_attention; the ContextParallel plan key matched a "
+    "module that does not call attention; or attention runs outside the region"
+)
+"""The message of every check that a CP region routed at least one attention call."""
 
 
 class CPAttentionMode(TorchFunctionMode):
@@ -43,12 +59,31 @@ class CPAttentionMode(TorchFunctionMode):
         self.mesh, self.options = mesh, options
         self.world = CPGroup.from_mesh(mesh).world
         self.routed = 0
+        self.local_only = 0  # flex_attention calls, which ran on this rank's tokens only
 
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
             return self.sdpa(*args, **kwargs)
+        if func is F.multi_head_attention_forward:
+            return multi_head_attention_forward(self._attend_plain, *args, **kwargs)
+        if getattr(func, "__name__", "") == "flex_attention":
+            self.local_only += 1
         return func(*args, **kwargs)
+
+    def check_routed(self, where: str) -> None:
+        """Raise unless every attention call in this region went through CP (and there was one).
+
+        Every rank runs the same model code, so every rank raises here alike.
+        """
+        if self.local_only:
+            raise ValueError(
+                f"{where}: flex_attention is not context-parallel in cpcompose: inside a CP region it attended "
+                "this rank's tokens only. Use F.scaled_dot_product_attention (is_causal=True, or a PackedLayout "
+                "for document masks) or cpcompose.cp_attention"
+            )
+        if self.routed == 0:
+            raise ValueError(f"{where}: {NO_ATTENTION_ROUTED}")
 
     def layout(self) -> Layout | None:
         """The region's split, or None if the options name none (the attention then reports why)."""
@@ -71,16 +106,23 @@ class CPAttentionMode(TorchFunctionMode):
             ValueError: on every rank: a mask tensor, dropout, GQA without `enable_gqa`,
                 a mix of DTensors and plain tensors, or DTensors not in the region's split.
         """
-        self.routed += 1
         tensors = (query, key, value)
         error = _refusal(tensors, attn_mask, dropout_p, enable_gqa) or self._dtensor_error(tensors)
         local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
-        out = attend(
-            *local, mesh=self.mesh, is_causal=is_causal, scale=scale, options=self.options, caller_error=error
-        )
-        assert isinstance(out, Tensor)
+        out = self._attend_plain(*local, is_causal=is_causal, scale=scale, caller_error=error)
         if isinstance(query, DTensor):
             return DTensor.from_local(out, query.device_mesh, query.placements, run_check=False)
+        return out
+
+    def _attend_plain(
+        self, q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool, scale: float | None = None,
+        caller_error: str | None = None,
+    ) -> Tensor:
+        """CP attention of local shards under this region's options; counts the call."""
+        self.routed += 1
+        out = attend(q, k, v, mesh=self.mesh, is_causal=is_causal, scale=scale, options=self.options,
+                     caller_error=caller_error)
+        assert isinstance(out, Tensor)
         return out
 
     def _dtensor_error(self, tensors: tuple[Tensor, ...]) -> str | None:

@@ -82,6 +82,7 @@ class ContextParallel(ParallelStyle):
         def leave(_module: nn.Module, _args: tuple, _kwargs: dict, output: Any) -> Any:
             mode, template = active.pop()
             mode.__exit__(None, None, None)
+            mode.check_routed(f"ContextParallel on {type(_module).__name__}")
             if template is None or self.use_local_output:
                 return output
             return DTensor.from_local(output, template.device_mesh, template.placements, run_check=False)

@@ -49,11 +49,12 @@ def global_grad_norm(parameters: Iterable[nn.Parameter], *, pp_group: dist.Proce
 def clip_grad_norm(
     parameters: Iterable[nn.Parameter], max_norm: float, *, pp_group: dist.ProcessGroup | None = None
 ) -> float:
-    """Scale gradients so their global norm is at most `max_norm`; returns the norm before clipping."""
+    """Scale gradients so their global norm is at most `max_norm` (<= 0: leave them); returns the norm
+    before clipping, which is measured either way for the log."""
     params = [p for p in parameters if p.grad is not None]
     norm = global_grad_norm(params, pp_group=pp_group).item()
     coef = max_norm / (norm + 1e-6)
-    if coef < 1.0:
+    if 0 < coef < 1.0:  # max_norm <= 0 would zero (or flip) every gradient
         for p in params:
             p.grad.mul_(coef)
     return norm

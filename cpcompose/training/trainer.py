@@ -1,8 +1,10 @@
 """The training loop: build, parallelize, step, log, checkpoint.
 
-Everything parallel is decided by `ParallelDims` and applied by
-`parallelize_llama`; this file only wires the pieces together in the order a
-step needs them.
+The degrees and the mesh come from `ParallelDims`; the model, and where each
+parallelism applies to it, from its family's `ModelSpec` (`model.name` in the
+registry). This file owns the step itself: each CP rank's shard of the batch,
+the global count of valid tokens, forward and backward (or the pipeline
+schedule), clipping, the update, logging and checkpoints.
 """
 
 from __future__ import annotations
@@ -18,17 +20,15 @@ from torch import Tensor
 from cpcompose.comm import CommMeter
 from cpcompose.config import JobConfig
 from cpcompose.data import IGNORE_INDEX, Batch, build_data_source
+from cpcompose.distributed import ParallelDims, build_pipeline_schedule, build_pipeline_stage, flat_mesh
 from cpcompose.layouts import PackedLayout, resolve_layout
-from cpcompose.models import Llama, split_llama_for_pipeline
-from cpcompose.models.parallelize import build_pipeline_stage, needs_manual_grad_reduce, parallelize_llama
+from cpcompose.models import get_model_spec
 from cpcompose.packing import pad_pack
-from cpcompose.parallel import ContextParallel, ParallelDims, allreduce_gradients, cp_cross_entropy
-from cpcompose.parallel.parallel_dims import flat_mesh
+from cpcompose.parallel import ContextParallel, cp_cross_entropy
 from cpcompose.training.checkpoint import CheckpointManager
 from cpcompose.training.grad_norm import clip_grad_norm
 from cpcompose.training.lr_schedule import build_lr_scheduler
 from cpcompose.training.metrics import MetricsLogger, StepMetrics, peak_memory_mib
-from cpcompose.training.plan import llama_config
 
 
 class Trainer:
@@ -43,17 +43,18 @@ class Trainer:
             "cuda" if c.training.device == "cuda" or (c.training.device == "auto" and torch.cuda.is_available())
             else "cpu"
         )
-        self.dims = ParallelDims(p.dp_replicate, p.dp_shard, p.cp, p.tp, p.pp, world)
+        self.dims = ParallelDims.from_config(p, world)
         self.mesh = self.dims.build_mesh(self.device.type)
         self.loss_mesh = flat_mesh(self.mesh, "dp_cp")
         dp_mesh = flat_mesh(self.mesh, "dp")
         self.cp_rank = self.mesh["cp"].get_local_rank()
         self.layout = resolve_layout(p.cp_layout, p.cp)
         self.meter = CommMeter()
-        # Packed documents: the layout changes every batch, so keep the style to switch it.
+        # One options object from the config to every attention call. The style is kept to
+        # switch packed layouts per batch (and applied at cp == 1 too, so documents stay masked).
         self.cp_style = (
-            ContextParallel(strategy=p.cp_strategy, layout=p.cp_layout, seq_dim=1, meter=self.meter)
-            if c.data.pack else None
+            ContextParallel(p.cp_options(meter=self.meter), seq_dim=1)
+            if self.dims.cp_enabled or c.data.pack else None
         )
         self.model = self._build_model()
         self.optimizer = torch.optim.AdamW(
@@ -89,30 +90,25 @@ class Trainer:
     def _build_model(self) -> torch.nn.Module:
         """Identical weights on every rank (initialized whole, then cut and parallelized)."""
         c = self.config
-        model = Llama(llama_config(c))
+        spec = get_model_spec(c.model.name)
+        model = spec.build(c)
         model.init_weights(seed=c.job.seed)
         if self.dims.pp_enabled:
-            model = split_llama_for_pipeline(
+            model = spec.split_for_pipeline(
                 model, num_stages=self.dims.pp, stage_index=self.mesh["pp"].get_local_rank()
             )
         model.to(self.device)
-        parallelize_llama(
-            model, parallel_dims=self.dims, mesh=self.mesh, cp_strategy=c.parallelism.cp_strategy,
-            cp_layout=c.parallelism.cp_layout, activation_checkpoint=c.activation_checkpoint.mode == "full",
-            meter=self.meter, cp_style=self.cp_style,
+        return spec.parallelize(
+            model, parallel_dims=self.dims, mesh=self.mesh, cp=self.cp_style,
+            activation_checkpoint=c.activation_checkpoint.mode == "full", torch_compile=c.training.compile,
         )
-        if c.training.compile:
-            for block in model.layers.values():  # attention (with its communication) stays eager
-                block.feed_forward.compile()
-        return model
 
     def _build_schedule(self):  # -> a torch.distributed.pipelining schedule
-        from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
-
+        p = self.config.parallelism
         stage = build_pipeline_stage(self.model, parallel_dims=self.dims, mesh=self.mesh, device=self.device)
-        cls = ScheduleGPipe if self.config.parallelism.pp_schedule == "GPipe" else Schedule1F1B
-        # The loss is already this rank's share of the global mean: no 1/microbatches scaling.
-        return cls(stage, self.config.parallelism.pp_microbatches, loss_fn=self._pipeline_loss, scale_grads=False)
+        return build_pipeline_schedule(
+            stage, schedule=p.pp_schedule, microbatches=p.pp_microbatches, loss_fn=self._pipeline_loss
+        )
 
     # --- one step ---
 
@@ -169,8 +165,6 @@ class Trainer:
                     loss = cp_cross_entropy(logits, labels, mesh=self.loss_mesh, num_tokens=self._num_tokens)
                     loss.backward()
                     local += loss.detach()
-        if needs_manual_grad_reduce(self.dims):
-            allreduce_gradients(self.model, self.loss_mesh)
         self.grad_norm = clip_grad_norm(
             self.model.parameters(), c.training.max_norm,
             pp_group=self.mesh["pp"].get_group() if self.dims.pp_enabled else None,

@@ -1,12 +1,12 @@
 """Cut a :class:`Llama` down to one pipeline stage.
 
-Only module surgery happens here; building the ``PipelineStage`` and the
-schedule (which need process groups) belongs to ``cpcompose.parallel``.
+Only module surgery happens here; the ``PipelineStage`` and the schedule, which
+need process groups, are built by ``cpcompose.distributed.pipeline``.
 """
 
 from __future__ import annotations
 
-from cpcompose.models.llama import Llama
+from cpcompose.models.llama.model import Llama
 
 __all__ = ["split_llama_for_pipeline"]
 

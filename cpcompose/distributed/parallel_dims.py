@@ -17,14 +17,14 @@ Three flattened axes are derived from it:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from cpcompose import _compat
 
-__all__ = ["MESH_DIM_NAMES", "FlatMeshName", "ParallelDims", "flat_mesh"]
+__all__ = ["MESH_DIM_NAMES", "Degrees", "FlatMeshName", "ParallelDims", "flat_mesh"]
 
 MESH_DIM_NAMES: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 """Axis names of the mesh returned by :meth:`ParallelDims.build_mesh`, outermost first."""
@@ -39,9 +39,23 @@ _FLAT_MESH_DIMS: dict[str, tuple[str, ...]] = {
 }
 
 
+class Degrees(Protocol):
+    """Anything with the five degrees, such as the config's ``parallelism`` section."""
+
+    dp_replicate: int
+    dp_shard: int
+    cp: int
+    tp: int
+    pp: int
+
+
 @dataclass
 class ParallelDims:
-    """Degrees of each parallelism; their product must equal the world size."""
+    """Degrees of each parallelism; their product must equal the world size.
+
+    Every check of the degrees lives here (the config asks this class instead of
+    repeating them); each error message starts with the config key to change.
+    """
 
     dp_replicate: int
     """Data-parallel replicas (DDP / HSDP outer axis)."""
@@ -61,25 +75,36 @@ class ParallelDims:
             raise ValueError(f"world_size must be >= 1, got {self.world_size}")
         for name in ("dp_replicate", "cp", "tp", "pp"):
             if getattr(self, name) < 1:
-                raise ValueError(f"parallelism.{name} must be >= 1, got {getattr(self, name)}")
+                raise ValueError(f"parallelism.{name}: must be >= 1, got {getattr(self, name)}")
+        others = self.dp_replicate * self.cp * self.tp * self.pp
+        named = f"dp_replicate({self.dp_replicate}) * cp({self.cp}) * tp({self.tp}) * pp({self.pp})"
         if self.dp_shard == -1:
-            others = self.dp_replicate * self.cp * self.tp * self.pp
             if self.world_size % others != 0:
                 raise ValueError(
-                    f"dp_shard=-1 needs world_size {self.world_size} divisible by "
-                    f"dp_replicate({self.dp_replicate}) * cp({self.cp}) * tp({self.tp}) * pp({self.pp}) "
+                    f"parallelism.dp_shard: -1 needs world size {self.world_size} divisible by {named} "
                     f"= {others}: change those degrees or the number of processes"
                 )
             self.dp_shard = self.world_size // others
         elif self.dp_shard < 1:
-            raise ValueError(f"parallelism.dp_shard must be >= 1 or -1, got {self.dp_shard}")
-        product = self.dp_replicate * self.dp_shard * self.cp * self.tp * self.pp
+            raise ValueError(f"parallelism.dp_shard: must be >= 1 or -1, got {self.dp_shard}")
+        product = others * self.dp_shard
         if product != self.world_size:
             raise ValueError(
-                f"dp_replicate({self.dp_replicate}) * dp_shard({self.dp_shard}) * cp({self.cp}) "
-                f"* tp({self.tp}) * pp({self.pp}) = {product} != world_size {self.world_size}: "
-                "change parallelism.dp_shard (or set it to -1) or the number of processes"
+                f"parallelism.dp_shard: dp_replicate({self.dp_replicate}) * dp_shard({self.dp_shard}) * "
+                f"cp({self.cp}) * tp({self.tp}) * pp({self.pp}) = {product} but the world size is "
+                f"{self.world_size}: set dp_shard = -1 to fill in the rest, or change the number of processes"
             )
+
+    @classmethod
+    def from_config(cls, degrees: Degrees, world_size: int) -> ParallelDims:
+        """The degrees of ``degrees`` (e.g. ``JobConfig.parallelism``) on ``world_size`` ranks.
+
+        ``degrees`` is only read: a ``dp_shard`` of ``-1`` is resolved in the returned object.
+
+        Raises:
+            ValueError: the degrees do not multiply to ``world_size``; the message starts with the key.
+        """
+        return cls(degrees.dp_replicate, degrees.dp_shard, degrees.cp, degrees.tp, degrees.pp, world_size)
 
     @property
     def dp_enabled(self) -> bool:
@@ -177,6 +202,22 @@ class ParallelDims:
         for group in groups:
             group.set_timeout(timeout)
         return mesh
+
+    def check_mesh(self, mesh: DeviceMesh) -> None:
+        """Check that ``mesh`` is a root mesh built from these degrees by :meth:`build_mesh`.
+
+        Raises:
+            ValueError: an axis is missing or its size differs from this object's degree.
+        """
+        names = mesh.mesh_dim_names or ()
+        for name in MESH_DIM_NAMES:
+            if name not in names:
+                raise ValueError(f"mesh has axes {names}; pass the root mesh from ParallelDims.build_mesh")
+            if mesh[name].size() != getattr(self, name):
+                raise ValueError(
+                    f"mesh axis {name!r} has {mesh[name].size()} ranks but parallel_dims.{name} is "
+                    f"{getattr(self, name)}; build the mesh from the same ParallelDims"
+                )
 
 
 def flat_mesh(mesh: DeviceMesh, name: FlatMeshName) -> DeviceMesh:

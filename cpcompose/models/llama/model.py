@@ -1,7 +1,7 @@
 """A small reference Llama (GQA, RoPE, SwiGLU, RMSNorm) as plain ``nn.Module`` code.
 
 Nothing here knows about process groups: parallelisms are applied from outside
-(``cpcompose.parallel``). Two properties matter for that:
+(``parallelize.py`` next to this file). Two properties matter for that:
 
 * RoPE is computed from explicit ``position_ids``. Under load-balanced context
   parallelism a rank holds chunks ``r`` and ``2P-1-r`` of the sequence, so the
@@ -246,7 +246,7 @@ class Llama(nn.Module):
     """Decoder-only Llama; also serves as a pipeline stage once cut.
 
     ``tok_embeddings``, ``norm`` and ``output`` may be ``None`` and ``layers`` may
-    hold a subset of the blocks (see :func:`cpcompose.models.pipeline.split_llama_for_pipeline`);
+    hold a subset of the blocks (see :func:`cpcompose.models.llama.pipeline.split_llama_for_pipeline`);
     forward skips whatever is absent. ``layers`` is keyed by the global layer
     index so fully-qualified names are the same in every stage.
     """

@@ -1,0 +1,24 @@
+"""Trainer infrastructure that no model family owns: degrees and mesh, FSDP2, activation
+checkpointing, pipeline stages and schedules, compile.
+
+Each function takes the modules to act on from the caller (a model family's plan in
+``cpcompose.models.<family>.parallelize``), so none of them knows a model's layout.
+Context parallelism itself is the public API in ``cpcompose.parallel``.
+"""
+
+from cpcompose.distributed.activation_checkpoint import apply_activation_checkpointing
+from cpcompose.distributed.compile import apply_compile
+from cpcompose.distributed.fsdp import apply_fsdp
+from cpcompose.distributed.parallel_dims import MESH_DIM_NAMES, ParallelDims, flat_mesh
+from cpcompose.distributed.pipeline import build_pipeline_schedule, build_pipeline_stage
+
+__all__ = [
+    "MESH_DIM_NAMES",
+    "ParallelDims",
+    "apply_activation_checkpointing",
+    "apply_compile",
+    "apply_fsdp",
+    "build_pipeline_schedule",
+    "build_pipeline_stage",
+    "flat_mesh",
+]

@@ -1,0 +1,105 @@
+"""The Llama plan: which modules get CP, the TP plan, which modules are blocks for AC, compile and FSDP.
+
+The model code (``model.py``) knows nothing of process groups; everything
+parallel happens here, from outside, on a model (or one pipeline stage of it,
+see :func:`split_llama_for_pipeline`) built with identical weights on every
+rank. The mechanics that are the same for every model live in
+``cpcompose.distributed``; this file only says where they apply. The order, as
+in torchtitan, is:
+
+1. **CP** (``cp > 1``): ``ContextParallel`` on every ``layers.*.attention``
+   over ``mesh["cp"]``. The rest of the model runs on the local sequence
+   shard as it is; the caller feeds each rank its shard of the tokens and their
+   global positions (``cp_shard``, ``cp_position_ids``).
+2. **TP** (``tp > 1``): column-wise ``wq``/``wk``/``wv``/``w1``/``w3``, row-wise
+   ``wo``/``w2`` on ``mesh["tp"]`` (heads are split, no sequence parallelism).
+   The attention sees plain local tensors (fewer heads), so CP composes with it.
+3. **Activation checkpointing** (optional): each ``TransformerBlock`` recomputes
+   its forward in backward. The CP hooks fire again during the recompute, so the
+   recompute communicates too.
+4. **Compile** (optional): each block's feed-forward; attention, with its CP
+   communication, stays eager.
+5. **FSDP2** (``dp_replicate * dp_shard * cp > 1``, unless ``fsdp=False``): one
+   unit per ``TransformerBlock`` plus the root, over dp_shard x cp (HSDP with
+   dp_replicate), which also sums the gradients over cp.
+
+With ``fsdp=False`` nothing reduces the gradients: when ``parallel_dims.dp_cp_size
+> 1``, call ``allreduce_gradients(model, flat_mesh(mesh, "dp_cp"))`` after
+backward (after the whole pipeline step, with PP). TP needs no reduction: each TP
+rank owns its shard and the replicated norms get identical gradients.
+"""
+
+from __future__ import annotations
+
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+from cpcompose.distributed import ParallelDims, apply_activation_checkpointing, apply_compile, apply_fsdp
+from cpcompose.models.llama.model import Llama
+from cpcompose.parallel.plan import parallelize_module
+from cpcompose.parallel.style import ContextParallel
+
+__all__ = ["parallelize_llama"]
+
+# Per block: split heads / FFN columns, then sum the row-wise halves back (no sequence parallelism).
+_TP_PLAN: dict[str, type[ColwiseParallel] | type[RowwiseParallel]] = {
+    "attention.wq": ColwiseParallel,
+    "attention.wk": ColwiseParallel,
+    "attention.wv": ColwiseParallel,
+    "attention.wo": RowwiseParallel,
+    "feed_forward.w1": ColwiseParallel,
+    "feed_forward.w3": ColwiseParallel,
+    "feed_forward.w2": RowwiseParallel,
+}
+
+
+def parallelize_llama(
+    model: Llama,
+    *,
+    parallel_dims: ParallelDims,
+    mesh: DeviceMesh,
+    cp: ContextParallel | None = None,
+    activation_checkpoint: bool = False,
+    torch_compile: bool = False,
+    fsdp: bool = True,
+) -> Llama:
+    """Make ``model`` (a full model or one pipeline stage) parallel, in place.
+
+    Args:
+        model: a :class:`Llama`, weights already initialised identically on every rank.
+        parallel_dims: the degrees; ``parallel_dims.pp`` is only read by the FSDP step.
+        mesh: the root mesh from ``parallel_dims.build_mesh(...)``.
+        cp: the ContextParallel style (holding the run's `CPOptions`) to apply to every
+            attention over ``mesh["cp"]``; None means the default options when cp > 1 and
+            no CP otherwise. The caller keeps it to switch packed layouts per batch; given
+            with cp == 1, packed documents stay masked.
+        activation_checkpoint: recompute each transformer block in backward.
+        torch_compile: compile each block's feed-forward.
+        fsdp: shard parameters with FSDP2 over dp_shard x cp (HSDP when
+            dp_replicate > 1) when more than one rank shares the loss. With
+            ``False`` the caller reduces gradients (see the module docstring).
+
+    Returns:
+        ``model`` itself. Parameters are DTensors where TP or FSDP applies; FQNs
+        are unchanged (activation checkpointing and compile wrap no module).
+
+    Raises:
+        ValueError: the mesh does not have the axes of ``ParallelDims.build_mesh``
+            or their sizes differ from ``parallel_dims``.
+    """
+    parallel_dims.check_mesh(mesh)
+    if cp is None and parallel_dims.cp_enabled:  # never leave cp > 1 without CP attention
+        cp = ContextParallel(seq_dim=1)
+    if cp is not None:
+        parallelize_module(model, mesh["cp"], {"layers.*.attention": cp})
+    blocks = list(model.layers.values())
+    if parallel_dims.tp_enabled:
+        for block in blocks:
+            parallelize_module(block, mesh["tp"], {name: style() for name, style in _TP_PLAN.items()})
+    if activation_checkpoint:
+        apply_activation_checkpointing(blocks)
+    if torch_compile:
+        apply_compile(block.feed_forward for block in blocks)
+    if fsdp and parallel_dims.dp_cp_size > 1:
+        apply_fsdp(model, blocks, mesh=mesh, parallel_dims=parallel_dims)
+    return model
