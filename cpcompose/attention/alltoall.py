@@ -23,7 +23,7 @@ from torch import Tensor
 
 from cpcompose.attention.blocks import backward_blocks, forward_blocks
 from cpcompose.attention.kernels import attention_backward, attention_forward
-from cpcompose.attention.merge import SoftmaxAccumulator
+from cpcompose.attention.merge import SoftmaxAccumulator, keep_nan_rows
 from cpcompose.attention.setup import AttentionSetup, float_zeros
 from cpcompose.comm import all_to_all_pieces
 from cpcompose.precision import accumulation_dtype
@@ -112,10 +112,12 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, setup: AttentionSetup) -> tuple[Ten
             q, k, v, causal=tasks[0].kind == "causal", scale=setup.kernel.scale, backend=setup.kernel.backend,
             softcap=setup.kernel.softcap,
         )
+        keep_nan_rows(q, out, lse)
         return out, lse
     acc = SoftmaxAccumulator(q, v.shape[-1])
     forward_blocks(acc, q, k, v, tasks, setup.kernel)
-    return acc.out.to(q.dtype), acc.lse
+    out, lse = acc.finish()
+    return out.to(q.dtype), lse
 
 
 def _attend_backward(

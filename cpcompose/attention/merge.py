@@ -3,10 +3,13 @@
 A block of keys gives each query a partial output `o_b` (softmax over that block
 only) and its log-sum-exp `l_b`. Two partials combine exactly as
 
-    l = logaddexp(l_a, l_b),   o = o_a + sigmoid(l_b - l_a) * (o_b - o_a)
+    l = logaddexp(l_a, l_b),   o = sigmoid(l_a - l_b) * o_a + sigmoid(l_b - l_a) * o_b
 
 which never exponentiates a positive number, so nothing overflows, and starting
-from `l_a = -inf, o_a = 0` the first merge simply copies the block. The
+from `l_a = -inf, o_a = 0` the first merge simply copies the block. Each weight is
+its own sigmoid (not `1 - w`, which rounds to 0 once the other weight rounds to 1),
+so an infinite value in V stays infinite through the merge exactly as it does in a
+single softmax, instead of becoming `inf - inf = nan`. The
 accumulators are float32 whatever the input dtype: rounding each partial into
 bf16 and adding in bf16 is how errors grow with the ring size.
 """
@@ -31,11 +34,30 @@ class SoftmaxAccumulator:
         acc = accumulation_dtype(like.dtype)
         self.out = torch.zeros(b, h, s, value_dim, dtype=acc, device=like.device)
         self.lse = torch.full((b, h, s), float("-inf"), dtype=acc, device=like.device)
+        self._queries = like
 
     def merge(self, rows: slice, block_out: Tensor, block_lse: Tensor) -> None:
         """Fold one block's result for query rows `rows` into the running result."""
         out, lse = self.out[:, :, rows], self.lse[:, :, rows]
         block_lse = block_lse.to(lse.dtype)
-        weight = torch.sigmoid(block_lse - lse).unsqueeze(-1)
-        out.add_(weight * (block_out.to(out.dtype) - out))
+        keep = torch.sigmoid(lse - block_lse).unsqueeze(-1)
+        take = torch.sigmoid(block_lse - lse).unsqueeze(-1)
+        out.mul_(keep).add_(take * block_out.to(out.dtype))
         torch.logaddexp(lse, block_lse, out=lse)
+
+    def finish(self) -> tuple[Tensor, Tensor]:
+        """The merged `(out, lse)`, NaN wherever a query row holds a NaN (see `keep_nan_rows`)."""
+        keep_nan_rows(self._queries, self.out, self.lse)
+        return self.out, self.lse
+
+
+def keep_nan_rows(q: Tensor, out: Tensor, lse: Tensor) -> None:
+    """Set `out` and `lse` to NaN (in place) on every query row of `q` that holds a NaN.
+
+    The fused CPU kernel answers a NaN query row in a small block like a fully masked
+    one (out 0, lse 0) and in a large block with NaN; CP computes small blocks, so
+    without this a NaN could vanish where a single-process SDPA keeps it.
+    """
+    nan_rows = torch.isnan(q).any(dim=-1)
+    out.masked_fill_(nan_rows.unsqueeze(-1), float("nan"))
+    lse.masked_fill_(nan_rows, float("nan"))

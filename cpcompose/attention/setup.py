@@ -52,8 +52,9 @@ def float_zeros(like: Tensor) -> Tensor:
 
 def finish_forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, acc: SoftmaxAccumulator, setup: AttentionSetup):
     """Cast the merged output, save what the backward needs; returns `(out, lse)`."""
-    out = acc.out.to(q.dtype)
-    ctx.save_for_backward(q, k, v, out, acc.lse)
+    merged, lse = acc.finish()
+    out = merged.to(q.dtype)
+    ctx.save_for_backward(q, k, v, out, lse)
     ctx.setup = setup
-    ctx.mark_non_differentiable(acc.lse)
-    return out, acc.lse
+    ctx.mark_non_differentiable(lse)
+    return out, lse
