@@ -303,6 +303,9 @@ def _bad_step(mesh, case: str, rank: int) -> None:
                 inputs["past_key_values"] = cache
             model(**inputs, use_cache=rank == 1)
             return
+        if case == "flash_kwargs":  # DataCollatorWithFlattening(return_flash_attn_kwargs=True) adds these
+            cu = torch.tensor([0, SEQ // 2, SEQ], dtype=torch.int32)
+            inputs.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=SEQ // 2, max_length_k=SEQ // 2)
         forward(model, name, **inputs)
 
 

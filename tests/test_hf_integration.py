@@ -99,6 +99,7 @@ REFUSALS = [
     ("mask_4d", "got a mask tensor"),
     ("overlay", "custom mask function"),
     ("chunked", "not its config's sliding_window"),
+    ("flash_kwargs", "flash-attention varlen kwargs"),
     ("window_option", "leave window_size unset"),
     ("unsplittable", "not divisible by 4"),
     ("left_padding_one_rank", "left (or inner) padding"),
