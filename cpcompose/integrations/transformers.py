@@ -33,9 +33,14 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+try:
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+except ImportError as e:  # an optional dependency: say which extra brings it
+    raise ImportError(
+        f"cpcompose.integrations.transformers needs transformers>=4.56 (pip install 'cpcompose[hf]'): {e}"
+    ) from e
 
 from cpcompose import _compat
 from cpcompose.attention.api import attend
