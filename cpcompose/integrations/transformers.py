@@ -15,9 +15,10 @@ and with its mask interface. A user's whole change to a training step:
 Why it is exact: transformers builds its masks from what one rank holds, which under
 CP is a shard (zigzag positions even look like packed documents to it). So inside a
 CP region the mask hook builds no mask, and the attention function takes everything
-from global information: causality and the sliding window from the attention
-module (per layer), documents and padding from the layout the buffers were sharded
-with (`pack_batch`), K/V heads as they are (GQA is never expanded before sending).
+from global information: causality, the sliding window (two-sided on bidirectional
+local layers), softcap and scale from the attention module (per layer), documents
+and padding from the layout the buffers were sharded with (`pack_batch`), K/V heads
+and V's head dim as they are (GQA is never expanded before sending).
 Whatever a rank cannot honour (a padding mask, a custom mask overlay, dropout, a
 KV cache, positions that do not match the split, ...) becomes its complaint in the
 cross-rank agreement, so every rank raises it together before any K/V moves.
@@ -33,6 +34,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+
 try:
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
