@@ -50,6 +50,13 @@ def group_timeout(group: Any) -> Any:
     return group._get_backend(device).options._timeout
 
 
+def default_store() -> Any:
+    """The default process group's key-value store (`_get_default_store` is private in torch 2.13)."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return _get_default_store()
+
+
 def function_mode_stack() -> list[Any]:
     """The active TorchFunctionModes, outermost first (`torch.overrides`' private accessor in torch 2.13)."""
     return list(torch.overrides._get_current_function_mode_stack())

@@ -12,12 +12,15 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
+
+from cpcompose import _compat
 
 
 @dataclass
@@ -48,6 +51,8 @@ class CPGroup:
     group: dist.ProcessGroup
     rank: int
     world: int
+    timeout: timedelta | None = None
+    """Bound on point-to-point waits; None: the group's configured timeout, read when a RingComm is made."""
 
     @classmethod
     def from_mesh(cls, mesh: DeviceMesh) -> "CPGroup":
@@ -63,14 +68,24 @@ class CPGroup:
 
 
 class PendingRecv:
-    """Tensors being received; `wait()` returns them once the exchange is done."""
+    """Tensors being received; `wait()` returns them once the exchange is done.
 
-    def __init__(self, works: list[dist.Work], tensors: list[Tensor]) -> None:
-        self._works, self._tensors = works, tensors
+    Gloo's point-to-point works wait, by default, for the timeout the group was
+    *created* with (typically the generous init timeout), not the one set later with
+    `set_timeout`; so a stalled peer would hold a ring job ~10 minutes while
+    collectives give up after `comm.timeout_s`. An explicit `timeout` bounds the wait.
+    """
+
+    def __init__(self, works: list[dist.Work], tensors: list[Tensor], timeout: timedelta | None = None) -> None:
+        self._works, self._tensors, self._timeout = works, tensors, timeout
 
     def wait(self) -> list[Tensor]:
+        """Raises RuntimeError (from the backend) when a peer does not answer within the timeout."""
         for work in self._works:
-            work.wait()
+            if self._timeout is None:
+                work.wait()
+            else:
+                work.wait(self._timeout)
         return self._tensors
 
 
@@ -82,8 +97,12 @@ class RingComm:
     flight together (K/V and their gradients) apart on backends that match by tag.
     """
 
-    def __init__(self, cp: CPGroup, meter: CommMeter | None = None) -> None:
+    def __init__(self, cp: CPGroup, meter: CommMeter | None = None, *, timeout: timedelta | None = None) -> None:
+        """`timeout` bounds every receive; None takes the group's configured timeout (`set_timeout`)."""
         self.cp, self.meter = cp, meter
+        self.timeout = timeout if timeout is not None else cp.timeout if cp.timeout is not None else (
+            _compat.group_timeout(cp.group)
+        )
 
     def exchange_with(
         self, send: Sequence[Tensor], *, dst: int, recv_like: Sequence[Tensor], src: int, tag: int = 0
@@ -99,7 +118,7 @@ class RingComm:
         works = dist.batch_isend_irecv(ops) if ops else []
         if self.meter is not None:
             self.meter.add("p2p", _nbytes([t for t in send if t.numel()]))
-        return PendingRecv(works, recv)
+        return PendingRecv(works, recv, self.timeout)
 
 
 def all_gather(x: Tensor, cp: CPGroup, meter: CommMeter | None = None) -> Tensor:

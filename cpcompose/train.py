@@ -29,8 +29,12 @@ if __package__ in (None, ""):  # run as a file by torchrun: make the package imp
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from cpcompose.config import ConfigError, JobConfig, load_config  # noqa: E402
+from cpcompose.training.errors import TrainingError  # noqa: E402
+from cpcompose.training.faults import is_comm_failure  # noqa: E402
 from cpcompose.training.launch import launch_local, planned_world_size  # noqa: E402
+from cpcompose.training.metrics import stamp  # noqa: E402
 from cpcompose.training.plan import describe_plan  # noqa: E402
+from cpcompose.training.preflight import preflight  # noqa: E402
 from cpcompose.training.trainer import Trainer  # noqa: E402
 
 
@@ -39,6 +43,9 @@ def train(config: JobConfig) -> list[float]:
 
     Uses the default process group if one exists (tests fork workers that have one),
     else creates it from torchrun's environment with `comm.timeout_s`.
+
+    Raises:
+        TrainingError: a one-line account of what went wrong (see `run_rank`).
     """
     owns_group = not dist.is_initialized()
     if owns_group:
@@ -56,21 +63,49 @@ def train(config: JobConfig) -> list[float]:
             **alone,
         )
         # Then every collective is bounded by comm.timeout_s: a dead rank ends the job, never hangs it.
-        # (build_mesh hands the world's timeout to every mesh group.)
+        # (build_mesh hands the world's timeout to every mesh group, and ring waits read it from there.)
         dist.group.WORLD.set_timeout(timedelta(seconds=config.comm.timeout_s))
     try:
-        trainer = Trainer(config)
-        return trainer.run()
-    except RuntimeError as e:  # gloo raises a plain RuntimeError on a timeout, NCCL a DistError
-        if "timed out" in str(e).lower() or "timeout" in str(e).lower():
-            raise SystemExit(
-                f"rank {dist.get_rank()}: a collective waited longer than comm.timeout_s = {config.comm.timeout_s} s; "
-                f"another rank has probably died or stalled (see its log). ({type(e).__name__}: {e})"
-            ) from e
-        raise
-    finally:
-        if owns_group:
-            dist.destroy_process_group()
+        losses = Trainer(config).run()
+    except RuntimeError as e:  # a failure while building: the run loop explains its own
+        cause = None if isinstance(e, TrainingError) else is_comm_failure(e)
+        if cause is None:
+            raise
+        raise TrainingError(
+            f"rank {dist.get_rank()}: a collective failed while the trainer was starting ({cause}); another rank "
+            f"has probably died or stalled, see its log (comm.timeout_s = {config.comm.timeout_s:g} s)"
+        ) from e
+    # Only after success: tearing a group down while a peer may still be inside a collective can hang.
+    if owns_group:
+        # Destroy while the interpreter is whole: gloo's threads may hold work objects with
+        # tensors, and freeing those during interpreter finalization aborts the process.
+        dist.destroy_process_group()
+    return losses
+
+
+def run_rank(config: JobConfig) -> None:
+    """One rank's whole life: train, print any error once as one line, and leave without teardown.
+
+    Ends the process with `os._exit` after flushing: interpreter shutdown after a
+    gloo job intermittently aborted with "terminate called without an active
+    exception" (static destructors racing the backend's threads), which made
+    successful runs report failure. Exit codes: 0 done, 1 failed, 2 config/environment.
+    """
+    code = 0
+    try:
+        train(config)
+    except TrainingError as e:
+        code = e.exit_code
+        # A config-like error is the same on every rank: rank 0 says it. A failure is per rank.
+        if code != 2 or os.environ.get("RANK", "0") == "0":
+            print(f"{stamp()} error: {e}", file=sys.stderr, flush=True)
+    _exit(code)
+
+
+def _exit(code: int) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _use_cuda(config: JobConfig) -> bool:
@@ -78,23 +113,54 @@ def _use_cuda(config: JobConfig) -> bool:
     return device == "cuda" or (device == "auto" and torch.cuda.is_available())
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Command-line entry: parse and check, then dry-run, launch locally, or train."""
+def _outputs(config: JobConfig) -> str:
+    dump = config.job.dump_folder
+    parts = [f"checkpoints {dump}/{config.checkpoint.folder}" if config.checkpoint.enable else "no checkpoints"]
+    if config.metrics.enable_tensorboard:
+        parts.append(f"tensorboard {dump}/{config.metrics.save_tb_folder}")
+    if config.metrics.plot_loss:
+        parts.append(f"plot {dump}/loss.png")
+    t = config.training
+    return (f"  tokens per step: {t.batch_size * t.seq_len:,}\n"
+            f"  outputs: " + ", ".join(parts))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry: parse and check, then dry-run, launch locally, or train; returns the exit code.
+
+    Under torchrun every rank runs this; rank 0 alone prints a config error and the
+    banner, the others exit quietly.
+    """
+    rank0 = os.environ.get("RANK", "0") == "0"
     try:
         config = load_config(argv)
         world = int(os.environ.get("WORLD_SIZE", 0)) or planned_world_size(config)
         config.validate(world_size=world)
+        nothing_to_do = None if config.job.dry_run else preflight(config, world)
     except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+        if rank0:
+            print(f"config error: {e}", file=sys.stderr, flush=True)
+        return 2
     if config.job.dry_run:
         print(describe_plan(config, world))
-        return
+        return 0
+    if nothing_to_do is not None:
+        if rank0:
+            print(nothing_to_do, flush=True)
+        return 0
+    if rank0:
+        where = " ".join(argv if argv is not None else sys.argv[1:])
+        print(f"{stamp()} cpcompose.train {where}\n{describe_plan(config, world)}\n{_outputs(config)}", flush=True)
     if "RANK" not in os.environ and not dist.is_initialized() and world > 1:
-        launch_local(train, config, world)
-        return
-    train(config)
+        return launch_local(run_rank, config, world)
+    run_rank(config)
+    return 0  # not reached: run_rank ends the process
+
+
+def cli() -> None:
+    """The `cpcompose-train` console script and `python -m cpcompose.train`."""
+    _exit(main())
 
 
 if __name__ == "__main__":
-    main()
+    cli()

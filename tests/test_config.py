@@ -47,13 +47,14 @@ def test_values_are_converted_by_annotation(tmp_path: Path) -> None:
     assert config.optimizer.betas == (0.8, 0.9) and config.optimizer.lr == 1.0
     assert isinstance(config.optimizer.lr, float) and config.job.dry_run is True
     config = load_config(["--optimizer.betas=0.7,0.99", "--job.dry_run=0", "--training.compile", "1",
-                          "--metrics.enable_tensorboard", "--data.tokenizer=tok.json", "--parallelism.cp_layout",
+                          "--metrics.enable_tensorboard", "--data.tokenizer=tok.json", "--data.source=text", "--data.path=corpus",
+                          "--parallelism.cp_layout",
                           "contiguous"])
     assert config.optimizer.betas == (0.7, 0.99)
     assert config.job.dry_run is False and config.training.compile is True
     assert config.metrics.enable_tensorboard is True  # a bare bool flag means true
     assert config.data.tokenizer == "tok.json" and config.parallelism.cp_layout == "contiguous"
-    assert load_config(["--data.tokenizer=tok.json", "--data.tokenizer=none"]).data.tokenizer is None
+    assert load_config(["--data.tokenizer=tok.json", "--data.tokenizer=none"]).data.tokenizer is None  # last wins
 
 
 @pytest.mark.parametrize(

@@ -9,8 +9,10 @@ import ast
 import difflib
 import inspect
 import json
+import math
 import sys
 import textwrap
+import tomllib  # Python >= 3.11, as pyproject requires
 import types
 from dataclasses import MISSING, fields
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
@@ -18,10 +20,6 @@ from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 from cpcompose.config.job_config import JobConfig
 from cpcompose.config.sections import ConfigError, require
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - only on Python < 3.11
-    import tomli as tomllib
 
 __all__ = ["format_help", "load_config"]
 
@@ -75,8 +73,12 @@ def format_help() -> str:
 _BOOLS = {"true": True, "1": True, "false": False, "0": False}
 
 
-def _convert(key: str, value: Any, tp: Any) -> Any:
-    """Coerce a TOML value or a command-line string to the annotated type ``tp``."""
+def _convert(key: str, value: Any, tp: Any, *, from_text: bool = True) -> Any:
+    """Coerce a command-line string (``from_text``) or a TOML value to the annotated type ``tp``.
+
+    A TOML value must already have the type: ``seq_len = "1024"`` is refused, since a
+    quoted number is more often a mistake than a wish. Floats must be finite.
+    """
     origin, args = get_origin(tp), get_args(tp)
     if origin is Literal:
         require(value in args, key, f"{value!r} is not one of {', '.join(map(str, args))}")
@@ -85,13 +87,13 @@ def _convert(key: str, value: Any, tp: Any) -> Any:
         if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
             return None
         (inner,) = [a for a in args if a is not type(None)]
-        return _convert(key, value, inner)
+        return _convert(key, value, inner, from_text=from_text)
     if origin is tuple:
         items = value.strip(" ()[]").split(",") if isinstance(value, str) else value
         require(isinstance(items, (list, tuple)) and len(items) == len(args), key,
                  f"expected {len(args)} comma-separated values, got {value!r}")
-        return tuple(_convert(key, v, a) for v, a in zip(items, args))
-    if isinstance(value, str) and tp is not str:
+        return tuple(_convert(key, v, a, from_text=isinstance(value, str)) for v, a in zip(items, args))
+    if isinstance(value, str) and tp is not str and from_text:
         text = value.strip().lower()
         try:
             value = _BOOLS[text] if tp is bool else tp(text)
@@ -100,7 +102,10 @@ def _convert(key: str, value: Any, tp: Any) -> Any:
     ok = isinstance(value, tp) and (tp is bool or not isinstance(value, bool))
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         value, ok = float(value), True
-    require(ok, key, f"expected {'bool (true/false/1/0)' if tp is bool else _type_name(tp)}, got {value!r}")
+    require(ok, key, f"expected {'bool (true/false/1/0)' if tp is bool else _type_name(tp)}, got {value!r}"
+            + (" (a quoted string in the TOML file)" if isinstance(value, str) and not from_text else ""))
+    if tp is float:
+        require(math.isfinite(value), key, f"must be a finite number, got {value!r}")
     return value
 
 
@@ -175,9 +180,10 @@ def load_config(argv: list[str] | None = None) -> JobConfig:
     config_path, overrides = _parse_argv(argv, known)
     from_file = _read_toml(config_path, known) if config_path is not None else []
     values: dict[str, dict[str, Any]] = {s: {} for s in sections}
-    for key, value in from_file + overrides:  # the command line comes last, so it wins
+    sourced = [(k, v, False) for k, v in from_file] + [(k, v, True) for k, v in overrides]
+    for key, value, from_text in sourced:  # the command line comes last, so it wins
         section, name = key.split(".", 1)
-        values[section][name] = _convert(key, value, known[key])
+        values[section][name] = _convert(key, value, known[key], from_text=from_text)
     config = JobConfig(**{s: cls(**values[s]) for s, cls in sections.items()})
     config.validate()
     return config

@@ -42,8 +42,8 @@ class Job:
     name: str = "debug"
     """Run name, shown in the log and the loss plot title."""
     dump_folder: str = "./outputs"
-    """Folder for checkpoints, TensorBoard logs and the loss plot; job.name is not added to the path, so give
-    each run its own folder."""
+    """Folder for checkpoints, TensorBoard logs and the loss plot (job.name is not added to the path, so give
+    each run its own folder); one job at a time (a lock file guards it)."""
     seed: int = 0
     """Seed for parameter init and data; identical on every rank so replicas start equal."""
     dry_run: bool = False
@@ -153,8 +153,8 @@ class Data:
     source: Literal["synthetic", "text"] = "synthetic"
     """synthetic: a long-context task generated on the fly (see data.task); text: your files at data.path."""
     task: Literal["copy", "recall"] = "copy"
-    """Synthetic: copy (the second half repeats the first; learned in ~200 CPU steps) or recall (key/value
-    pairs queried at the end; harder). Both need attention across CP shards to be solved."""
+    """Synthetic: copy (the second half repeats the first; debug_cpu.toml: loss 0.4 by step 300) or recall
+    (key/value pairs queried at the end; harder). Both need attention across CP shards to be solved."""
     path: str | None = None
     """A .txt file (one document), a .jsonl file ({"text": ...} per line) or a directory of them."""
     tokenizer: str | None = None
@@ -177,6 +177,11 @@ class Data:
     def __post_init__(self) -> None:
         require(self.source != "text" or self.path is not None, "data.path", "required when data.source = 'text'")
         require(not self.pack or self.source == "text", "data.pack", "only applies to data.source = 'text'")
+        for name in ("path", "tokenizer", "eos_token"):  # ignored by synthetic data: say so rather than drop it
+            require(self.source == "text" or getattr(self, name) is None, f"data.{name}",
+                    "only applies to data.source = 'text'; add --data.source=text or remove it")
+        require(self.eos_token is None or self.tokenizer is not None, "data.eos_token",
+                "only applies with data.tokenizer (the byte-level tokenizer's EOS is fixed)")
         require(self.num_symbols >= 2, "data.num_symbols", f"must be >= 2, got {self.num_symbols}")
         require(1 <= self.num_pairs <= self.num_symbols, "data.num_pairs",
                 f"must be in [1, num_symbols], got {self.num_pairs}")
@@ -233,9 +238,10 @@ class Checkpoint:
     interval: int = 100
     """Save every this many steps (and at the last step)."""
     keep_latest_k: int = 2
-    """Delete older checkpoints beyond this many; 0 keeps all."""
+    """Delete older checkpoints beyond this many (the one just written always stays); 0 keeps all."""
     resume: bool = True
-    """With checkpoint.enable, resume from the latest complete checkpoint in folder if one exists."""
+    """With checkpoint.enable, resume from the newest intact checkpoint in folder (corrupt ones are skipped
+    and renamed step-N.corrupt). false starts a new run, which the folder must not already hold checkpoints for."""
 
     def __post_init__(self) -> None:
         _positive(self, "checkpoint", "interval")

@@ -10,13 +10,18 @@ schedule), clipping, the update, logging and checkpoints.
 from __future__ import annotations
 
 import contextlib
+import math
+import os
+import signal
 import time
 from pathlib import Path
+from types import FrameType
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from cpcompose import _compat
 from cpcompose.comm import CommMeter
 from cpcompose.config import JobConfig
 from cpcompose.data import IGNORE_INDEX, Batch, build_data_source
@@ -26,9 +31,12 @@ from cpcompose.models import get_model_spec
 from cpcompose.packing import pad_pack
 from cpcompose.parallel import ContextParallel, cp_cross_entropy
 from cpcompose.training.checkpoint import CheckpointManager
+from cpcompose.training.errors import TrainingError
+from cpcompose.training.faults import Fault, Progress, describe_comm_failure, is_comm_failure
 from cpcompose.training.grad_norm import clip_grad_norm
 from cpcompose.training.lr_schedule import build_lr_scheduler
-from cpcompose.training.metrics import MetricsLogger, StepMetrics, peak_memory_mib
+from cpcompose.training.metrics import MetricsLogger, StepMetrics, peak_memory_mib, stamp
+from cpcompose.training.run_lock import FolderLocked, RunLock
 
 
 class Trainer:
@@ -76,13 +84,16 @@ class Trainer:
         self.step = 0
         self._num_tokens = torch.zeros(())  # this step's global count of valid labels
         self.grad_norm = 0.0
-        if c.checkpoint.enable and c.checkpoint.resume and (latest := self.checkpoints.latest()) is not None:
-            self._restore(latest)
+        self.history: list[tuple[int, float]] = []  # (step, loss) of the whole run, across resumes
+        self.stop_signal = 0  # set by the SIGTERM/SIGINT handler; acted on at the next step boundary
+        self.fault = Fault.from_env()
+        self.lock = RunLock(dump) if dist.get_rank() == 0 else None
+        self._claim_folder()
         rank0 = dist.get_rank() == 0
         self.logger = MetricsLogger(
             enabled=rank0, total_steps=c.training.steps, log_freq=c.metrics.log_freq,
             tb_folder=dump / c.metrics.save_tb_folder if c.metrics.enable_tensorboard else None,
-            plot_path=dump / "loss.png" if c.metrics.plot_loss else None,
+            plot_path=dump / "loss.png" if c.metrics.plot_loss else None, history=list(self.history),
         )
 
     # --- construction ---
@@ -191,17 +202,74 @@ class Trainer:
     # --- the run ---
 
     def run(self) -> list[float]:
+        """Train to `training.steps`; returns this invocation's losses.
+
+        Raises:
+            TrainingError: a non-finite loss, a failed or timed-out peer, a folder in use; one line each.
+        """
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            return self._run()
+        except RuntimeError as e:
+            cause = is_comm_failure(e) if not isinstance(e, TrainingError) else None
+            if cause is None:
+                raise
+            raise TrainingError(describe_comm_failure(
+                cause, rank=dist.get_rank(), step=self.step, timeout_s=self.config.comm.timeout_s,
+                laggards=self.progress.laggards(self.step),
+            )) from e
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            if self.lock is not None:
+                self.lock.release()
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        """Preemption or Ctrl-C: finish the step, save, exit. A second signal acts as it would have."""
+        if self.stop_signal:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+        self.stop_signal = signum
+
+    def _stop_requested(self) -> int:
+        """The signal any rank received, agreed on by all ranks so that they stop at the same step."""
+        flag = torch.tensor([self.stop_signal], dtype=torch.int64, device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag.item())
+
+    def _run(self) -> list[float]:
         c = self.config
         losses: list[float] = []
         first = self.step + 1
         tokens_per_step = c.training.batch_size * c.training.seq_len
+        saved = None
         while self.step < c.training.steps:
+            if (signum := self._stop_requested()) != 0:
+                if c.checkpoint.enable and (saved is None or saved.path.name != f"step-{self.step}"):
+                    saved = self._save()
+                self.logger.note(
+                    f"stopped by {signal.Signals(signum).name} after step {self.step}"
+                    + (f"; resume with the same command (checkpoint {saved.path})" if saved else
+                       "; nothing saved (checkpoint.enable = false)")
+                )
+                break
+            if self.fault is not None:
+                self.fault.maybe_fire(dist.get_rank(), self.step + 1)
             self.step += 1
+            self.progress.mark(self.step)
             self.meter.reset()
             start = time.perf_counter()
             loss = self.train_step()
             elapsed = time.perf_counter() - start
+            if not (math.isfinite(loss) and math.isfinite(self.grad_norm)):
+                last = self.checkpoints.newest_on_disk() if c.checkpoint.enable else None
+                raise TrainingError(
+                    f"step {self.step}: loss = {loss} and gradient norm = {self.grad_norm} (not finite); stopped "
+                    "without saving" + (f", the last good checkpoint is {last}" if last else "")
+                    + "; lower --optimizer.lr, or check the data and the initial weights"
+                )
             losses.append(loss)
+            self.history.append((self.step, loss))
             peaks = torch.tensor([peak_memory_mib(self.device)], device=self.device)
             everyone = [torch.zeros_like(peaks) for _ in range(dist.get_world_size())]
             dist.all_gather(everyone, peaks)
@@ -214,16 +282,19 @@ class Trainer:
                 first_step=first,
             )
             if c.checkpoint.enable and self.checkpoints.due(self.step, last_step=c.training.steps):
-                self.checkpoints.save(self.step, self.model, self.optimizer, self._trainer_state())
-        if not losses and dist.get_rank() == 0:
-            print(
+                saved = self._save()
+        if not losses and self.step >= c.training.steps:
+            self.logger.note(
                 f"nothing to train: the checkpoint is already at step {self.step} of training.steps = "
-                f"{c.training.steps}; raise --training.steps, or start fresh with --checkpoint.resume=false "
-                "or another --job.dump_folder",
-                flush=True,
+                f"{c.training.steps}; raise --training.steps, or start fresh in another --job.dump_folder"
             )
-        self.logger.close(title=f"{c.job.name}: loss")
+        self.logger.close(title=f"{c.job.name}: loss", checkpoint=saved.path if saved else None)
         return losses
+
+    def _save(self):  # -> SavedCheckpoint
+        saved = self.checkpoints.save(self.step, self.model, self.optimizer, self._trainer_state())
+        self.logger.note(f"saved checkpoint {saved.path.name} ({saved.bytes / 2**20:,.1f} MiB, {saved.seconds:.1f} s)")
+        return saved
 
     def _trainer_state(self) -> dict:
         return {
@@ -231,7 +302,53 @@ class Trainer:
             "lr_scheduler": self.scheduler.state_dict(),
             "data": self.data.state_dict(),
             "rng": torch.get_rng_state(),
+            "loss_history": list(self.history),
         }
+
+    # --- the dump folder: one job at a time, checkpoints of this run only ---
+
+    def _claim_folder(self) -> None:
+        """Lock the folder, refuse another run's checkpoints, clean stale saves, resume the newest intact.
+
+        Rank 0 decides from the file system and tells the others, so every rank
+        raises the same error or loads the same checkpoint.
+        """
+        c = self.config
+        decision: dict = {"error": None, "resume": None, "notes": []}
+        if dist.get_rank() == 0:
+            try:
+                decision = self._decide_resume()
+            except (FolderLocked, TrainingError) as e:
+                decision = {"error": str(e), "resume": None, "notes": []}
+            except OSError as e:
+                decision = {"error": f"job.dump_folder {c.job.dump_folder}: cannot write there ({e})",
+                            "resume": None, "notes": []}
+        box = [decision]
+        dist.broadcast_object_list(box, src=0)
+        decision = box[0]
+        if decision["error"] is not None:
+            if self.lock is not None:
+                self.lock.release()
+            raise TrainingError(decision["error"], exit_code=2)
+        if dist.get_rank() == 0:
+            for line in decision["notes"]:
+                print(f"{stamp()} {line}", flush=True)
+        self.progress = Progress(_compat.default_store(), dist.get_rank(), dist.get_world_size())
+        if decision["resume"] is not None:
+            try:
+                self._restore(Path(decision["resume"]))
+            except Exception:
+                if self.lock is not None:
+                    self.lock.release()
+                raise
+
+    def _decide_resume(self) -> dict:
+        """Rank 0: take the lock, then choose what to resume (or refuse)."""
+        assert self.lock is not None
+        self.lock.acquire()
+        c = self.config.checkpoint
+        path, notes = self.checkpoints.choose_resume(enable=c.enable, resume=c.resume)
+        return {"error": None, "resume": None if path is None else str(path), "notes": notes}
 
     def _restore(self, path: Path) -> None:
         state = self.checkpoints.load(path, self.model, self.optimizer)
@@ -239,5 +356,6 @@ class Trainer:
         self.scheduler.load_state_dict(state["lr_scheduler"])
         self.data.load_state_dict(state["data"])
         torch.set_rng_state(state["rng"])
+        self.history = [tuple(x) for x in state.get("loss_history", [])]
         if dist.get_rank() == 0:
-            print(f"resumed from {path} at step {self.step}", flush=True)
+            print(f"{stamp()} resumed from {path} at step {self.step}", flush=True)
