@@ -13,6 +13,7 @@ from cpcompose.parallel import (
     context_parallel_unshard,
     cp_cross_entropy,
     parallelize_module,
+    recompute_context,
 )
 from cpcompose.sharding import cp_position_ids, cp_shard, cp_unshard
 
@@ -40,6 +41,7 @@ __all__ = [
     "cp_unshard",
     "pad_pack",
     "parallelize_module",
+    "recompute_context",
     "resolve_layout",
 ]
 __version__ = "0.1.0"

@@ -55,3 +55,13 @@ def default_store() -> Any:
     from torch.distributed.distributed_c10d import _get_default_store
 
     return _get_default_store()
+
+
+def function_mode_stack() -> list[Any]:
+    """The active TorchFunctionModes, outermost first (`torch.overrides`' private accessor in torch 2.13)."""
+    return list(torch.overrides._get_current_function_mode_stack())
+
+
+def in_backward() -> bool:
+    """Whether this thread is running an autograd backward (torch.utils.checkpoint reads the same private id)."""
+    return torch._C._current_graph_task_id() != -1

@@ -1,18 +1,21 @@
 """Composable CP: the SDPA dispatch, the ParallelStyle, the context manager, the loss."""
 
 from cpcompose.parallel.context import context_parallel, context_parallel_unshard
-from cpcompose.parallel.dispatch import CPAttentionMode
+from cpcompose.parallel.dispatch import CPAttentionMode, active_cp_region
 from cpcompose.parallel.loss import allreduce_gradients, cp_cross_entropy, global_token_count
 from cpcompose.parallel.plan import parallelize_module
+from cpcompose.parallel.recompute import recompute_context
 from cpcompose.parallel.style import ContextParallel
 
 __all__ = [
     "CPAttentionMode",
     "ContextParallel",
+    "active_cp_region",
     "allreduce_gradients",
     "context_parallel",
     "context_parallel_unshard",
     "cp_cross_entropy",
     "global_token_count",
     "parallelize_module",
+    "recompute_context",
 ]

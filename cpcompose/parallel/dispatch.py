@@ -31,6 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.overrides import TorchFunctionMode
 
+from cpcompose import _compat
 from cpcompose.attention.api import attend
 from cpcompose.attention.options import CPOptions
 from cpcompose.comm import CPGroup
@@ -65,7 +66,7 @@ class CPAttentionMode(TorchFunctionMode):
         if func is F.scaled_dot_product_attention:
             return self.sdpa(*args, **kwargs)
         if func is F.multi_head_attention_forward:
-            return multi_head_attention_forward(self._attend_plain, *args, **kwargs)
+            return multi_head_attention_forward(self.attend, *args, **kwargs)
         if getattr(func, "__name__", "") == "flex_attention":
             self.local_only += 1
         return func(*args, **kwargs)
@@ -108,19 +109,24 @@ class CPAttentionMode(TorchFunctionMode):
         tensors = (query, key, value)
         error = _refusal(tensors, attn_mask, dropout_p, enable_gqa) or self._dtensor_error(tensors)
         local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
-        out = self._attend_plain(*local, is_causal=is_causal, scale=scale, caller_error=error)
+        out = self.attend(*local, is_causal=is_causal, scale=scale, caller_error=error)
         if isinstance(query, DTensor):
             return DTensor.from_local(out, query.device_mesh, query.placements, run_check=False)
         return out
 
-    def _attend_plain(
+    def attend(
         self, q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool, scale: float | None = None,
-        caller_error: str | None = None,
+        softcap: float | None = None, caller_error: str | None = None, **overrides: Any,
     ) -> Tensor:
-        """CP attention of local shards under this region's options; counts the call."""
+        """CP attention of local shards under this region's options (with per-call `overrides`,
+        e.g. a layer's `window_size`); counts the call for `check_routed`.
+
+        The one way attention code other than SDPA (nn.MultiheadAttention, a Hugging Face
+        attention function) enters the region. `caller_error` joins the cross-rank agreement.
+        """
         self.routed += 1
-        out = attend(q, k, v, mesh=self.mesh, is_causal=is_causal, scale=scale, options=self.options,
-                     caller_error=caller_error)
+        out = attend(q, k, v, mesh=self.mesh, is_causal=is_causal, scale=scale, softcap=softcap,
+                     options=self.options.replace(**overrides), caller_error=caller_error)
         assert isinstance(out, Tensor)
         return out
 
@@ -142,6 +148,16 @@ class CPAttentionMode(TorchFunctionMode):
             if error:
                 return error
         return None
+
+
+def active_cp_region() -> CPAttentionMode | None:
+    """The innermost active CP region (a `CPAttentionMode` on this thread's mode stack), or None.
+
+    For attention code that is not an SDPA call (e.g. a Hugging Face attention
+    function) but must use the region's mesh and options.
+    """
+    regions = [m for m in _compat.function_mode_stack() if isinstance(m, CPAttentionMode)]
+    return regions[-1] if regions else None
 
 
 def _refusal(tensors: tuple[Tensor, ...], attn_mask: object, dropout_p: float, enable_gqa: bool) -> str | None:
