@@ -55,3 +55,10 @@ def default_store() -> Any:
     from torch.distributed.distributed_c10d import _get_default_store
 
     return _get_default_store()
+
+
+# Opaque objects (torch 2.13, private): a Python object a custom op takes by reference,
+# passed through torch.compile as a graph input instead of being traced. The compiled
+# CP attention op (`cpcompose.attention.op`) carries its process group and options this way.
+from torch._library.opaque_object import MemberType, register_opaque_type  # noqa: E402, F401
+from torch._opaque_base import OpaqueBase  # noqa: E402, F401

@@ -87,6 +87,35 @@ def attend(
     The caller's complaint joins this rank's verdict in the one cross-rank agreement,
     so every rank raises it, or none does.
     """
+    setup = prepare(
+        q, k, v, mesh=mesh, is_causal=is_causal, scale=scale, options=options, softcap=softcap,
+        return_lse=return_lse, caller_error=caller_error,
+    )
+    out, lse = STRATEGIES[options.strategy].apply(q, k, v, setup)
+    return (out, lse) if return_lse else out
+
+
+def prepare(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    mesh: DeviceMesh,
+    is_causal: bool,
+    scale: float | None,
+    options: CPOptions,
+    softcap: float | None = None,
+    return_lse: bool = False,
+    caller_error: str | None = None,
+) -> AttentionSetup:
+    """Check one call on every rank (local checks, then the cross-rank agreement) and decide its setup.
+
+    Split from `attend` so that the compiled route (`cpcompose.attention.op`) runs the
+    same checks inside its custom op, where data-dependent code is allowed.
+
+    Raises:
+        ValueError: on every rank, as `cp_attention` describes.
+    """
     cp = CPGroup.from_mesh(mesh)
     layout: Layout | None = None
     backend: Backend | None = None
@@ -112,9 +141,7 @@ def attend(
         scale=scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]), backend=backend,
         softcap=None if softcap is None else float(softcap),
     )
-    setup = AttentionSetup(cp, layout, MaskSpec(is_causal, *window), kernel, options.meter, return_lse)
-    out, lse = STRATEGIES[options.strategy].apply(q, k, v, setup)
-    return (out, lse) if return_lse else out
+    return AttentionSetup(cp, layout, MaskSpec(is_causal, *window), kernel, options.meter, return_lse)
 
 
 def _metadata_device(q: object) -> torch.device:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
@@ -32,8 +33,8 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.overrides import TorchFunctionMode
 
 from cpcompose.attention.api import attend
+from cpcompose.attention.op import CPContext, compiled_attention
 from cpcompose.attention.options import CPOptions
-from cpcompose.comm import CPGroup
 from cpcompose.cp_dtensor import cp_dim_name, split_mismatch
 from cpcompose.layouts import Layout, resolve_layout
 from cpcompose.parallel.mha import multi_head_attention_forward
@@ -51,12 +52,16 @@ class CPAttentionMode(TorchFunctionMode):
     """Routes `F.scaled_dot_product_attention` to CP attention on `mesh` under `options`.
 
     `routed` counts the calls it routed, so a region can tell whether any attention ran through CP.
+    Under `torch.compile` the calls go through the `cpcompose::attention` custom op with
+    `context` (see `cpcompose.attention.op`); a mode entered inside compiled code (by a
+    style's hook) must be given its owner's context, since dynamo cannot create one.
     """
 
-    def __init__(self, mesh: DeviceMesh, options: CPOptions) -> None:
+    def __init__(self, mesh: DeviceMesh, options: CPOptions, context: CPContext | None = None) -> None:
         super().__init__()
         self.mesh, self.options = mesh, options
-        self.world = CPGroup.from_mesh(mesh).world
+        self.context = context if context is not None else CPContext(mesh, lambda: options)
+        self.world = self.context.world
         self.routed = 0
         self.local_only = 0  # flex_attention calls, which ran on this rank's tokens only
 
@@ -119,8 +124,12 @@ class CPAttentionMode(TorchFunctionMode):
     ) -> Tensor:
         """CP attention of local shards under this region's options; counts the call."""
         self.routed += 1
-        out = attend(q, k, v, mesh=self.mesh, is_causal=is_causal, scale=scale, options=self.options,
-                     caller_error=caller_error)
+        if torch.compiler.is_compiling():  # dynamo cannot trace the agreement: hide it in the op
+            out = compiled_attention(q, k, v, context=self.context, strategy=self.options.strategy,
+                                     is_causal=is_causal, scale=scale, caller_error=caller_error)
+        else:
+            out = attend(q, k, v, mesh=self.mesh, is_causal=is_causal, scale=scale, options=self.options,
+                         caller_error=caller_error)
         assert isinstance(out, Tensor)
         return out
 

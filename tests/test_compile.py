@@ -1,0 +1,72 @@
+"""`torch.compile(model, fullgraph=True)` of a model whose SDPA calls are context-parallel.
+
+The model is `PlainLM` from `test_entry_points` with `ContextParallel` on its blocks,
+compiled whole: the hooks that enter the CP mode, the mode's routing and the custom op
+(`cpcompose::attention`) are all inside one graph. Loss and every gradient are
+compared with the single-process float64 run at 1e-12 (only summation order differs,
+and the compiled graph computes the same ops in float64). Each case compiles twice
+over (forward and backward graphs) and runs two steps, so the second step runs the
+cached graphs against the same `CPContext`.
+
+Compiling costs seconds: one case per strategy with `aot_eager` (dynamo + AOTAutograd,
+which is what has to see around the op), and one with inductor, the default backend.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor.parallel import parallelize_module
+
+from cpcompose import ContextParallel, allreduce_gradients, cp_cross_entropy, cp_position_ids, cp_shard
+from tests.test_entry_points import SEQ, TOL, make_batch, make_model, reference
+
+
+def compiled_steps(mesh, strategy: str, causal: bool, backend: str) -> dict:
+    torch._dynamo.reset()  # each case compiles from scratch: no graph from an earlier case
+    model = make_model(causal)
+    parallelize_module(model, mesh, {"blocks.*": ContextParallel(strategy=strategy)})
+    graphs: list[str] = []
+
+    def recording(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        graphs.append(str(gm.graph))
+        return torch._dynamo.lookup_backend(backend)(gm, example_inputs)
+
+    compiled = torch.compile(model, fullgraph=True, backend=recording)
+    tokens, labels = (cp_shard(t, mesh, seq_dim=1, layout="zigzag") for t in make_batch())
+    positions = cp_position_ids(SEQ, mesh, layout="zigzag")
+    steps = []
+    for _ in range(2):
+        model.zero_grad()
+        loss = cp_cross_entropy(compiled(tokens, positions), labels, mesh=mesh)
+        loss.backward()
+        allreduce_gradients(model, mesh)
+        total = loss.detach().clone()
+        torch.distributed.all_reduce(total)
+        steps.append({"loss": total, "grads": {n: p.grad.clone() for n, p in model.named_parameters()}})
+    return {"steps": steps, "graphs": graphs}
+
+
+def _check(results: list[dict], causal: bool) -> None:
+    want = reference(causal)
+    for rank, got in enumerate(results):
+        for step in got["steps"]:
+            torch.testing.assert_close(step["loss"], want["loss"], **TOL)
+            for name, grad in want["grads"].items():
+                torch.testing.assert_close(
+                    step["grads"][name], grad, **TOL, msg=lambda m: f"rank {rank} {name}: {m}"
+                )
+        assert len(got["graphs"]) == 1, f"rank {rank}: {len(got['graphs'])} graphs, expected one (no recompile)"
+        assert got["graphs"][0].count("target=torch.ops.cpcompose.attention") == 2, "each block's attention is one custom op call"
+
+
+@pytest.mark.parametrize(
+    "strategy,world", [("ring", 2), ("allgather", 2), ("alltoall", 2), ("alltoall", 3)]
+)  # all-to-all on 3 ranks: 4 query heads split 2,1,1, so its saved head shards differ per rank
+def test_fullgraph_compile_is_exact(pools, strategy: str, world: int) -> None:
+    _check(pools.get(world).run(compiled_steps, strategy, True, "aot_eager"), True)
+
+
+def test_fullgraph_compile_inductor(pools) -> None:
+    _check(pools.get(2).run(compiled_steps, "ring", False, "inductor"), False)
