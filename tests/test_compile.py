@@ -19,7 +19,16 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor.parallel import parallelize_module
 
-from cpcompose import ContextParallel, allreduce_gradients, cp_cross_entropy, cp_position_ids, cp_shard
+from cpcompose import (
+    ContextParallel,
+    CPContext,
+    allreduce_gradients,
+    context_parallel,
+    cp_attention,
+    cp_cross_entropy,
+    cp_position_ids,
+    cp_shard,
+)
 from tests.test_entry_points import SEQ, TOL, make_batch, make_model, reference
 
 
@@ -57,6 +66,8 @@ def _check(results: list[dict], causal: bool) -> None:
                 torch.testing.assert_close(
                     step["grads"][name], grad, **TOL, msg=lambda m: f"rank {rank} {name}: {m}"
                 )
+        if got["graphs"] is None:
+            continue
         assert len(got["graphs"]) == 1, f"rank {rank}: {len(got['graphs'])} graphs, expected one (no recompile)"
         assert got["graphs"][0].count("target=torch.ops.cpcompose.attention") == 2, "each block's attention is one custom op call"
 
@@ -70,3 +81,56 @@ def test_fullgraph_compile_is_exact(pools, strategy: str, world: int) -> None:
 
 def test_fullgraph_compile_inductor(pools) -> None:
     _check(pools.get(2).run(compiled_steps, "ring", False, "inductor"), False)
+
+
+def compiled_context_parallel(mesh, strategy: str) -> dict:
+    """The `context_parallel` region entered outside the compiled model: its mode is active while dynamo traces."""
+    torch._dynamo.reset()
+    model = make_model(True)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    tokens, labels = make_batch()
+    positions = torch.arange(SEQ)
+    with context_parallel(mesh, buffers=[tokens, labels, positions], buffer_seq_dims=[1, 1, 0], strategy=strategy):
+        loss = cp_cross_entropy(compiled(tokens, positions), labels, mesh=mesh)
+        loss.backward()
+    allreduce_gradients(model, mesh)
+    total = loss.detach().clone()
+    torch.distributed.all_reduce(total)
+    return {"steps": [{"loss": total, "grads": {n: p.grad for n, p in model.named_parameters()}}], "graphs": None}
+
+
+def test_context_parallel_region_compiles(pools) -> None:
+    _check(pools.get(2).run(compiled_context_parallel, "allgather"), True)
+
+
+def compiled_cp_attention(mesh) -> dict:
+    """`cp_attention` called directly in compiled code, with a `CPContext`: equal to eager, bit for bit."""
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(3)
+    full = [torch.randn(1, 4, 16, 8, generator=g, dtype=torch.float64) for _ in range(3)]
+    local = [cp_shard(t, mesh, seq_dim=2).requires_grad_() for t in full]
+    context = CPContext(mesh, strategy="alltoall")
+
+    def attention(q, k, v, mesh):
+        return cp_attention(q, k, v, mesh=mesh, is_causal=True, softcap=2.0, return_lse=True)
+
+    results = []
+    for fn in (torch.compile(attention, fullgraph=True, backend="aot_eager"), attention):
+        for t in local:
+            t.grad = None
+        out, lse = fn(*local, mesh=context)
+        (out * out).sum().backward()
+        results.append([out.detach(), lse, *(t.grad for t in local)])
+    try:
+        torch.compile(attention, fullgraph=True, backend="aot_eager")(*local, mesh=mesh)
+        error = "no error"
+    except Exception as e:  # dynamo wraps the ValueError raised while tracing
+        error = str(e)
+    return {"compiled": results[0], "eager": results[1], "error": error}
+
+
+def test_cp_attention_compiles_with_a_context(pools) -> None:
+    for got in pools.get(2).run(compiled_cp_attention):
+        for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got["compiled"], got["eager"]):
+            torch.testing.assert_close(a, b, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+        assert "needs mesh=CPContext(mesh, options)" in got["error"]

@@ -33,7 +33,6 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from cpcompose._compat import MemberType, OpaqueBase, register_opaque_type
 from cpcompose.attention.alltoall import _HeadPlan, kv_head_ranges, query_head_ranges
-from cpcompose.attention.api import STRATEGIES, _tensor_error, prepare
 from cpcompose.attention.options import CPOptions
 from cpcompose.comm import CPGroup
 from cpcompose.precision import accumulation_dtype
@@ -42,20 +41,42 @@ from cpcompose.precision import accumulation_dtype
 class CPContext(OpaqueBase):
     """The CP mesh and options of a CP region, handed to the custom ops by reference.
 
+    Make it outside compiled code (dynamo cannot create one) and keep it as long as the
+    compiled code runs: `ContextParallel` and `context_parallel` make their own;
+    `cp_attention` inside `torch.compile` takes one as `mesh=`.
+
     Args:
         mesh: the 1-D CP mesh.
-        options: returns the options to use now (a style's `current_options`, so a
-            per-batch `layout_for` reaches compiled code without a recompile).
+        options: the `CPOptions`, or a function returning the options to use now (a
+            style's `current_options`, so a per-batch `layout_for` reaches compiled code
+            without a recompile); `**overrides` sets fields of fixed options by name.
     """
 
-    def __init__(self, mesh: DeviceMesh, options: Callable[[], CPOptions]) -> None:
+    def __init__(
+        self, mesh: DeviceMesh, options: CPOptions | Callable[[], CPOptions] | None = None, **overrides: Any
+    ) -> None:
         cp = CPGroup.from_mesh(mesh)
-        self.mesh, self.options = mesh, options
+        if callable(options):
+            if overrides:
+                raise TypeError("CPContext takes overrides only with fixed options, not with a callable")
+            self.options: Callable[[], CPOptions] = options
+        else:
+            fixed = (options or CPOptions()).replace(**overrides)
+            self.options = lambda: fixed
+        self.mesh = mesh
         self.world, self.rank = cp.world, cp.rank
 
+    @property
+    def strategy(self) -> str:
+        """The strategy now: it decides the custom op's saved tensors, so compiled code reads it at trace time."""
+        return self.options().strategy
 
-# `world` and `rank` are read at trace time (the fake op needs all-to-all's head split).
-register_opaque_type(CPContext, typ="reference", members={"world": MemberType.USE_REAL, "rank": MemberType.USE_REAL})
+
+# Read at trace time with the real object and baked in as constants (the fake op needs
+# all-to-all's head split); everything else is read by the op's eager implementation.
+register_opaque_type(
+    CPContext, typ="reference", members={name: MemberType.USE_REAL for name in ("world", "rank", "strategy")}
+)
 
 
 class _SavedContext:
@@ -72,11 +93,19 @@ class _SavedContext:
 
 
 def _setup(q: Tensor, k: Tensor, v: Tensor, context: CPContext, is_causal: bool, scale: Optional[float],
-           softcap: Optional[float], return_lse: bool, caller_error: Optional[str]):
+           softcap: Optional[float], return_lse: bool, caller_error: Optional[str]) -> Any:
+    from cpcompose.attention.api import prepare  # api imports this module: import when called
+
     return prepare(
         q, k, v, mesh=context.mesh, is_causal=is_causal, scale=scale, options=context.options(),
         softcap=softcap, return_lse=return_lse, caller_error=caller_error,
     )
+
+
+def _strategy(name: str) -> Any:
+    from cpcompose.attention.api import STRATEGIES
+
+    return STRATEGIES[name]
 
 
 @torch.library.custom_op("cpcompose::attention", mutates_args=())
@@ -88,7 +117,7 @@ def _attention(
     if context.options().strategy != strategy:  # traced with one strategy, run with another
         raise ValueError(f"cp_attention was compiled for strategy={strategy!r}; recompile to change it")
     saved = _SavedContext()
-    out, lse = STRATEGIES[strategy].forward(saved, q, k, v, setup)
+    out, lse = _strategy(strategy).forward(saved, q, k, v, setup)
     residuals = [t.contiguous() for t in saved.saved_tensors] if strategy == "alltoall" else []
     return out.contiguous(), lse.contiguous(), residuals  # contiguous: the strides the fake promises
 
@@ -98,6 +127,8 @@ def _attention_fake(
     q: Tensor, k: Tensor, v: Tensor, context: Any, strategy: str, is_causal: bool, scale: Optional[float],
     softcap: Optional[float], return_lse: bool, caller_error: Optional[str],
 ) -> tuple[Tensor, Tensor, list[Tensor]]:
+    from cpcompose.attention.api import _tensor_error
+
     if _tensor_error(q, k, v) is not None:  # the real op raises on every rank; any shape will do
         return q.new_empty(q.shape), q.new_empty(0), []
     b, h, s, _ = q.shape
@@ -138,7 +169,7 @@ def _attention_backward(
         ctx.plan, ctx.n_kv = _HeadPlan(q, k, setup.cp.world, setup.cp.rank), k.shape[1]  # type: ignore[attr-defined]
     else:
         ctx.saved_tensors = (q, k.contiguous(), v.contiguous(), out, lse)
-    dq, dk, dv, _ = STRATEGIES[strategy].backward(ctx, dout, None)
+    dq, dk, dv, _ = _strategy(strategy).backward(ctx, dout, None)
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 
@@ -168,16 +199,15 @@ _attention.register_autograd(_backward, setup_context=_setup_context)
 
 
 def compiled_attention(
-    q: Tensor, k: Tensor, v: Tensor, *, context: CPContext, strategy: str, is_causal: bool,
-    scale: Optional[float], softcap: Optional[float] = None, return_lse: bool = False,
-    caller_error: Optional[str] = None,
+    q: Tensor, k: Tensor, v: Tensor, *, context: CPContext, is_causal: bool, scale: Optional[float],
+    softcap: Optional[float] = None, return_lse: bool = False, caller_error: Optional[str] = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
-    """`attend` through the custom op: what the SDPA route calls while dynamo traces.
+    """`attend` through the custom op: what `cp_attention` and the SDPA route call while dynamo traces.
 
     Args:
-        context: the region's `CPContext` (made outside the traced code: dynamo cannot build one).
-        strategy: the region's strategy at trace time (it decides the residuals' shapes).
+        context: the `CPContext` (made outside the traced code: dynamo cannot build one).
         caller_error: the route's own complaint, joined to the agreement inside the op.
     """
+    strategy = context.strategy  # at trace time: it decides the residuals' shapes
     out, lse, _ = _attention(q, k, v, context, strategy, is_causal, scale, softcap, return_lse, caller_error)
     return (out, lse) if return_lse else out

@@ -60,7 +60,7 @@ class CPAttentionMode(TorchFunctionMode):
     def __init__(self, mesh: DeviceMesh, options: CPOptions, context: CPContext | None = None) -> None:
         super().__init__()
         self.mesh, self.options = mesh, options
-        self.context = context if context is not None else CPContext(mesh, lambda: options)
+        self.context = context if context is not None else CPContext(mesh, options)
         self.world = self.context.world
         self.routed = 0
         self.local_only = 0  # flex_attention calls, which ran on this rank's tokens only
@@ -125,8 +125,8 @@ class CPAttentionMode(TorchFunctionMode):
         """CP attention of local shards under this region's options; counts the call."""
         self.routed += 1
         if torch.compiler.is_compiling():  # dynamo cannot trace the agreement: hide it in the op
-            out = compiled_attention(q, k, v, context=self.context, strategy=self.options.strategy,
-                                     is_causal=is_causal, scale=scale, caller_error=caller_error)
+            out = compiled_attention(q, k, v, context=self.context, is_causal=is_causal, scale=scale,
+                                     caller_error=caller_error)
         else:
             out = attend(q, k, v, mesh=self.mesh, is_causal=is_causal, scale=scale, options=self.options,
                          caller_error=caller_error)
