@@ -60,5 +60,5 @@ def default_store() -> Any:
 # Opaque objects (torch 2.13, private): a Python object a custom op takes by reference,
 # passed through torch.compile as a graph input instead of being traced. The compiled
 # CP attention op (`cpcompose.attention.op`) carries its process group and options this way.
-from torch._library.opaque_object import MemberType, register_opaque_type  # noqa: E402, F401
-from torch._opaque_base import OpaqueBase  # noqa: E402, F401
+from torch._library.opaque_object import MemberType, register_opaque_type  # noqa: F401
+from torch._opaque_base import OpaqueBase  # noqa: F401

@@ -25,7 +25,8 @@ which the backward op gets anyway; all-to-all saves head-sharded copies, which
 travel as `residuals` (no recomputation, no extra communication).
 """
 
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -92,8 +93,8 @@ class _SavedContext:
         pass  # the op's autograd formula gives the LSE no gradient
 
 
-def _setup(q: Tensor, k: Tensor, v: Tensor, context: CPContext, is_causal: bool, scale: Optional[float],
-           softcap: Optional[float], return_lse: bool, caller_error: Optional[str]) -> Any:
+def _setup(q: Tensor, k: Tensor, v: Tensor, context: CPContext, is_causal: bool, scale: float | None,
+           softcap: float | None, return_lse: bool, caller_error: str | None) -> Any:
     from cpcompose.attention.api import prepare  # api imports this module: import when called
 
     return prepare(
@@ -110,8 +111,8 @@ def _strategy(name: str) -> Any:
 
 @torch.library.custom_op("cpcompose::attention", mutates_args=())
 def _attention(
-    q: Tensor, k: Tensor, v: Tensor, context: CPContext, strategy: str, is_causal: bool, scale: Optional[float],
-    softcap: Optional[float], return_lse: bool, caller_error: Optional[str],
+    q: Tensor, k: Tensor, v: Tensor, context: CPContext, strategy: str, is_causal: bool, scale: float | None,
+    softcap: float | None, return_lse: bool, caller_error: str | None,
 ) -> tuple[Tensor, Tensor, list[Tensor]]:
     setup = _setup(q, k, v, context, is_causal, scale, softcap, return_lse, caller_error)
     if context.options().strategy != strategy:  # traced with one strategy, run with another
@@ -124,8 +125,8 @@ def _attention(
 
 @_attention.register_fake
 def _attention_fake(
-    q: Tensor, k: Tensor, v: Tensor, context: Any, strategy: str, is_causal: bool, scale: Optional[float],
-    softcap: Optional[float], return_lse: bool, caller_error: Optional[str],
+    q: Tensor, k: Tensor, v: Tensor, context: Any, strategy: str, is_causal: bool, scale: float | None,
+    softcap: float | None, return_lse: bool, caller_error: str | None,
 ) -> tuple[Tensor, Tensor, list[Tensor]]:
     from cpcompose.attention.api import _tensor_error
 
@@ -157,7 +158,7 @@ def _alltoall_residuals(q: Tensor, k: Tensor, v: Tensor, world: int, rank: int) 
 @torch.library.custom_op("cpcompose::attention_backward", mutates_args=())
 def _attention_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, residuals: list[Tensor],
-    context: CPContext, strategy: str, is_causal: bool, scale: Optional[float], softcap: Optional[float],
+    context: CPContext, strategy: str, is_causal: bool, scale: float | None, softcap: float | None,
     return_lse: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     # The forward already agreed; this re-check is one tiny all-gather (cached per signature later).
@@ -176,7 +177,7 @@ def _attention_backward(
 @_attention_backward.register_fake
 def _attention_backward_fake(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, residuals: list[Tensor],
-    context: Any, strategy: str, is_causal: bool, scale: Optional[float], softcap: Optional[float],
+    context: Any, strategy: str, is_causal: bool, scale: float | None, softcap: float | None,
     return_lse: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
@@ -199,8 +200,8 @@ _attention.register_autograd(_backward, setup_context=_setup_context)
 
 
 def compiled_attention(
-    q: Tensor, k: Tensor, v: Tensor, *, context: CPContext, is_causal: bool, scale: Optional[float],
-    softcap: Optional[float] = None, return_lse: bool = False, caller_error: Optional[str] = None,
+    q: Tensor, k: Tensor, v: Tensor, *, context: CPContext, is_causal: bool, scale: float | None,
+    softcap: float | None = None, return_lse: bool = False, caller_error: str | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """`attend` through the custom op: what `cp_attention` and the SDPA route call while dynamo traces.
 
