@@ -1,6 +1,6 @@
 """cpcompose: exact context parallelism for PyTorch, on every device PyTorch runs on."""
 
-from cpcompose.attention import CPOptions, cp_attention
+from cpcompose.attention import CPContext, CPOptions, cp_attention
 from cpcompose.comm import CommMeter
 from cpcompose.distributed import ParallelDims
 from cpcompose.cp_dtensor import cp_distribute, cp_from_local, cp_full_tensor
@@ -18,6 +18,7 @@ from cpcompose.parallel import (
 from cpcompose.sharding import cp_position_ids, cp_shard, cp_unshard
 
 __all__ = [
+    "CPContext",
     "CPOptions",
     "CommMeter",
     "ContextParallel",

@@ -65,3 +65,10 @@ def function_mode_stack() -> list[Any]:
 def in_backward() -> bool:
     """Whether this thread is running an autograd backward (torch.utils.checkpoint reads the same private id)."""
     return torch._C._current_graph_task_id() != -1
+
+
+# Opaque objects (torch 2.13, private): a Python object a custom op takes by reference,
+# passed through torch.compile as a graph input instead of being traced. The compiled
+# CP attention op (`cpcompose.attention.op`) carries its process group and options this way.
+from torch._library.opaque_object import MemberType, register_opaque_type  # noqa: F401
+from torch._opaque_base import OpaqueBase  # noqa: F401

@@ -1,6 +1,7 @@
 """Context-parallel attention: kernels, block planning, and the three strategies."""
 
 from cpcompose.attention.api import STRATEGIES, cp_attention
+from cpcompose.attention.op import CPContext
 from cpcompose.attention.options import CPOptions
 
-__all__ = ["CPOptions", "STRATEGIES", "cp_attention"]
+__all__ = ["CPContext", "CPOptions", "STRATEGIES", "cp_attention"]

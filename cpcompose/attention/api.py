@@ -14,6 +14,7 @@ from cpcompose.attention.allgather import AllGatherAttention
 from cpcompose.attention.alltoall import AllToAllAttention
 from cpcompose.attention.blocks import KernelArgs, MaskSpec
 from cpcompose.attention.kernels import Backend, select_backend
+from cpcompose.attention.op import CPContext, compiled_attention
 from cpcompose.attention.options import STRATEGY_NAMES, CPOptions
 from cpcompose.attention.ring import RingAttention
 from cpcompose.attention.setup import AttentionSetup
@@ -30,7 +31,7 @@ def cp_attention(
     k: Tensor,
     v: Tensor,
     *,
-    mesh: DeviceMesh,
+    mesh: DeviceMesh | CPContext,
     is_causal: bool = False,
     scale: float | None = None,
     softcap: float | None = None,
@@ -43,7 +44,8 @@ def cp_attention(
     Args:
         q, k, v: local shards `(batch, heads, seq_local, head_dim)`, cut by the
             layout (see `cp_shard`, `cp_shard_packed`). K/V may have fewer heads (GQA/MQA).
-        mesh: the 1-D CP mesh (`mesh["cp"]` of a larger one).
+        mesh: the 1-D CP mesh (`mesh["cp"]` of a larger one), or a `CPContext` (the mesh
+            with its options, made outside compiled code), which `torch.compile` needs.
         is_causal: causal mask by global position.
         scale: softmax scale; default `1/sqrt(head_dim)` (of q and k; v's may differ, as in MLA).
         softcap: cap the logits at +-softcap (`softcap * tanh(scores / softcap)`, as in
@@ -61,9 +63,24 @@ def cp_attention(
     Raises:
         ValueError: on every rank, before any K/V moves, if any rank's input is
             invalid or the ranks disagree on shapes, dtypes, options or layout.
-        TypeError: an override that is not a `CPOptions` field.
+        TypeError: an override that is not a `CPOptions` field, or options given with a `CPContext`.
     """
-    opts = (options or CPOptions()).replace(**overrides)
+    if isinstance(mesh, CPContext):
+        if options is not None or overrides:
+            raise TypeError("cp_attention got a CPContext and options: give the options to the CPContext")
+        if torch.compiler.is_compiling():  # dynamo cannot trace the agreement: hide it in the custom op
+            return compiled_attention(
+                q, k, v, context=mesh, is_causal=is_causal, scale=scale, softcap=softcap, return_lse=return_lse
+            )
+        mesh, opts = mesh.mesh, mesh.options()
+    elif torch.compiler.is_compiling():
+        raise ValueError(
+            "cp_attention inside torch.compile needs mesh=CPContext(mesh, options), made outside the "
+            "compiled code (dynamo cannot create one); SDPA inside a ContextParallel or context_parallel "
+            "region needs nothing"
+        )
+    else:
+        opts = (options or CPOptions()).replace(**overrides)
     return attend(
         q, k, v, mesh=mesh, is_causal=is_causal, scale=scale, softcap=softcap, options=opts, return_lse=return_lse
     )
@@ -86,6 +103,35 @@ def attend(
 
     The caller's complaint joins this rank's verdict in the one cross-rank agreement,
     so every rank raises it, or none does.
+    """
+    setup = prepare(
+        q, k, v, mesh=mesh, is_causal=is_causal, scale=scale, options=options, softcap=softcap,
+        return_lse=return_lse, caller_error=caller_error,
+    )
+    out, lse = STRATEGIES[options.strategy].apply(q, k, v, setup)
+    return (out, lse) if return_lse else out
+
+
+def prepare(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    mesh: DeviceMesh,
+    is_causal: bool,
+    scale: float | None,
+    options: CPOptions,
+    softcap: float | None = None,
+    return_lse: bool = False,
+    caller_error: str | None = None,
+) -> AttentionSetup:
+    """Check one call on every rank (local checks, then the cross-rank agreement) and decide its setup.
+
+    Split from `attend` so that the compiled route (`cpcompose.attention.op`) runs the
+    same checks inside its custom op, where data-dependent code is allowed.
+
+    Raises:
+        ValueError: on every rank, as `cp_attention` describes.
     """
     cp = CPGroup.from_mesh(mesh)
     layout: Layout | None = None
@@ -112,9 +158,7 @@ def attend(
         scale=scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]), backend=backend,
         softcap=None if softcap is None else float(softcap),
     )
-    setup = AttentionSetup(cp, layout, MaskSpec(is_causal, *window), kernel, options.meter, return_lse)
-    out, lse = STRATEGIES[options.strategy].apply(q, k, v, setup)
-    return (out, lse) if return_lse else out
+    return AttentionSetup(cp, layout, MaskSpec(is_causal, *window), kernel, options.meter, return_lse)
 
 
 def _metadata_device(q: object) -> torch.device:

@@ -137,7 +137,9 @@ class Training:
     mixed_precision: Literal["float32", "bfloat16"] = "float32"
     """Compute dtype; parameters, gradient reduction and the LSE merge stay float32."""
     compile: bool = False
-    """torch.compile each transformer block's feed-forward; attention, which communicates under CP, stays eager."""
+    """torch.compile each transformer block whole (fullgraph; CP attention is one custom op in it).
+
+    With activation checkpointing, each block's parts, inside the checkpoint."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """auto picks cuda when available, else cpu (gloo)."""
 

@@ -12,11 +12,12 @@ __all__ = ["apply_compile"]
 def apply_compile(modules: Iterable[nn.Module]) -> None:
     """Compile each module in place (``nn.Module.compile``), keeping its FQNs and type.
 
-    Compilation happens lazily at the first forward. The caller picks the modules:
-    a family's plan leaves out whatever communicates (CP attention), which stays eager.
+    Compilation happens lazily at the first forward. ``fullgraph=True``: a graph break
+    is an error, not a silent fall back to eager, so a compiled block is compiled
+    whole. CP attention inside needs nothing: under dynamo it is one custom op.
 
     Args:
-        modules: the modules to compile, e.g. each block's feed-forward.
+        modules: the modules to compile, e.g. each transformer block.
     """
     for module in modules:
-        module.compile()
+        module.compile(fullgraph=True)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
@@ -33,8 +34,8 @@ from torch.overrides import TorchFunctionMode
 
 from cpcompose import _compat
 from cpcompose.attention.api import attend
+from cpcompose.attention.op import CPContext, compiled_attention
 from cpcompose.attention.options import CPOptions
-from cpcompose.comm import CPGroup
 from cpcompose.cp_dtensor import cp_dim_name, split_mismatch
 from cpcompose.layouts import Layout, resolve_layout
 from cpcompose.parallel.mha import multi_head_attention_forward
@@ -52,12 +53,16 @@ class CPAttentionMode(TorchFunctionMode):
     """Routes `F.scaled_dot_product_attention` to CP attention on `mesh` under `options`.
 
     `routed` counts the calls it routed, so a region can tell whether any attention ran through CP.
+    Under `torch.compile` the calls go through the `cpcompose::attention` custom op with
+    `context` (see `cpcompose.attention.op`); a mode entered inside compiled code (by a
+    style's hook) must be given its owner's context, since dynamo cannot create one.
     """
 
-    def __init__(self, mesh: DeviceMesh, options: CPOptions) -> None:
+    def __init__(self, mesh: DeviceMesh, options: CPOptions, context: CPContext | None = None) -> None:
         super().__init__()
         self.mesh, self.options = mesh, options
-        self.world = CPGroup.from_mesh(mesh).world
+        self.context = context if context is not None else CPContext(mesh, options)
+        self.world = self.context.world
         self.routed = 0
         self.local_only = 0  # flex_attention calls, which ran on this rank's tokens only
 
@@ -125,8 +130,18 @@ class CPAttentionMode(TorchFunctionMode):
         attention function) enters the region. `caller_error` joins the cross-rank agreement.
         """
         self.routed += 1
-        out = attend(q, k, v, mesh=self.mesh, is_causal=is_causal, scale=scale, softcap=softcap,
-                     options=self.options.replace(**overrides), caller_error=caller_error)
+        if torch.compiler.is_compiling():  # dynamo cannot trace the agreement: hide it in the op
+            changed = sorted(k for k, value in overrides.items() if getattr(self.options, k) != value)
+            if changed and caller_error is None:
+                caller_error = (
+                    f"per-call CP options {changed} (e.g. a Hugging Face layer's window) are not supported "
+                    "under torch.compile yet; run this model eagerly"
+                )
+            out = compiled_attention(q, k, v, context=self.context, is_causal=is_causal, scale=scale,
+                                     softcap=softcap, caller_error=caller_error)
+        else:
+            out = attend(q, k, v, mesh=self.mesh, is_causal=is_causal, scale=scale, softcap=softcap,
+                         options=self.options.replace(**overrides), caller_error=caller_error)
         assert isinstance(out, Tensor)
         return out
 

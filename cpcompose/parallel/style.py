@@ -10,6 +10,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
+from cpcompose.attention.op import CPContext
 from cpcompose.attention.options import CPOptions
 from cpcompose.cp_dtensor import split_mismatch
 from cpcompose.layouts import LayoutSpec
@@ -68,9 +69,12 @@ class ContextParallel(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         active: list[tuple[CPAttentionMode, DTensor | None]] = []  # re-entrant (recursion, recompute)
+        # Made here, outside any compiled code, and kept as long as the hooks: the compiled
+        # route hands it to the custom op by reference (see cpcompose.attention.op).
+        context = CPContext(device_mesh, self.current_options)
 
         def enter(_module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-            mode = CPAttentionMode(device_mesh, self.current_options())
+            mode = CPAttentionMode(device_mesh, self.current_options(), context)
             template = next((a for a in (*args, *kwargs.values()) if isinstance(a, DTensor)), None)
             if template is not None:
                 args = tuple(self._to_local(a, mode) for a in args)

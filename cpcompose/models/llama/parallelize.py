@@ -17,8 +17,10 @@ in torchtitan, is:
 3. **Activation checkpointing** (optional): each ``TransformerBlock`` recomputes
    its forward in backward. The CP hooks fire again during the recompute, so the
    recompute communicates too.
-4. **Compile** (optional): each block's feed-forward; attention, with its CP
-   communication, stays eager.
+4. **Compile** (optional): each block whole, with ``fullgraph=True``: CP attention
+   is one opaque custom op in the graph (``cpcompose.attention.op``). With
+   activation checkpointing, each block's parts instead, inside the checkpoint
+   (dynamo may not enter the CP mode inside a traced checkpoint).
 5. **FSDP2** (``dp_replicate * dp_shard * cp > 1``, unless ``fsdp=False``): one
    unit per ``TransformerBlock`` plus the root, over dp_shard x cp (HSDP with
    dp_replicate), which also sums the gradients over cp.
@@ -74,7 +76,7 @@ def parallelize_llama(
             no CP otherwise. The caller keeps it to switch packed layouts per batch; given
             with cp == 1, packed documents stay masked.
         activation_checkpoint: recompute each transformer block in backward.
-        torch_compile: compile each block's feed-forward.
+        torch_compile: compile each block (its parts, with activation checkpointing).
         fsdp: shard parameters with FSDP2 over dp_shard x cp (HSDP when
             dp_replicate > 1) when more than one rank shares the loss. With
             ``False`` the caller reduces gradients (see the module docstring).
@@ -99,7 +101,9 @@ def parallelize_llama(
     if activation_checkpoint:
         apply_activation_checkpointing(blocks)
     if torch_compile:
-        apply_compile(block.feed_forward for block in blocks)
+        # Dynamo traces AC's checkpoint as a higher-order op, inside which the CP hooks may not
+        # enter their TorchFunctionMode: with AC, compile each block's parts, inside the checkpoint.
+        apply_compile(blocks if not activation_checkpoint else [m for b in blocks for m in b.children()])
     if fsdp and parallel_dims.dp_cp_size > 1:
         apply_fsdp(model, blocks, mesh=mesh, parallel_dims=parallel_dims)
     return model

@@ -1,0 +1,214 @@
+"""CP attention as two `torch.library` custom ops, so `torch.compile` sees one opaque call.
+
+Eager CP attention is Python all the way down: the cross-rank agreement reads an
+all-gathered tensor with `.tolist()` and branches on it, and the strategies post
+point-to-point messages in loops. Dynamo cannot trace that (`GuardOnDataDependentSymNode`
+in `fullgraph=True`). Under `torch.compile` the SDPA route therefore calls
+`cpcompose::attention` instead, whose implementation is the eager code (checks,
+agreement, strategy) and whose fake implementation gives only shapes; its backward
+is `cpcompose::attention_backward`, wired with `register_autograd`.
+
+What dynamo sees: `(out, lse, residuals) = cpcompose::attention(q, k, v, context, ...)`
+with tensor inputs, a `CPContext` and a few constants; in backward,
+`(dq, dk, dv) = cpcompose::attention_backward(dout, q, k, v, out, lse, residuals, context, ...)`.
+
+Non-tensor arguments cross the boundary in a `CPContext`, a torch opaque object
+*by reference*: compile passes the very object into the op as a graph input, so the
+op reads the mesh and the *current* options (a `layout_for` override included) at
+run time. Its owner gives its lifetime: a `ContextParallel` style creates one in
+`_apply` (it lives as long as the style's hooks), `context_parallel` one per region.
+Nothing is kept in a module-level registry.
+
+The strategies' `autograd.Function`s are driven directly: their `forward` runs with a
+`_SavedContext` that records what it saves. Ring and all-gather save `q, k, v, out, lse`,
+which the backward op gets anyway; all-to-all saves head-sharded copies, which
+travel as `residuals` (no recomputation, no extra communication).
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
+
+from cpcompose._compat import MemberType, OpaqueBase, register_opaque_type
+from cpcompose.attention.alltoall import _HeadPlan, kv_head_ranges, query_head_ranges
+from cpcompose.attention.options import CPOptions
+from cpcompose.comm import CPGroup
+from cpcompose.precision import accumulation_dtype
+
+
+class CPContext(OpaqueBase):
+    """The CP mesh and options of a CP region, handed to the custom ops by reference.
+
+    Make it outside compiled code (dynamo cannot create one) and keep it as long as the
+    compiled code runs: `ContextParallel` and `context_parallel` make their own;
+    `cp_attention` inside `torch.compile` takes one as `mesh=`.
+
+    Args:
+        mesh: the 1-D CP mesh.
+        options: the `CPOptions`, or a function returning the options to use now (a
+            style's `current_options`, so a per-batch `layout_for` reaches compiled code
+            without a recompile); `**overrides` sets fields of fixed options by name.
+    """
+
+    def __init__(
+        self, mesh: DeviceMesh, options: CPOptions | Callable[[], CPOptions] | None = None, **overrides: Any
+    ) -> None:
+        cp = CPGroup.from_mesh(mesh)
+        if callable(options):
+            if overrides:
+                raise TypeError("CPContext takes overrides only with fixed options, not with a callable")
+            self.options: Callable[[], CPOptions] = options
+        else:
+            fixed = (options or CPOptions()).replace(**overrides)
+            self.options = lambda: fixed
+        self.mesh = mesh
+        self.world, self.rank = cp.world, cp.rank
+
+    @property
+    def strategy(self) -> str:
+        """The strategy now: it decides the custom op's saved tensors, so compiled code reads it at trace time."""
+        return self.options().strategy
+
+
+# Read at trace time with the real object and baked in as constants (the fake op needs
+# all-to-all's head split); everything else is read by the op's eager implementation.
+register_opaque_type(
+    CPContext, typ="reference", members={name: MemberType.USE_REAL for name in ("world", "rank", "strategy")}
+)
+
+
+class _SavedContext:
+    """Stands in for an autograd ctx: records what a strategy's `forward` saves."""
+
+    def __init__(self) -> None:
+        self.saved_tensors: tuple[Tensor, ...] = ()
+
+    def save_for_backward(self, *tensors: Tensor) -> None:
+        self.saved_tensors = tensors
+
+    def mark_non_differentiable(self, *_tensors: Tensor) -> None:
+        pass  # the op's autograd formula gives the LSE no gradient
+
+
+def _setup(q: Tensor, k: Tensor, v: Tensor, context: CPContext, is_causal: bool, scale: float | None,
+           softcap: float | None, return_lse: bool, caller_error: str | None) -> Any:
+    from cpcompose.attention.api import prepare  # api imports this module: import when called
+
+    return prepare(
+        q, k, v, mesh=context.mesh, is_causal=is_causal, scale=scale, options=context.options(),
+        softcap=softcap, return_lse=return_lse, caller_error=caller_error,
+    )
+
+
+def _strategy(name: str) -> Any:
+    from cpcompose.attention.api import STRATEGIES
+
+    return STRATEGIES[name]
+
+
+@torch.library.custom_op("cpcompose::attention", mutates_args=())
+def _attention(
+    q: Tensor, k: Tensor, v: Tensor, context: CPContext, strategy: str, is_causal: bool, scale: float | None,
+    softcap: float | None, return_lse: bool, caller_error: str | None,
+) -> tuple[Tensor, Tensor, list[Tensor]]:
+    setup = _setup(q, k, v, context, is_causal, scale, softcap, return_lse, caller_error)
+    if context.options().strategy != strategy:  # traced with one strategy, run with another
+        raise ValueError(f"cp_attention was compiled for strategy={strategy!r}; recompile to change it")
+    saved = _SavedContext()
+    out, lse = _strategy(strategy).forward(saved, q, k, v, setup)
+    residuals = [t.contiguous() for t in saved.saved_tensors] if strategy == "alltoall" else []
+    return out.contiguous(), lse.contiguous(), residuals  # contiguous: the strides the fake promises
+
+
+@_attention.register_fake
+def _attention_fake(
+    q: Tensor, k: Tensor, v: Tensor, context: Any, strategy: str, is_causal: bool, scale: float | None,
+    softcap: float | None, return_lse: bool, caller_error: str | None,
+) -> tuple[Tensor, Tensor, list[Tensor]]:
+    from cpcompose.attention.api import _tensor_error
+
+    if _tensor_error(q, k, v) is not None:  # the real op raises on every rank; any shape will do
+        return q.new_empty(q.shape), q.new_empty(0), []
+    b, h, s, _ = q.shape
+    acc = accumulation_dtype(q.dtype)
+    out = q.new_empty((b, h, s, v.shape[3]))
+    if strategy != "alltoall":
+        return out, q.new_empty((b, h, s), dtype=acc), []
+    lse = q.new_empty((b, h, s) if return_lse else (0,), dtype=acc)
+    return out, lse, _alltoall_residuals(q, k, v, context.world, context.rank)
+
+
+def _alltoall_residuals(q: Tensor, k: Tensor, v: Tensor, world: int, rank: int) -> list[Tensor]:
+    """Empty tensors shaped like what `AllToAllAttention.forward` saves on `rank` (see alltoall.py)."""
+    q_ranges = query_head_ranges(q.shape[1], world)
+    (lo, hi), (klo, khi) = q_ranges[rank], kv_head_ranges(q_ranges, q.shape[1] // k.shape[1])[rank]
+    b, length = q.shape[0], q.shape[2] * world
+    return [
+        q.new_empty((b, hi - lo, length, q.shape[3])),
+        k.new_empty((b, khi - klo, length, k.shape[3])),
+        v.new_empty((b, khi - klo, length, v.shape[3])),
+        q.new_empty((b, hi - lo, length, v.shape[3])),
+        q.new_empty((b, hi - lo, length), dtype=accumulation_dtype(q.dtype)),
+    ]
+
+
+@torch.library.custom_op("cpcompose::attention_backward", mutates_args=())
+def _attention_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, residuals: list[Tensor],
+    context: CPContext, strategy: str, is_causal: bool, scale: float | None, softcap: float | None,
+    return_lse: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    # The forward already agreed; this re-check is one tiny all-gather (cached per signature later).
+    setup = _setup(q, k, v, context, is_causal, scale, softcap, return_lse, None)
+    ctx = _SavedContext()
+    ctx.setup = setup  # type: ignore[attr-defined]
+    if strategy == "alltoall":
+        ctx.saved_tensors = tuple(residuals)
+        ctx.plan, ctx.n_kv = _HeadPlan(q, k, setup.cp.world, setup.cp.rank), k.shape[1]  # type: ignore[attr-defined]
+    else:
+        ctx.saved_tensors = (q, k.contiguous(), v.contiguous(), out, lse)
+    dq, dk, dv, _ = _strategy(strategy).backward(ctx, dout, None)
+    return dq.contiguous(), dk.contiguous(), dv.contiguous()
+
+
+@_attention_backward.register_fake
+def _attention_backward_fake(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, residuals: list[Tensor],
+    context: Any, strategy: str, is_causal: bool, scale: float | None, softcap: float | None,
+    return_lse: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
+    q, k, v, context, strategy, is_causal, scale, softcap, return_lse, _error = inputs
+    out, lse, residuals = output
+    ctx.save_for_backward(q, k, v, out, lse, *residuals)
+    ctx.args = (context, strategy, is_causal, scale, softcap, return_lse)
+
+
+def _backward(ctx: Any, dout: Tensor, _dlse: Tensor, _dresiduals: list[Tensor]) -> tuple:
+    q, k, v, out, lse, *residuals = ctx.saved_tensors
+    dq, dk, dv = _attention_backward(dout.contiguous(), q, k, v, out, lse, residuals, *ctx.args)
+    return dq, dk, dv, None, None, None, None, None, None, None
+
+
+_attention.register_autograd(_backward, setup_context=_setup_context)
+
+
+def compiled_attention(
+    q: Tensor, k: Tensor, v: Tensor, *, context: CPContext, is_causal: bool, scale: float | None,
+    softcap: float | None = None, return_lse: bool = False, caller_error: str | None = None,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """`attend` through the custom op: what `cp_attention` and the SDPA route call while dynamo traces.
+
+    Args:
+        context: the `CPContext` (made outside the traced code: dynamo cannot build one).
+        caller_error: the route's own complaint, joined to the agreement inside the op.
+    """
+    strategy = context.strategy  # at trace time: it decides the residuals' shapes
+    out, lse, _ = _attention(q, k, v, context, strategy, is_causal, scale, softcap, return_lse, caller_error)
+    return (out, lse) if return_lse else out
