@@ -62,7 +62,7 @@ def backend_for(backend: str, device_type: str) -> str:
     return {dev.strip(): name.strip() for dev, name in pairs}.get(device_type, "")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _gloo_moves_cuda(group: dist.ProcessGroup) -> bool:
     """Whether `group` hands CUDA tensors to gloo (decided once per group, cached)."""
     return backend_for(str(dist.get_backend(group)), "cuda") == "gloo"

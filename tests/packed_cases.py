@@ -31,7 +31,8 @@ class PackedCase:
     def __str__(self) -> str:
         mask = ("causal" if self.causal else "full") + (f"-w{self.window}".replace(" ", "") if self.window else "")
         on = "" if self.device == "cpu" else f"-{self.device}"
-        return f"{self.strategy}-{len(self.docs)}docs{sum(self.docs)}-{mask}-h{self.heads}kv{self.kv_heads}-P{self.world}{on}"
+        pack = f"{len(self.docs)}docs{sum(self.docs)}"
+        return f"{self.strategy}-{pack}-{mask}-h{self.heads}kv{self.kv_heads}-P{self.world}{on}"
 
     @property
     def cu_seqlens(self) -> list[int]:
