@@ -166,8 +166,8 @@ class RingComm:
         buffers, copied to the device by `PendingRecv.wait()`.
         """
         group = self.cp.group
-        ref = next(iter([*send, *recv_like]), None)
-        device = _staging(ref, group) if ref is not None else None
+        tensors = [*send, *recv_like]
+        device = _staging(tensors[0], group) if tensors else None
         if device is None:
             wire, recv = list(send), [torch.empty_like(t) for t in recv_like]
         else:

@@ -8,13 +8,20 @@ without one is a usage error, so a GPU run can never pass empty.
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
 from typing import Iterator
 
-import pytest
-import torch
+# The pools fork from this process, and a child of a process that has initialized the CUDA
+# driver cannot use CUDA. torch.cuda.is_available() initializes it (cuInit) unless told to
+# ask NVML instead, so any availability check made here (the trainer's preflight in a test,
+# a library import) stays harmless. torch reads it at each call; children inherit it.
+os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from tests.rank_pool import PoolCache
 
