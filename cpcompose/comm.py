@@ -6,10 +6,16 @@ torch 2.13) and without patching torch. Counts are what *this rank sends* under
 the textbook algorithm of each collective: P-1 shards for an all-gather, (P-1)/P
 of the input for a reduce-scatter, the off-rank splits of an all-to-all, and the
 exact tensors of a point-to-point send.
+
+CUDA tensors on a gloo group (several ranks sharing one GPU, where NCCL refuses
+to run) travel through host memory: `_staging` decides it once per group, and
+each helper copies to host, communicates, and copies back. CPU tensors, and CUDA
+tensors on NCCL, never take that path (no copies, no extra calls).
 """
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -44,6 +50,41 @@ def _nbytes(tensors: Sequence[Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def backend_for(backend: str, device_type: str) -> str:
+    """The backend a process group with `dist.get_backend` name `backend` uses for `device_type`.
+
+    A plain name ("gloo", "nccl") serves every device; a per-device spec looks like
+    "cpu:gloo,cuda:nccl" and names each device's backend ("" when it names none).
+    """
+    if ":" not in backend:
+        return backend
+    pairs = (item.split(":", 1) for item in backend.split(","))
+    return {dev.strip(): name.strip() for dev, name in pairs}.get(device_type, "")
+
+
+@functools.cache
+def _gloo_moves_cuda(group: dist.ProcessGroup) -> bool:
+    """Whether `group` hands CUDA tensors to gloo (decided once per group, cached)."""
+    return backend_for(str(dist.get_backend(group)), "cuda") == "gloo"
+
+
+def _staging(t: Tensor, group: dist.ProcessGroup) -> torch.device | None:
+    """The device to copy results back to when `t` must travel through host memory, else None.
+
+    gloo's point-to-point reads the tensor's raw pointer as host memory, and its CUDA
+    collectives vary between versions, so cpcompose stages CUDA tensors itself: one
+    explicit path, the same for every operation. CPU tensors return at the first test.
+    """
+    if t.device.type != "cuda" or not _gloo_moves_cuda(group):
+        return None
+    return t.device
+
+
+def _to_host(t: Tensor) -> Tensor:
+    """A host copy of `t` (a synchronous copy: the data is complete before gloo reads it)."""
+    return t.to("cpu", copy=True)
+
+
 @dataclass(frozen=True)
 class CPGroup:
     """The process group of a 1-D CP mesh, with this rank's place in it."""
@@ -76,8 +117,16 @@ class PendingRecv:
     collectives give up after `comm.timeout_s`. An explicit `timeout` bounds the wait.
     """
 
-    def __init__(self, works: list[dist.Work], tensors: list[Tensor], timeout: timedelta | None = None) -> None:
+    def __init__(
+        self, works: list[dist.Work], tensors: list[Tensor], timeout: timedelta | None = None, *,
+        device: torch.device | None = None, keep: Sequence[Tensor] = (),
+    ) -> None:
+        """`device`: where host-staged `tensors` go once received (None: they are already there).
+
+        `keep` holds host copies being sent until the exchange is done.
+        """
         self._works, self._tensors, self._timeout = works, tensors, timeout
+        self._device, self._keep = device, list(keep)
 
     def wait(self) -> list[Tensor]:
         """Raises RuntimeError (from the backend) when a peer does not answer within the timeout."""
@@ -86,6 +135,9 @@ class PendingRecv:
                 work.wait()
             else:
                 work.wait(self._timeout)
+        self._keep.clear()
+        if self._device is not None:
+            return [t.to(self._device, copy=True) for t in self._tensors]
         return self._tensors
 
 
@@ -110,34 +162,53 @@ class RingComm:
         """Send `send` (contiguous) to group rank `dst`; receive tensors shaped like `recv_like` from `src`.
 
         Empty tensors are not sent: the peer computes the same sizes and posts no receive.
+        CUDA tensors on a gloo group are sent from host copies and received into host
+        buffers, copied to the device by `PendingRecv.wait()`.
         """
-        recv = [torch.empty_like(t) for t in recv_like]
         group = self.cp.group
-        ops = [dist.P2POp(dist.isend, t, group=group, group_peer=dst, tag=tag) for t in send if t.numel()]
+        tensors = [*send, *recv_like]
+        device = _staging(tensors[0], group) if tensors else None
+        if device is None:
+            wire, recv = list(send), [torch.empty_like(t) for t in recv_like]
+        else:
+            wire, recv = [_to_host(t) for t in send], [torch.empty_like(t, device="cpu") for t in recv_like]
+        ops = [dist.P2POp(dist.isend, t, group=group, group_peer=dst, tag=tag) for t in wire if t.numel()]
         ops += [dist.P2POp(dist.irecv, t, group=group, group_peer=src, tag=tag) for t in recv if t.numel()]
         works = dist.batch_isend_irecv(ops) if ops else []
         if self.meter is not None:
             self.meter.add("p2p", _nbytes([t for t in send if t.numel()]))
-        return PendingRecv(works, recv, self.timeout)
+        if device is None:
+            return PendingRecv(works, recv, self.timeout)
+        return PendingRecv(works, recv, self.timeout, device=device, keep=wire)
 
 
 def all_gather(x: Tensor, cp: CPGroup, meter: CommMeter | None = None) -> Tensor:
     """Stack every rank's `x` along a new leading dim, in rank order."""
     # Flat buffers: gloo wants the output as the inputs concatenated along dim 0.
-    out = x.new_empty(cp.world * x.numel())
-    dist.all_gather_single(out, x.contiguous().view(-1), group=cp.group)
+    device = _staging(x, cp.group)
+    flat = x.contiguous().view(-1)
+    if device is not None:
+        flat = _to_host(flat)
+    out = flat.new_empty(cp.world * x.numel())
+    dist.all_gather_single(out, flat, group=cp.group)
     if meter is not None:
         meter.add("all_gather", (cp.world - 1) * _nbytes([x]))
+    if device is not None:
+        out = out.to(device, copy=True)
     return out.view(cp.world, *x.shape)
 
 
 def reduce_scatter(x: Tensor, cp: CPGroup, meter: CommMeter | None = None) -> Tensor:
     """Sum `x` (leading dim = world, one slice per rank) over ranks; keep this rank's slice."""
-    out = x.new_empty(x.shape[1:])
-    dist.reduce_scatter_single(out.view(-1), x.contiguous().view(-1), op=dist.ReduceOp.SUM, group=cp.group)
+    device = _staging(x, cp.group)
+    flat = x.contiguous().view(-1)
+    if device is not None:
+        flat = _to_host(flat)
+    out = flat.new_empty(x.shape[1:])
+    dist.reduce_scatter_single(out.view(-1), flat, op=dist.ReduceOp.SUM, group=cp.group)
     if meter is not None:
         meter.add("reduce_scatter", _nbytes([x]) * (cp.world - 1) // cp.world)
-    return out
+    return out if device is None else out.to(device, copy=True)
 
 
 def all_to_all_pieces(
@@ -157,10 +228,16 @@ def all_to_all_pieces(
     flat_send = [torch.cat([t.reshape(-1) for t in peer]) if peer else ref.new_empty(0) for peer in send]
     in_splits = [t.numel() for t in flat_send]
     out_splits = [sum(s.numel() for s in peer) for peer in recv_shapes]
-    out = ref.new_empty(sum(out_splits))
-    dist.all_to_all_single(out, torch.cat(flat_send), out_splits, in_splits, group=cp.group)
+    device = _staging(ref, cp.group)
+    wire = torch.cat(flat_send)
+    if device is not None:
+        wire = _to_host(wire)
+    out = wire.new_empty(sum(out_splits))
+    dist.all_to_all_single(out, wire, out_splits, in_splits, group=cp.group)
     if meter is not None:
         meter.add("all_to_all", (sum(in_splits) - in_splits[cp.rank]) * ref.element_size())
+    if device is not None:
+        out = out.to(device, copy=True)
     recv: list[list[Tensor]] = []
     for flat, shapes in zip(out.split(out_splits), recv_shapes):
         pieces = flat.split([s.numel() for s in shapes]) if shapes else []

@@ -1,4 +1,4 @@
-"""Benchmark: causal CP attention forward+backward against one-process SDPA, on CPU.
+"""Benchmark: causal CP attention forward+backward against one-process SDPA, on CPU (or CUDA).
 
 Method. B=1, H=8, Hkv=2 (GQA), D=64, float32, causal, for each global length L.
 T1: one process, one thread, `F.scaled_dot_product_attention(..., is_causal=True,
@@ -38,6 +38,14 @@ two calculations, with Kb = bytes of the global K (= V) and Qb = of Q (= out):
   dense, rank 0 sends 4/6 of it, and all ranks together 3/4 of dense. Causal
   contiguous: nobody reads a later rank, so rank 0 sends 4*(P-1)/P*Kb (2/3 of dense)
   and the total is 1/2. Allgather and alltoall send their dense volume under any mask.
+CUDA (`--device cuda`). The same tables on GPUs: rank r uses GPU r % device_count,
+NCCL when there are at least P GPUs, else P processes share one GPU over gloo, with
+CUDA tensors staged through host memory (so those T_P include host copies and
+measure the kernels and merges, not a GPU interconnect). T1 runs SDPA on the GPU
+with K/V heads repeated (PyTorch's fused CUDA kernels take no GQA, as in cpcompose),
+and every timed region is bracketed by `torch.cuda.synchronize()`. CPU T_P is then
+host time only, not work.
+
 Beyond the plan: dK/dV travel in float32 (twice the bytes for bf16 inputs), and
 cp_attention first all-gathers a few integers per rank to check that every rank's
 inputs agree (not metered).
@@ -100,11 +108,27 @@ CAUSAL = MaskSpec(causal=True)
 T = TypeVar("T")
 
 
-def make_inputs(seq_len: int, seed: int) -> tuple[torch.Tensor, ...]:
-    """Full-sequence q, k, v and an output gradient, identical on every rank."""
+def make_inputs(seq_len: int, seed: int, device: str = "cpu") -> tuple[torch.Tensor, ...]:
+    """Full-sequence q, k, v and an output gradient, identical on every rank (drawn on the CPU)."""
     g = torch.Generator().manual_seed(seed)
     shapes = [(B, H, seq_len, D), (B, HKV, seq_len, D), (B, HKV, seq_len, D), (B, H, seq_len, D)]
-    return tuple(torch.randn(s, generator=g, dtype=DTYPE) for s in shapes)
+    return tuple(torch.randn(s, generator=g, dtype=DTYPE).to(device) for s in shapes)
+
+
+def sync(device: str) -> None:
+    """Wait for queued GPU work, so that a timer reads finished work (a no-op on CPU)."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def sdpa_once(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor) -> None:
+    """One-process causal SDPA forward+backward: native GQA on CPU, K/V heads repeated on CUDA."""
+    if q.device.type == "cpu":
+        F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).backward(dout)
+        return
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(dout)
 
 
 def pack_cu_seqlens(seq_len: int, seed: int) -> list[int]:
@@ -126,13 +150,15 @@ def timed(fn: Callable[[], T], warmup: int, repeats: int) -> list[T]:
     return [fn() for _ in range(repeats)]
 
 
-def baseline_times(seq_len: int, seed: int | None, warmup: int, repeats: int) -> list[tuple[float, float]]:
+def baseline_times(
+    seq_len: int, seed: int | None, warmup: int, repeats: int, device: str = "cpu"
+) -> list[tuple[float, float]]:
     """T1 samples (wall, CPU) of SDPA forward+backward in this process, one thread.
 
     Dense (`seed` None): the full sequence in one call. Packed: every document of the
     pack drawn with `seed` in its own call, on its own leaf tensors.
     """
-    full = make_inputs(seq_len, seed=seq_len)
+    full = make_inputs(seq_len, seed=seq_len, device=device)
     cu = [0, seq_len] if seed is None else pack_cu_seqlens(seq_len, seed)
     docs = [[t[:, :, a:b].clone() for t in full] for a, b in itertools.pairwise(cu)]
     for doc in docs:
@@ -143,9 +169,11 @@ def baseline_times(seq_len: int, seed: int | None, warmup: int, repeats: int) ->
         for doc in docs:
             for t in doc[:3]:
                 t.grad = None
+        sync(device)
         start, cpu = time.perf_counter(), time.thread_time()
         for q, k, v, dout in docs:
-            F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).backward(dout)
+            sdpa_once(q, k, v, dout)
+        sync(device)
         return time.perf_counter() - start, time.thread_time() - cpu
 
     return timed(once, warmup, repeats)
@@ -210,8 +238,8 @@ def plan_bytes(strategy: str, layout: Layout, seq_len: int) -> float:
 
 def run_case(mesh: DeviceMesh, case: dict[str, Any], warmup: int, repeats: int) -> dict[str, Any]:
     """Time one CP case on every rank; per repeat the max over ranks of wall time, CPU time, bytes."""
-    seq_len, rank = case["seq_len"], mesh.get_local_rank()
-    full = make_inputs(seq_len, seed=seq_len)
+    seq_len, rank, device = case["seq_len"], mesh.get_local_rank(), mesh.device_type
+    full = make_inputs(seq_len, seed=seq_len, device=device)
     if case["packed"]:
         layout: str | PackedLayout = build_layout(case, mesh.size())
         q, k, v, dout = (layout.shard(pad_pack(t, layout, dim=2), 2, rank) for t in full)
@@ -226,11 +254,13 @@ def run_case(mesh: DeviceMesh, case: dict[str, Any], warmup: int, repeats: int) 
         q.grad = k.grad = v.grad = None
         meter.reset()
         dist.barrier(group=group)
+        sync(device)
         start, cpu = time.perf_counter(), time.thread_time()
         out = cp_attention(q, k, v, mesh=mesh, is_causal=True, strategy=case["strategy"], layout=layout, meter=meter)
         out.backward(dout)
+        sync(device)
         stats = [time.perf_counter() - start, time.thread_time() - cpu, float(meter.total)]
-        reduced = torch.tensor(stats, dtype=torch.float64)
+        reduced = torch.tensor(stats, dtype=torch.float64, device=device)
         dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=group)
         return reduced.tolist()
 
@@ -240,14 +270,22 @@ def run_case(mesh: DeviceMesh, case: dict[str, Any], warmup: int, repeats: int) 
 
 
 def worker(rank: int, world: int, store: str, cases: list[dict[str, Any]], opts: dict[str, Any], out: str) -> None:
-    """One CP rank: join the group, run every case, rank 0 writes the results."""
+    """One CP rank: join the group, run every case, rank 0 writes the results.
+
+    On CUDA: GPU rank % device_count; NCCL when every rank has its own GPU, else gloo
+    (NCCL refuses two ranks on one GPU; cpcompose stages CUDA tensors for gloo).
+    """
     torch.set_num_threads(1)
+    device, backend = opts["device"], "gloo"
+    if device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        backend = "nccl" if torch.cuda.device_count() >= world else "gloo"
     dist.init_process_group(
-        "gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+        backend, init_method=f"file://{store}", rank=rank, world_size=world,
         timeout=datetime.timedelta(seconds=opts["timeout"]),
     )
     try:
-        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+        mesh = init_device_mesh(device, (world,), mesh_dim_names=("cp",))
         results = []
         for case in cases:
             res = run_case(mesh, case, opts["warmup"], opts["repeats"])
@@ -262,17 +300,20 @@ def worker(rank: int, world: int, store: str, cases: list[dict[str, Any]], opts:
         dist.destroy_process_group()
 
 
-def machine() -> dict[str, Any]:
+def machine(device: str = "cpu") -> dict[str, Any]:
     """What the numbers were measured on."""
     model = "unknown"
     if os.path.exists("/proc/cpuinfo"):
         with open("/proc/cpuinfo") as f:
             model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), model)
-    return {
+    info = {
         "cpu": model, "cores": os.cpu_count(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "torch": torch.__version__, "python": platform.python_version(),
         "platform": platform.platform(), "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
     }
+    if device == "cuda":
+        info.update(gpu=torch.cuda.get_device_name(), gpus=torch.cuda.device_count(), cuda=torch.version.cuda)
+    return info
 
 
 def parse_args() -> argparse.Namespace:
@@ -289,15 +330,20 @@ def parse_args() -> argparse.Namespace:
                    help="packs to draw per length (the seeds tests/test_packed.py uses)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--timeout", type=float, default=300.0, help="gloo collective timeout, seconds")
+    p.add_argument("--timeout", type=float, default=300.0, help="collective timeout, seconds")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: rank r on GPU r %% count; NCCL with P GPUs, else gloo with host staging")
     p.add_argument("--out", type=Path,
-                   help="default bench_results/attention.json (attention_packed.json with --packed)")
+                   help="default bench_results/attention.json (_packed with --packed, _cuda with --device cuda)")
     args = p.parse_args()
     args.seq_lens = args.seq_lens or ([8192, 16384] if args.packed else [4096, 8192, 16384])
     args.strategies = args.strategies or (["ring", "allgather"] if args.packed else list(STRATEGY_NAMES))
-    args.out = args.out or Path(f"bench_results/attention{'_packed' if args.packed else ''}.json")
+    suffix = ("_packed" if args.packed else "") + ("_cuda" if args.device == "cuda" else "")
+    args.out = args.out or Path(f"bench_results/attention{suffix}.json")
     if args.world < 2 or args.repeats < 1 or args.warmup < 0:
         p.error("need --world >= 2, --repeats >= 1, --warmup >= 0")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device is visible to torch")
     if not args.packed:
         for seq_len in args.seq_lens:
             if seq_len % (2 * args.world):
@@ -335,12 +381,12 @@ def main() -> None:
     t1: dict[tuple[int, int | None], tuple[list[float], list[float]]] = {}  # (L, seed) -> (wall, CPU times)
     for seq_len in args.seq_lens:
         for seed in seeds:
-            walls, cpus = zip(*baseline_times(seq_len, seed, args.warmup, args.repeats))
+            walls, cpus = zip(*baseline_times(seq_len, seed, args.warmup, args.repeats, args.device))
             t1[seq_len, seed] = (list(walls), list(cpus))
             print(f"  baseline L={seq_len}{'' if seed is None else f' pack {seed} (per document)'}: "
                   f"{statistics.median(walls):.3f} s", flush=True)
 
-    opts = {"warmup": args.warmup, "repeats": args.repeats, "timeout": args.timeout}
+    opts = {"warmup": args.warmup, "repeats": args.repeats, "timeout": args.timeout, "device": args.device}
     with tempfile.TemporaryDirectory(prefix="cpcompose-bench-") as tmpdir:
         store, out = os.path.join(tmpdir, "store"), os.path.join(tmpdir, "results.json")
         # Raises (and kills the other ranks) if any worker fails: a non-zero exit, no hang.
@@ -368,15 +414,15 @@ def main() -> None:
         r["sent_over_dense"] = r["bytes_sent"] / r["dense_bytes"]
         rows.append(r)
 
-    info = machine()
+    info = machine(args.device)
     what = "Packed causal attention (long-tailed documents)" if args.packed else "Causal attention"
     print(f"\n{what} fwd+bwd, B={B} H={H} Hkv={HKV} D={D} fp32, P={p}, "
-          f"median of {args.repeats} ({info['cpu']}, {info['cores']} cores, torch {info['torch']})\n")
+          f"median of {args.repeats} ({info.get('gpu', info['cpu'])}, {info['cores']} cores, torch {info['torch']})\n")
     print_table(PACKED_COLUMNS if args.packed else COLUMNS, rows)
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
     config = {"B": B, "H": H, "Hkv": HKV, "D": D, "dtype": str(DTYPE), "world": p, "packed": args.packed,
-              "repeats": args.repeats, "warmup": args.warmup, "threads_per_process": 1}
+              "repeats": args.repeats, "warmup": args.warmup, "threads_per_process": 1, "device": args.device}
     args.out.write_text(json.dumps({"machine": info, "config": config, "results": rows}, indent=2))
     print(f"\nwrote {args.out}")
 

@@ -15,6 +15,7 @@ from torch import Tensor
 
 from cpcompose import CommMeter, cp_attention, cp_shard
 from cpcompose.layouts import resolve_layout
+from tests.device_baseline import sdpa_baseline
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,7 @@ class Case:
     window: int | tuple[int | None, int | None] | None = None  # cp_attention's window_size
     softcap: float | None = None
     v_dim: int | None = None  # V's head dim when it differs from Q/K's (MLA)
+    device: str = "cpu"  # "cuda": run on a CUDA pool, measured against a CUDA baseline (device_baseline.py)
 
     def __str__(self) -> str:
         mask = "causal" if self.causal else "full"
@@ -44,7 +46,8 @@ class Case:
             mask += f"-cap{self.softcap:g}"
         dims = f"-d{self.head_dim}v{self.v_dim}" if self.v_dim is not None else ""
         dt = str(self.dtype).removeprefix("torch.")
-        return f"{self.strategy}-{self.layout}-{mask}-h{self.heads}kv{self.kv_heads}{dims}-P{self.world}-{dt}"
+        on = "" if self.device == "cpu" else f"-{self.device}"
+        return f"{self.strategy}-{self.layout}-{mask}-h{self.heads}kv{self.kv_heads}{dims}-P{self.world}-{dt}{on}"
 
     def visible(self) -> Tensor:
         """The `(seq, seq)` boolean mask from the definition: -right <= i - j <= left, right = 0 if causal."""
@@ -75,13 +78,13 @@ def make_inputs(case: Case) -> dict[str, Tensor]:
 
 
 def run_cp(mesh, case: Case) -> dict[str, Tensor]:
-    """On each rank: shard, CP attention forward + backward; return local results."""
-    full = make_inputs(case)
+    """On each rank: shard, CP attention forward + backward; return local results.
+
+    On CUDA, rank 0 also returns the single-process baseline on that device ("baseline").
+    """
+    full = {name: t.to(case.device, case.dtype) for name, t in make_inputs(case).items()}
     layout = case.layout
-    local = {
-        name: cp_shard(t.to(case.dtype), mesh, seq_dim=2, layout=layout).detach()
-        for name, t in full.items()
-    }
+    local = {name: cp_shard(t, mesh, seq_dim=2, layout=layout).detach() for name, t in full.items()}
     q, k, v = (local[n].requires_grad_() for n in ("q", "k", "v"))
     meter = CommMeter()
     out, lse = cp_attention(
@@ -91,10 +94,15 @@ def run_cp(mesh, case: Case) -> dict[str, Tensor]:
     )
     forward_bytes = meter.total
     out.backward(local["dout"])
-    return {
+    result = {
         "out": out.detach(), "lse": lse, "dq": q.grad, "dk": k.grad, "dv": v.grad,
         "forward_bytes": forward_bytes, "total_bytes": meter.total,
     }
+    if case.device != "cpu" and mesh.get_local_rank() == 0:
+        result["baseline"] = sdpa_baseline(
+            full["q"], full["k"], full["v"], full["dout"], causal=case.causal, scale=case.head_dim**-0.5
+        )
+    return result
 
 
 def place_shards(per_rank: list[dict[str, Tensor]], layout, seq_len: int) -> dict[str, Tensor]:

@@ -1,17 +1,84 @@
-"""Shared fixtures: the multi-process rank pools."""
+"""Shared fixtures (the multi-process rank pools) and the `gpu` marker's selection.
+
+Tests marked `gpu` run the parity, packed, composition and trainer cases on CUDA.
+Without a CUDA device they are *deselected* (reported as such, never skipped and
+counted green); asking for them anyway (`-m gpu`, or selecting only gpu tests)
+without one is a usage error, so a GPU run can never pass empty.
+"""
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
 from typing import Iterator
 
-import pytest
+# The pools fork from this process, and a child of a process that has initialized the CUDA
+# driver cannot use CUDA. torch.cuda.is_available() initializes it (cuInit) unless told to
+# ask NVML instead, so any availability check made here (the trainer's preflight in a test,
+# a library import) stays harmless. torch reads it at each call; children inherit it.
+os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from tests.rank_pool import PoolCache
+
+NO_CUDA = "no CUDA device"
+_CUDA_COUNT = pytest.StashKey[int]()
+
+
+def cuda_device_count() -> int:
+    """GPUs visible to torch, counted without initializing CUDA in this process.
+
+    The rank pools fork from the pytest process; a child of a process that has
+    initialized CUDA (which `torch.cuda.is_available()` does, through cuInit) cannot
+    use CUDA itself. So a CUDA build asks a short-lived subprocess instead.
+    """
+    if not torch.backends.cuda.is_built():
+        return 0
+    probe = "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)"
+    try:
+        done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=False)
+        return int(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else 0
+    except (subprocess.TimeoutExpired, ValueError, IndexError):
+        return 0
+
+
+def _asks_for_gpu(markexpr: str) -> bool:
+    """Whether a `-m` expression selects gpu tests positively (`gpu`, `gpu and ...`), not `not gpu`."""
+    return re.search(r"(?<!not )\bgpu\b", markexpr) is not None
+
+
+@pytest.hookimpl(trylast=True)  # after `-m`/`-k` have filtered the items
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    gpu = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu:
+        return
+    count = cuda_device_count()
+    config.stash[_CUDA_COUNT] = count
+    if count:
+        return
+    if _asks_for_gpu(config.getoption("markexpr") or "") or len(gpu) == len(items):
+        raise pytest.UsageError(
+            f"{NO_CUDA}: {len(gpu)} gpu test(s) selected, but torch {torch.__version__} sees no CUDA device. "
+            "Run them on a machine with a GPU and a CUDA build of torch (README: 'The suite on CUDA')."
+        )
+    config.hook.pytest_deselected(items=gpu)
+    items[:] = [item for item in items if not item.get_closest_marker("gpu")]
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
+    count = config.stash.get(_CUDA_COUNT, None)
+    if count:
+        backend = f"NCCL for P <= {count}, gloo with host staging above"
+        terminalreporter.write_line(f"gpu tests ran on {count} CUDA device(s): {backend}")
 
 
 @pytest.fixture(scope="session")
 def pools() -> Iterator[PoolCache]:
-    """Forked gloo worker pools, one per group size, shared by the whole session."""
+    """Forked worker pools, one per group size and device, shared by the whole session."""
     cache = PoolCache()
     yield cache
     cache.close()

@@ -10,6 +10,7 @@ from torch import Tensor
 from cpcompose import CommMeter, cp_attention
 from cpcompose.layouts import PackedLayout
 from tests.attention_cases import place_shards
+from tests.device_baseline import concat_baselines, sdpa_baseline
 
 
 @dataclass(frozen=True)
@@ -25,10 +26,13 @@ class PackedCase:
     head_dim: int = 16
     seed: int = 0
     balance: str = "documents"
+    device: str = "cpu"  # "cuda": a CUDA pool, measured against per-document SDPA on the GPU
 
     def __str__(self) -> str:
         mask = ("causal" if self.causal else "full") + (f"-w{self.window}".replace(" ", "") if self.window else "")
-        return f"{self.strategy}-{len(self.docs)}docs{sum(self.docs)}-{mask}-h{self.heads}kv{self.kv_heads}-P{self.world}"
+        on = "" if self.device == "cpu" else f"-{self.device}"
+        pack = f"{len(self.docs)}docs{sum(self.docs)}"
+        return f"{self.strategy}-{pack}-{mask}-h{self.heads}kv{self.kv_heads}-P{self.world}{on}"
 
     @property
     def cu_seqlens(self) -> list[int]:
@@ -51,11 +55,14 @@ def make_inputs(case: PackedCase, total: int) -> dict[str, Tensor]:
 
 
 def run_packed(mesh, case: PackedCase, dtype: torch.dtype = torch.float32) -> dict:
-    """Shard the padded pack, run CP attention forward and backward; return local results."""
+    """Shard the padded pack, run CP attention forward and backward; return local results.
+
+    On CUDA, rank 0 also returns the per-document single-process baseline on that device ("baseline").
+    """
     layout = case.layout()
     rank = mesh.get_local_rank()
-    full = make_inputs(case, layout.seq_len)
-    local = {n: layout.shard(t.to(dtype), 2, rank) for n, t in full.items()}
+    full = {n: t.to(case.device, dtype) for n, t in make_inputs(case, layout.seq_len).items()}
+    local = {n: layout.shard(t, 2, rank) for n, t in full.items()}
     q, k, v = (local[n].requires_grad_() for n in ("q", "k", "v"))
     meter = CommMeter()
     out, lse = cp_attention(
@@ -64,8 +71,16 @@ def run_packed(mesh, case: PackedCase, dtype: torch.dtype = torch.float32) -> di
     )
     forward_bytes = meter.total
     out.backward(local["dout"])
-    return {"out": out.detach(), "lse": lse, "dq": q.grad, "dk": k.grad, "dv": v.grad,
-            "forward_bytes": forward_bytes, "total_bytes": meter.total}
+    result = {"out": out.detach(), "lse": lse, "dq": q.grad, "dk": k.grad, "dv": v.grad,
+              "forward_bytes": forward_bytes, "total_bytes": meter.total}
+    if case.device != "cpu" and rank == 0:
+        assert case.window is None, "the CUDA baseline has no window"
+        result["baseline"] = concat_baselines([
+            sdpa_baseline(*(full[n][:, :, a:b] for n in ("q", "k", "v", "dout")), causal=case.causal,
+                          scale=case.head_dim**-0.5)
+            for a, b in zip(case.cu_seqlens, case.cu_seqlens[1:])
+        ])
+    return result
 
 
 def unshard(case: PackedCase, per_rank: list[dict]) -> dict[str, Tensor]:

@@ -7,6 +7,12 @@ with a timeout, and then runs many test cases sent over pipes: a case is a
 module-level function `fn(mesh, *args)` run on every rank. Nothing about the
 communication is mocked. A case that raises on any rank tears the pool down (the
 group may be mid-collective) and the next case gets a fresh one.
+
+`device="cuda"` pools run the same cases on GPUs: each worker takes GPU
+`rank % device_count`, and the group is NCCL when there are at least P GPUs, else
+gloo (P processes sharing one GPU; cpcompose's comm helpers then stage CUDA tensors
+through host memory). The pytest process itself never touches CUDA, which would
+make every later fork unable to use it: workers return their results on the CPU.
 """
 
 from __future__ import annotations
@@ -18,9 +24,11 @@ import tempfile
 import traceback
 from datetime import timedelta
 from multiprocessing.connection import Connection
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 import torch
+
+Device = Literal["cpu", "cuda"]
 
 GROUP_TIMEOUT_S = 60.0  # a collective waiting longer than this fails instead of hanging CI
 CASE_TIMEOUT_S = 300.0  # the parent gives up on a case after this long
@@ -36,16 +44,36 @@ def _loads(data: bytes) -> Any:
     return torch.load(io.BytesIO(data), weights_only=False)
 
 
-def _worker(rank: int, world: int, store: str, conn: Connection) -> None:
+def _on_host(obj: Any) -> Any:
+    """`obj` with every tensor (in dicts, lists, tuples) moved to the CPU, for the parent to load."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: _on_host(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_on_host(v) for v in obj)
+    return obj
+
+
+def cuda_backend(world: int) -> str:
+    """NCCL when every rank has a GPU of its own; gloo when ranks share (NCCL refuses shared GPUs)."""
+    return "nccl" if torch.cuda.device_count() >= world else "gloo"
+
+
+def _worker(rank: int, world: int, store: str, conn: Connection, device: Device) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     torch.set_num_threads(1)
+    backend = "gloo"
+    if device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        backend = cuda_backend(world)
     dist.init_process_group(
-        "gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+        backend, init_method=f"file://{store}", rank=rank, world_size=world,
         timeout=timedelta(seconds=GROUP_TIMEOUT_S),
     )
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+    mesh = init_device_mesh(device, (world,), mesh_dim_names=("cp",))
     conn.send(("ready", None))
     while True:
         msg = conn.recv()
@@ -53,17 +81,18 @@ def _worker(rank: int, world: int, store: str, conn: Connection) -> None:
             break
         fn, args = msg
         try:
-            conn.send(("ok", _dumps(fn(mesh, *args))))
+            result = fn(mesh, *args)
+            conn.send(("ok", _dumps(result if device == "cpu" else _on_host(result))))
         except BaseException:  # report everything, the parent decides
             conn.send(("error", traceback.format_exc()))
     dist.destroy_process_group()
 
 
 class RankPool:
-    """`world` forked workers in one gloo group; `run` executes a case on all of them."""
+    """`world` forked workers in one process group; `run` executes a case on all of them."""
 
-    def __init__(self, world: int) -> None:
-        self.world = world
+    def __init__(self, world: int, device: Device = "cpu") -> None:
+        self.world, self.device = world, device
         ctx = mp.get_context("fork")
         fd, self._store = tempfile.mkstemp(prefix="cpcompose-store-")
         os.close(fd)
@@ -72,7 +101,7 @@ class RankPool:
         self._procs = []
         for rank in range(world):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_worker, args=(rank, world, self._store, child), daemon=True)
+            proc = ctx.Process(target=_worker, args=(rank, world, self._store, child, device), daemon=True)
             proc.start()
             self._conns.append(parent)
             self._procs.append(proc)
@@ -83,7 +112,9 @@ class RankPool:
     def _receive(self, conn: Connection, timeout: float) -> tuple[str, Any]:
         if not conn.poll(timeout):
             self.close()
-            raise TimeoutError(f"a rank of the {self.world}-rank pool did not answer within {timeout:.0f} s")
+            raise TimeoutError(
+                f"a rank of the {self.world}-rank {self.device} pool did not answer within {timeout:.0f} s"
+            )
         return conn.recv()
 
     def run(self, fn: Callable[..., Any], *args: Any, timeout: float = CASE_TIMEOUT_S) -> list[Any]:
@@ -117,15 +148,15 @@ class RankPool:
 
 
 class PoolCache:
-    """One healthy pool per group size, created on first use."""
+    """One healthy pool per group size and device, created on first use."""
 
     def __init__(self) -> None:
-        self._pools: dict[int, RankPool] = {}
+        self._pools: dict[tuple[int, Device], RankPool] = {}
 
-    def get(self, world: int) -> RankPool:
-        pool = self._pools.get(world)
+    def get(self, world: int, device: Device = "cpu") -> RankPool:
+        pool = self._pools.get((world, device))
         if pool is None or not pool.healthy:
-            pool = self._pools[world] = RankPool(world)
+            pool = self._pools[world, device] = RankPool(world, device)
         return pool
 
     def close(self) -> None:

@@ -19,6 +19,11 @@ capped blocks the same explicit way in float32, so the ratio is ~1).
 For bf16 the same rule holds against bf16 SDPA: CP merges and accumulates in
 float32, so splitting the sequence adds only the rounding of each partial block
 output to bf16 (measured RMS ratio <= 1.12).
+
+On CUDA (tests marked `gpu`) the rule is the same, against single-process SDPA
+on the GPU pinned to the kernel cpcompose uses there (flash for bf16, memory-
+efficient for fp32; `tests/device_baseline.py`), computed by a worker; the float64
+reference stays in the parent, on the CPU.
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ MATRIX = [
 def assert_matches_single_process(case: Case, per_rank: list[dict]) -> None:
     got = unshard_results(case, per_rank)
     exact = reference(case, torch.float64)
-    baseline = reference(case, case.dtype)
+    baseline = reference(case, case.dtype) if case.device == "cpu" else per_rank[0]["baseline"]
     for name in ("out", "lse", "dq", "dk", "dv"):
         err = got[name].double() - exact[name]
         base = baseline[name].double() - exact[name]
@@ -104,3 +109,27 @@ def test_wrong_layout_is_detected(pools) -> None:
     per_rank = pools.get(2).run(run_cp, case)
     with pytest.raises(AssertionError, match="RMS error"):
         assert_matches_single_process(case, per_rank)
+
+
+# The same rule on CUDA: every strategy x layout x mask, MHA and GQA 4:1, P = 2 and 4
+# (NCCL where there are P GPUs, else P processes sharing one through gloo), fp32 and bf16.
+CUDA_MATRIX = [
+    Case(strategy, layout, causal, hq, hkv, world, dtype=dtype, seq=24 * world, device="cuda")
+    for world, dtype, strategy, layout, causal, (hq, hkv) in itertools.product(
+        (2, 4), (torch.float32, torch.bfloat16), ("ring", "allgather", "alltoall"),
+        ("zigzag", "contiguous"), (True, False), [(4, 4), (8, 2)],
+    )
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CUDA_MATRIX, ids=str)
+def test_cuda_matches_single_process(pools, case: Case) -> None:
+    assert_matches_single_process(case, pools.get(case.world, "cuda").run(run_cp, case))
+
+
+@pytest.mark.gpu
+def test_cuda_longer_sequence(pools) -> None:
+    """Many kernel tiles per block on the GPU kernels, bf16 (the flash kernel)."""
+    case = Case("ring", "zigzag", True, 8, 2, 2, dtype=torch.bfloat16, batch=1, seq=1024, head_dim=64, device="cuda")
+    assert_matches_single_process(case, pools.get(2, "cuda").run(run_cp, case))

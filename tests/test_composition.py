@@ -34,6 +34,12 @@ Tolerance, and why:
   error 1.26. This case also runs FSDP's fp32 reduce-scatter, which needs
   ``set_force_sum_reduction_for_comms`` on gloo (PREMUL_SUM is missing there).
 
+On CUDA (marked `gpu`): the float32 rule above, on the GPU (cp=2 with FSDP under
+each strategy, dp_shard=2 x cp=2 with activation checkpointing), against the same
+CPU references. float64 has no fused CUDA attention kernel, so CUDA runs float32;
+fp32 matmuls on CUDA do not use TF32 (PyTorch's default), so one GPU process errs
+like one CPU process, and 4x plus the 64-ulp floor covers the difference in kernels.
+
 Negative control: the same cp=2 step without the gradient sum over cp is off
 by > 1e-3 and is shown to fail the check.
 """
@@ -88,20 +94,26 @@ def make_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
 
 
-_MESHES: dict[tuple[int, ...], DeviceMesh] = {}
+_MESHES: dict[tuple[int | str, ...], DeviceMesh] = {}
 
 
-def root_mesh(dims: ParallelDims) -> DeviceMesh:
-    """One mesh per set of degrees per worker process (creating groups costs time)."""
-    key = (dims.pp, dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp)
+def root_mesh(dims: ParallelDims, device: str = "cpu") -> DeviceMesh:
+    """One mesh per set of degrees and device per worker process (creating groups costs time)."""
+    key = (dims.pp, dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp, device)
     if key not in _MESHES:
-        _MESHES[key] = dims.build_mesh("cpu")
+        _MESHES[key] = dims.build_mesh(device)
     return _MESHES[key]
 
 
-def local_batch(mesh: DeviceMesh, dims: ParallelDims, step: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """This rank's tokens, labels and global positions `[batch, seq_local]`."""
-    tokens, labels = global_batch(step)
+def local_batch(
+    mesh: DeviceMesh, dims: ParallelDims, step: int = 0, device: str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This rank's tokens, labels and global positions `[batch, seq_local]` on `device`.
+
+    The batch moves before it is sharded: sharding checks agreement with a tensor on the
+    input's device, which an NCCL group must be able to carry.
+    """
+    tokens, labels = (t.to(device) for t in global_batch(step))
     dp_rank = flat_mesh(mesh, "dp").get_local_rank()
     rows = BATCH // dims.dp_size
     tokens, labels = (t[dp_rank * rows : (dp_rank + 1) * rows] for t in (tokens, labels))
@@ -109,7 +121,7 @@ def local_batch(mesh: DeviceMesh, dims: ParallelDims, step: int = 0) -> tuple[to
     if dims.cp_enabled:
         tokens, labels = (cp_shard(t, mesh["cp"], seq_dim=1, layout="zigzag") for t in (tokens, labels))
         positions = cp_position_ids(SEQ, mesh["cp"], layout="zigzag")
-    return tokens, labels, positions.expand(rows, -1).contiguous()
+    return tokens, labels, positions.to(device).expand(rows, -1).contiguous()
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
@@ -160,9 +172,10 @@ def train_step(_mesh: DeviceMesh, case: dict[str, Any]) -> dict[str, Any]:
     """One step of the case on this rank; returns the global loss and full grads / params."""
     degrees = {k: case[k] for k in ("dp_replicate", "dp_shard", "cp", "tp", "pp") if k in case}
     dims = parallel_dims(torch.distributed.get_world_size(), **degrees)
-    mesh = root_mesh(dims)
+    device = case.get("device", "cpu")
+    mesh = root_mesh(dims, device)
     fsdp = case.get("fsdp", True)
-    model = build_model(case.get("dtype", torch.float64))
+    model = build_model(case.get("dtype", torch.float64)).to(device)
     if dims.pp_enabled:
         split_llama_for_pipeline(model, num_stages=dims.pp, stage_index=mesh["pp"].get_local_rank())
     parallelize_llama(
@@ -174,7 +187,7 @@ def train_step(_mesh: DeviceMesh, case: dict[str, Any]) -> dict[str, Any]:
     calls = []  # attention forwards: activation checkpointing must run each one twice
     for block in model.layers.values():
         block.attention.register_forward_pre_hook(lambda *_: calls.append(1))
-    tokens, labels, positions = local_batch(mesh, dims)
+    tokens, labels, positions = local_batch(mesh, dims, device=device)
 
     if dims.pp_enabled:
         _, all_labels = global_batch()
@@ -274,10 +287,9 @@ def test_unreduced_gradients_are_caught(pools) -> None:
     assert worst["grads"] > 1e-3 and worst["params"] > 1e-3
 
 
-def test_fp32_dp_shard_cp_within_single_process_error(pools) -> None:
-    """dp_shard=2 x cp=2 in float32: as accurate as one float32 process (see the module docstring)."""
+def check_float32(per_rank: list[dict[str, Any]]) -> None:
+    """The loss and every gradient within 4x one float32 process's error, plus 64 ulps (module docstring)."""
     exact, single = reference(torch.float64), reference(torch.float32)
-    per_rank = pools.get(4).run(train_step, {"dp_shard": 2, "cp": 2, "dtype": torch.float32})
     ulp, ratio = torch.finfo(torch.float32).eps, 0.0
     for rank, got in enumerate(per_rank):
         pairs = [("loss", got["loss"], single["loss"], exact["loss"])]
@@ -289,4 +301,21 @@ def test_fp32_dp_shard_cp_within_single_process_error(pools) -> None:
             assert err <= bound, f"rank {rank} {name}: fp32 error {err:.3g} > {bound:.3g} (one process: {base_err:.3g})"
             ratio = max(ratio, err / max(base_err, 1e-30))
     print(f"worst fp32 error / single-process fp32 error: {ratio:.2f}", end=" ")
+
+
+def test_fp32_dp_shard_cp_within_single_process_error(pools) -> None:
+    """dp_shard=2 x cp=2 in float32: as accurate as one float32 process (see the module docstring)."""
+    check_float32(pools.get(4).run(train_step, {"dp_shard": 2, "cp": 2, "dtype": torch.float32}))
+
+
+CUDA_CASES = [
+    pytest.param(2, {"cp": 2, "strategy": s}, id=f"cp2-fsdp-{s}") for s in ("ring", "allgather", "alltoall")
+] + [pytest.param(4, {"dp_shard": 2, "cp": 2, "strategy": "ring", "ac": True}, id="fsdp2xcp2-ring-ac")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("world", "case"), CUDA_CASES)
+def test_cuda_fp32_within_single_process_error(pools, world: int, case: dict[str, Any]) -> None:
+    """The reference Llama's training step on the GPU, FSDP over dp_shard x cp: as accurate as one fp32 process."""
+    check_float32(pools.get(world, "cuda").run(train_step, {**case, "dtype": torch.float32, "device": "cuda"}))
 
