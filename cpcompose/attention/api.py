@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import zlib
 from typing import Any
@@ -10,16 +11,17 @@ import torch
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
+from cpcompose.attention.agreement import CallSpec, agreed_call
 from cpcompose.attention.allgather import AllGatherAttention
 from cpcompose.attention.alltoall import AllToAllAttention
 from cpcompose.attention.blocks import KernelArgs, MaskSpec
 from cpcompose.attention.kernels import Backend, select_backend
-from cpcompose.attention.options import STRATEGY_NAMES, CPOptions
+from cpcompose.attention.options import STRATEGY_NAMES, VALIDATE_MODES, CPOptions
 from cpcompose.attention.ring import RingAttention
 from cpcompose.attention.setup import AttentionSetup
-from cpcompose.comm import CPGroup
+from cpcompose.comm import CommMeter, CPGroup
 from cpcompose.layouts import Layout, resolve_layout
-from cpcompose.validation import Field, agree_across_ranks, dtype_code, float_code, shape_fields
+from cpcompose.validation import Field, dtype_code, float_code, shape_fields
 
 STRATEGIES: dict[str, type] = {"ring": RingAttention, "allgather": AllGatherAttention, "alltoall": AllToAllAttention}
 assert tuple(STRATEGIES) == STRATEGY_NAMES
@@ -103,18 +105,32 @@ def attend(
             backend = select_backend(q, options.backend)
         except ValueError as e:
             error = str(e)
-    agree_across_ranks(
-        cp, error, _signature(q, k, v, is_causal, scale, softcap, window, options, layout, return_lse),
-        what="cp_attention", device=_metadata_device(q),
+    signature = _signature(q, k, v, is_causal, scale, softcap, window, options, layout, return_lse)
+
+    def setup(meter: CommMeter | None) -> AttentionSetup:
+        assert layout is not None and backend is not None
+        kernel = KernelArgs(
+            scale=scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]), backend=backend,
+            softcap=None if softcap is None else float(softcap),
+        )
+        return AttentionSetup(cp, layout, MaskSpec(is_causal, *window), kernel, meter, return_lse)
+
+    strategy = STRATEGIES.get(options.strategy)
+
+    def spec() -> CallSpec:  # what this rank replays on zeros if it deviates from this call later
+        return CallSpec(q.shape, k.shape, v.shape, q.dtype, q.device,
+                        functools.partial(_apply, strategy, setup=setup(None)))
+
+    out, lse = agreed_call(
+        cp, error, signature, what="cp_attention", device=_metadata_device(q),
+        every_call=options.validate == "every_call", spec=spec,
+        run=lambda: _apply(strategy, q, k, v, setup=setup(options.meter)),
     )
-    assert layout is not None and backend is not None
-    kernel = KernelArgs(
-        scale=scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]), backend=backend,
-        softcap=None if softcap is None else float(softcap),
-    )
-    setup = AttentionSetup(cp, layout, MaskSpec(is_causal, *window), kernel, options.meter, return_lse)
-    out, lse = STRATEGIES[options.strategy].apply(q, k, v, setup)
     return (out, lse) if return_lse else out
+
+
+def _apply(strategy: Any, q: Tensor, k: Tensor, v: Tensor, *, setup: AttentionSetup) -> tuple[Tensor, Tensor]:
+    return strategy.apply(q, k, v, setup)
 
 
 def _metadata_device(q: object) -> torch.device:
@@ -141,6 +157,7 @@ def _signature(
         ("softcap", float_code(softcap) if isinstance(softcap, (int, float)) else -3),
         ("backend", zlib.crc32(str(options.backend).encode())),
         ("return_lse", int(bool(return_lse))),
+        ("validate", VALIDATE_MODES.index(options.validate) if options.validate in VALIDATE_MODES else -1),
     ]
 
 
