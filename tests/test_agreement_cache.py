@@ -167,3 +167,29 @@ def test_plans_are_cached_tuples() -> None:
     assert needed_rows(cached_plan(layout, mask, 64, 1, GLOBAL)) == needed_rows(
         plan(layout.runs(1, 64), layout.global_runs(64), mask)
     )
+
+
+def cache_lifetime(mesh) -> tuple[int, int, int]:
+    """A group's agreement history lives exactly as long as the group: nothing in it holds the group."""
+    import gc
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from cpcompose.attention import agreement
+
+    group = dist.new_group(ranks=[0, 1], backend="gloo")
+    sub = DeviceMesh.from_group(group, "cpu", mesh_dim_names=("cp",))
+    q, k, v = (t.detach() for t in _qkv(mesh.get_local_rank(), seq=8))
+    before = len(agreement._CACHES)
+    cp_attention(q, k, v, mesh=sub, is_causal=True)
+    during = len(agreement._CACHES)
+    dist.destroy_process_group(group)
+    del group, sub
+    gc.collect()
+    return before, during, len(agreement._CACHES)
+
+
+def test_history_is_owned_by_its_group(pools) -> None:
+    for before, during, after in pools.get(2).run(cache_lifetime):
+        assert during == before + 1 and after == before, (before, during, after)

@@ -62,18 +62,17 @@ class CallSpec:
     v_shape: torch.Size
     dtype: torch.dtype
     device: torch.device
-    run: Callable[[Tensor, Tensor, Tensor], object]  # the strategy on a setup without meter
+    run: Callable[[CPGroup, Tensor, Tensor, Tensor], object]  # the call on (group, q, k, v); holds no group
 
     @property
     def on_host(self) -> bool:
         return self.device.type == "cpu"
 
-    def mimic(self) -> None:
+    def mimic(self, cp: CPGroup) -> None:
         """Run the call on zeros: every collective a peer running it posts gets its partner."""
         with torch.no_grad():
-            zeros = [torch.zeros(s, dtype=self.dtype, device=self.device) for s in (self.q_shape, self.k_shape,
-                                                                                   self.v_shape)]
-            self.run(*zeros)
+            shapes = (self.q_shape, self.k_shape, self.v_shape)
+            self.run(cp, *(torch.zeros(s, dtype=self.dtype, device=self.device) for s in shapes))
 
 
 class AgreementCache:
@@ -200,7 +199,7 @@ def agreed_call(
             if not _all_deviated(pending):
                 cache.deviations += 1
                 assert expected is not None
-                cache.spec(expected).mimic()
+                cache.spec(expected).mimic(cp)
     elif predicted:
         cache.ran(key)
         return run()

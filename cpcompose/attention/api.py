@@ -118,19 +118,22 @@ def attend(
     strategy = STRATEGIES.get(options.strategy)
 
     def spec() -> CallSpec:  # what this rank replays on zeros if it deviates from this call later
+        s = setup(None)  # the group stays out of it: the history it goes into is owned by the group
         return CallSpec(q.shape, k.shape, v.shape, q.dtype, q.device,
-                        functools.partial(_apply, strategy, setup=setup(None)))
+                        functools.partial(_replay, strategy, s.layout, s.mask, s.kernel, s.need_lse))
 
     out, lse = agreed_call(
         cp, error, signature, what="cp_attention", device=_metadata_device(q),
         every_call=options.validate == "every_call", spec=spec,
-        run=lambda: _apply(strategy, q, k, v, setup=setup(options.meter)),
+        run=lambda: strategy.apply(q, k, v, setup(options.meter)),
     )
     return (out, lse) if return_lse else out
 
 
-def _apply(strategy: Any, q: Tensor, k: Tensor, v: Tensor, *, setup: AttentionSetup) -> tuple[Tensor, Tensor]:
-    return strategy.apply(q, k, v, setup)
+def _replay(strategy: Any, layout: Layout, mask: MaskSpec, kernel: KernelArgs, need_lse: bool, cp: CPGroup,
+            q: Tensor, k: Tensor, v: Tensor) -> None:
+    """An agreed call again, on other tensors, unmetered (see `agreement.CallSpec.mimic`)."""
+    strategy.apply(q, k, v, AttentionSetup(cp, layout, mask, kernel, None, need_lse))
 
 
 def _metadata_device(q: object) -> torch.device:
