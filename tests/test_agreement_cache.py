@@ -104,7 +104,7 @@ def deviate_after_warmup(mesh, strategy: str, how: str) -> list[str]:
     except ValueError as e:
         results.append(str(e))
     assert cache.skipped == before  # nobody's result escaped
-    assert cache.deviations == deviations + 1  # seen through the flags: rank 0 ran the expected call, rank 1 replayed it
+    assert cache.deviations == deviations + 1  # seen in the flags: rank 0 ran the expected call, rank 1 replayed it
     out = cp_attention(q, k, v, **kwargs)  # the group is still in step
     results.append(f"valid call: {tuple(out.shape)}")
     return results

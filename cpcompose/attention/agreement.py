@@ -38,7 +38,8 @@ from __future__ import annotations
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable, Hashable, Sequence, TypeVar
+from collections.abc import Callable, Hashable, Sequence
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -129,7 +130,7 @@ def _put(d: OrderedDict, key: Hashable, value: object, limit: int) -> None:
 # The process group owns its agreement history: the cache lives exactly as long as the
 # group object, with no state outside it (a WeakKeyDictionary, not a global registry of
 # values that could outlive their group).
-_CACHES: "weakref.WeakKeyDictionary[dist.ProcessGroup, AgreementCache]" = weakref.WeakKeyDictionary()
+_CACHES: weakref.WeakKeyDictionary[dist.ProcessGroup, AgreementCache] = weakref.WeakKeyDictionary()
 
 
 def agreement_cache(group: dist.ProcessGroup) -> AgreementCache:

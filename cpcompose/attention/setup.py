@@ -44,7 +44,7 @@ class AttentionSetup:
 
 
 GLOBAL = -1  # "the whole sequence in global order" in place of a rank
-PLAN_CACHE_SIZE = 8192  # plans kept: a ring call at P ranks reads 2P - 1 of them per rank
+PLAN_CACHE_SIZE = 4096  # plans kept (a few MB at most): a ring call at P ranks reads 2P - 1 of them per rank
 
 
 @functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
