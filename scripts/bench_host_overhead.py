@@ -37,20 +37,21 @@ import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cpcompose.attention import api  # noqa: E402
-from cpcompose.attention.agreement import AgreementCache  # noqa: E402
-from cpcompose.attention.blocks import MaskSpec  # noqa: E402
-from cpcompose.attention.options import CPOptions  # noqa: E402
-from cpcompose.attention.ring import _round  # noqa: E402
-from cpcompose.attention.setup import cached_plan  # noqa: E402
-from cpcompose.data.packing import long_tailed_lengths  # noqa: E402
-from cpcompose.layouts import Layout, PackedLayout, ZigzagLayout  # noqa: E402
+from cpcompose.attention import api
+from cpcompose.attention.agreement import AgreementCache
+from cpcompose.attention.blocks import MaskSpec
+from cpcompose.attention.options import CPOptions
+from cpcompose.attention.ring import _round
+from cpcompose.attention.setup import cached_plan
+from cpcompose.data.packing import long_tailed_lengths
+from cpcompose.layouts import Layout, PackedLayout, ZigzagLayout
 
 
 def _median_time(fn: Callable[[], object], repeats: int, inner: int = 1) -> float:

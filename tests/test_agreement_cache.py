@@ -193,3 +193,36 @@ def cache_lifetime(mesh) -> tuple[int, int, int]:
 def test_history_is_owned_by_its_group(pools) -> None:
     for before, during, after in pools.get(2).run(cache_lifetime):
         assert during == before + 1 and after == before, (before, during, after)
+
+
+def model_steps(mesh) -> list[tuple[int, int, int]]:
+    """Two training steps of a small two-layer model through `ContextParallel` (the SDPA route)."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from cpcompose import ContextParallel, cp_cross_entropy, cp_position_ids, cp_shard
+    from tests.test_entry_points import SEQ, make_batch, make_model
+
+    model = make_model(causal=True)
+    parallelize_module(model, mesh, {"blocks.*": ContextParallel(strategy="ring")})
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    tokens, labels = (cp_shard(t, mesh, seq_dim=1, layout="zigzag") for t in make_batch())
+    positions = cp_position_ids(SEQ, mesh, layout="zigzag")
+    steps = []
+    for _ in range(2):
+        before = _counts(mesh)
+        with CountCollectives() as comm:
+            logits = model(tokens, positions)
+        loss = cp_cross_entropy(logits, labels, mesh=mesh)  # its own all-reduce, outside the count
+        with comm:
+            loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        after = _counts(mesh)
+        steps.append((after[0] - before[0], after[1] - before[1], comm.counts["_allgather_base_"]))
+    return steps
+
+
+def test_model_training_step_at_steady_state(pools) -> None:
+    for rank, (step1, step2) in enumerate(pools.get(2).run(model_steps)):
+        assert step1[0] + step1[1] == 2 and step1[0] <= 1, f"rank {rank}: {step1}"  # at most the first layer agrees
+        assert step2 == (0, 2, 0), f"rank {rank}: step 2 agreed or all-gathered: {step2}"
