@@ -14,7 +14,7 @@ Method. Three measurements, all on the CPU, medians of `--repeats`:
 2. Decision per call, virtual ranks: the host work `cp_attention` does before any
    K/V moves when the call is the expected one: local checks, the signature, the
    agreement-history lookup, the setup. Measured by timing `decide()` below, which
-   calls the same functions as `cpcompose.attention.api.attend` on meta-free tiny tensors.
+   calls the same functions as `cpcompose.attention.api.attend`, on tiny CPU tensors.
 3. End to end, 2 real ranks (forked, gloo, one thread each): `cp_attention` forward on
    tiny shards (B=1, H=2, 64 tokens per rank, D=16), ring, `validate="first_call"`
    (steady state: no agreement) against `validate="every_call"` (the blocking
