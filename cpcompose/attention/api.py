@@ -50,7 +50,7 @@ def cp_attention(
         scale: softmax scale; default `1/sqrt(head_dim)` (of q and k; v's may differ, as in MLA).
         softcap: cap the logits at +-softcap (`softcap * tanh(scores / softcap)`, as in
             Gemma 2); None = no cap.
-        options: a `CPOptions` (strategy, layout, window_size, backend, meter).
+        options: a `CPOptions` (strategy, layout, window_size, backend, meter, validate).
         return_lse: also return the float32 log-sum-exp `(batch, heads, seq_local)`.
         **overrides: any `CPOptions` field by name, e.g. `strategy="alltoall"`,
             `layout=shard.layout` (a `PackedLayout` for packed documents: the very
@@ -61,8 +61,12 @@ def cp_attention(
         The local output shard (same layout as `q`), and the LSE if asked for.
 
     Raises:
-        ValueError: on every rank, before any K/V moves, if any rank's input is
-            invalid or the ranks disagree on shapes, dtypes, options or layout.
+        ValueError: on every rank, if any rank's input is invalid or the ranks disagree
+            on shapes, dtypes, options or layout: before any K/V moves on a call the
+            ranks did not all expect (the first, or a new signature everywhere); for a
+            rank deviating alone after warm-up, on CPU after the expected call's
+            exchange (its result discarded), on CUDA only with `validate="every_call"`
+            (see `cpcompose.attention.agreement`).
         TypeError: an override that is not a `CPOptions` field.
     """
     opts = (options or CPOptions()).replace(**overrides)
