@@ -5,6 +5,11 @@ public entry point checks its arguments locally, then every rank contributes its
 verdict and a small integer signature (shapes, dtypes, options, the layout's
 identity) to one tiny all-gather. If any rank found a problem, or the signatures
 differ, every rank raises the same ValueError, and no K/V collective is ever posted.
+
+The all-gather is read on the host (a device sync on CUDA). `cp_attention`, called
+per layer per microbatch, runs it only when a call is not the one every rank
+expects (`cpcompose.attention.agreement`); the once-per-step entry points (sharding,
+`context_parallel`) run it every time.
 """
 
 from __future__ import annotations

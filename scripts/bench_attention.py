@@ -47,8 +47,9 @@ and every timed region is bracketed by `torch.cuda.synchronize()`. CPU T_P is th
 host time only, not work.
 
 Beyond the plan: dK/dV travel in float32 (twice the bytes for bf16 inputs), and
-cp_attention first all-gathers a few integers per rank to check that every rank's
-inputs agree (not metered).
+cp_attention all-gathers a few integers per rank on the first call of a shape to check
+that every rank's inputs agree, and on CPU sends one int64 flag to each peer per call
+(see "What is checked when" in the README; neither is metered).
 
 Packed (`--packed`, run instead of the dense table). A long-tailed pack: document
 lengths drawn from a Pareto distribution (minimum 64, tail index 1.2, as

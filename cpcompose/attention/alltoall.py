@@ -16,6 +16,7 @@ the output to sequence shards. Works for any head count:
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -48,18 +49,21 @@ def kv_head_ranges(q_ranges: list[HeadRange], group: int) -> list[HeadRange]:
 
 
 class _HeadPlan:
-    """Who holds which heads, and how this rank's query heads map to its K/V heads."""
+    """Who holds which heads, and how this rank's query heads map to its K/V heads.
 
-    def __init__(self, q: Tensor, k: Tensor, world: int, rank: int) -> None:
-        group = q.shape[1] // k.shape[1]
-        self.q_ranges = query_head_ranges(q.shape[1], world)
+    Read-only once built, and built once per (heads, K/V heads, world, rank, device)
+    by `head_plan`: the same plan serves every call of every layer.
+    """
+
+    def __init__(self, n_heads: int, n_kv: int, world: int, rank: int, device: torch.device) -> None:
+        group = n_heads // n_kv
+        self.q_ranges = query_head_ranges(n_heads, world)
         self.kv_ranges = kv_head_ranges(self.q_ranges, group)
         (lo, hi), (klo, khi) = self.q_ranges[rank], self.kv_ranges[rank]
-        self.kv_index = torch.arange(lo, hi, device=q.device) // group - klo
         nq, nk = hi - lo, khi - klo
-        native = nk > 0 and nq % nk == 0 and torch.equal(
-            self.kv_index, torch.arange(nq, device=q.device) // (nq // nk)
-        )
+        index = [h // group - klo for h in range(lo, hi)]
+        native = nk > 0 and nq % nk == 0 and index == [i // (nq // nk) for i in range(nq)]
+        self.kv_index = torch.tensor(index, dtype=torch.int64, device=device)
         self.expand = nq > 0 and not native  # kernel cannot map heads itself
 
     def local_kv(self, kv: Tensor) -> Tensor:
@@ -71,6 +75,12 @@ class _HeadPlan:
         acc = accumulation_dtype(dkv.dtype)
         out = dkv.new_zeros((dkv.shape[0], n_kv, *dkv.shape[2:]), dtype=acc)
         return out.index_add_(1, self.kv_index, dkv.to(acc)).to(dkv.dtype)
+
+
+@functools.lru_cache(maxsize=256)
+def head_plan(n_heads: int, n_kv: int, world: int, rank: int, device: torch.device) -> _HeadPlan:
+    """The cached `_HeadPlan` of this call's head counts."""
+    return _HeadPlan(n_heads, n_kv, world, rank, device)
 
 
 def _seq_to_heads(tensors: list[Tensor], ranges: list[list[HeadRange]], setup: AttentionSetup) -> list[Tensor]:
@@ -142,7 +152,7 @@ class AllToAllAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, setup: AttentionSetup) -> tuple[Tensor, Tensor]:
-        plan = _HeadPlan(q, k, setup.cp.world, setup.cp.rank)
+        plan = head_plan(q.shape[1], k.shape[1], setup.cp.world, setup.cp.rank, q.device)
         ranges = [plan.q_ranges, plan.kv_ranges, plan.kv_ranges]
         qh, kh, vh = _seq_to_heads([q, k, v], ranges, setup)
         out_h, lse_h = _attend(qh, plan.local_kv(kh), plan.local_kv(vh), setup)

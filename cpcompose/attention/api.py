@@ -2,25 +2,29 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import zlib
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import torch
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
+from cpcompose.attention.agreement import CallSpec, agreed_call
 from cpcompose.attention.allgather import AllGatherAttention
 from cpcompose.attention.alltoall import AllToAllAttention
 from cpcompose.attention.blocks import KernelArgs, MaskSpec
-from cpcompose.attention.kernels import Backend, select_backend
+from cpcompose.attention.kernels import select_backend
 from cpcompose.attention.op import CPContext, compiled_attention
-from cpcompose.attention.options import STRATEGY_NAMES, CPOptions
+from cpcompose.attention.options import STRATEGY_NAMES, VALIDATE_MODES, CPOptions
 from cpcompose.attention.ring import RingAttention
 from cpcompose.attention.setup import AttentionSetup
-from cpcompose.comm import CPGroup
+from cpcompose.comm import CommMeter, CPGroup
 from cpcompose.layouts import Layout, resolve_layout
-from cpcompose.validation import Field, agree_across_ranks, dtype_code, float_code, shape_fields
+from cpcompose.validation import Field, dtype_code, float_code, shape_fields
+
+R = TypeVar("R")
 
 STRATEGIES: dict[str, type] = {"ring": RingAttention, "allgather": AllGatherAttention, "alltoall": AllToAllAttention}
 assert tuple(STRATEGIES) == STRATEGY_NAMES
@@ -50,7 +54,7 @@ def cp_attention(
         scale: softmax scale; default `1/sqrt(head_dim)` (of q and k; v's may differ, as in MLA).
         softcap: cap the logits at +-softcap (`softcap * tanh(scores / softcap)`, as in
             Gemma 2); None = no cap.
-        options: a `CPOptions` (strategy, layout, window_size, backend, meter).
+        options: a `CPOptions` (strategy, layout, window_size, backend, meter, validate).
         return_lse: also return the float32 log-sum-exp `(batch, heads, seq_local)`.
         **overrides: any `CPOptions` field by name, e.g. `strategy="alltoall"`,
             `layout=shard.layout` (a `PackedLayout` for packed documents: the very
@@ -61,8 +65,12 @@ def cp_attention(
         The local output shard (same layout as `q`), and the LSE if asked for.
 
     Raises:
-        ValueError: on every rank, before any K/V moves, if any rank's input is
-            invalid or the ranks disagree on shapes, dtypes, options or layout.
+        ValueError: on every rank, if any rank's input is invalid or the ranks disagree
+            on shapes, dtypes, options or layout: before any K/V moves on a call the
+            ranks did not all expect (the first, or a new signature everywhere); for a
+            rank deviating alone after warm-up, on CPU after the expected call's
+            exchange (its result discarded), on CUDA only with `validate="every_call"`
+            (see `cpcompose.attention.agreement`).
         TypeError: an override that is not a `CPOptions` field, or options given with a `CPContext`.
     """
     if isinstance(mesh, CPContext):
@@ -104,15 +112,15 @@ def attend(
     The caller's complaint joins this rank's verdict in the one cross-rank agreement,
     so every rank raises it, or none does.
     """
-    setup = prepare(
+    strategy = STRATEGIES.get(options.strategy)
+    out, lse = checked_call(
         q, k, v, mesh=mesh, is_causal=is_causal, scale=scale, options=options, softcap=softcap,
-        return_lse=return_lse, caller_error=caller_error,
+        return_lse=return_lse, caller_error=caller_error, run=lambda setup: strategy.apply(q, k, v, setup),
     )
-    out, lse = STRATEGIES[options.strategy].apply(q, k, v, setup)
     return (out, lse) if return_lse else out
 
 
-def prepare(
+def checked_call(
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -121,44 +129,71 @@ def prepare(
     is_causal: bool,
     scale: float | None,
     options: CPOptions,
-    softcap: float | None = None,
-    return_lse: bool = False,
-    caller_error: str | None = None,
-) -> AttentionSetup:
-    """Check one call on every rank (local checks, then the cross-rank agreement) and decide its setup.
+    softcap: float | None,
+    return_lse: bool,
+    caller_error: str | None,
+    run: Callable[[AttentionSetup], R],
+) -> R:
+    """Check one call on every rank, then `run(setup)`; the one path every CP attention takes.
 
-    Split from `attend` so that the compiled route (`cpcompose.attention.op`) runs the
-    same checks inside its custom op, where data-dependent code is allowed.
+    Local checks, then the cross-rank agreement (skipped for a call every rank
+    expects, see `cpcompose.attention.agreement`). `run` is the strategy's autograd
+    function (`attend`) or the compiled route's custom op body (`cpcompose.attention.op`).
 
     Raises:
         ValueError: on every rank, as `cp_attention` describes.
     """
     cp = CPGroup.from_mesh(mesh)
     layout: Layout | None = None
-    backend: Backend | None = None
-    window, window_error = window_pair(options.window_size, is_causal)
     error = (
-        caller_error or options.error(cp.world) or window_error or _tensor_error(q, k, v)
-        or _positive_error("scale", scale) or _positive_error("softcap", softcap)
+        caller_error or options.error(cp.world) or window_pair(options.window_size, is_causal)[1]
+        or _tensor_error(q, k, v) or _positive_error("scale", scale) or _positive_error("softcap", softcap)
     )
     if error is None:
         layout = resolve_layout(options.layout, cp.world)
         error = layout.local_len_error(q.shape[2])
     if error is None:
         try:
-            backend = select_backend(q, options.backend)
+            select_backend(q, options.backend)
         except ValueError as e:
             error = str(e)
-    agree_across_ranks(
-        cp, error, _signature(q, k, v, is_causal, scale, softcap, window, options, layout, return_lse),
-        what="cp_attention", device=_metadata_device(q),
+    window = window_pair(options.window_size, is_causal)[0]
+    signature = _signature(q, k, v, is_causal, scale, softcap, window, options, layout, return_lse)
+    strategy = STRATEGIES.get(options.strategy)
+
+    def setup(meter: CommMeter | None) -> AttentionSetup:
+        return setup_for(q, mesh=mesh, is_causal=is_causal, scale=scale, softcap=softcap,
+                         options=options.replace(meter=meter), return_lse=return_lse)
+
+    def spec() -> CallSpec:  # what this rank replays on zeros if it deviates from this call later
+        s = setup(None)  # the group stays out of it: the history it goes into is owned by the group
+        return CallSpec(q.shape, k.shape, v.shape, q.dtype, q.device,
+                        functools.partial(_replay, strategy, s.layout, s.mask, s.kernel, s.need_lse))
+
+    return agreed_call(
+        cp, error, signature, what="cp_attention", device=_metadata_device(q),
+        every_call=options.validate == "every_call", spec=spec, run=lambda: run(setup(options.meter)),
     )
-    assert layout is not None and backend is not None
+
+
+def setup_for(
+    q: Tensor, *, mesh: DeviceMesh, is_causal: bool, scale: float | None, softcap: float | None,
+    options: CPOptions, return_lse: bool,
+) -> AttentionSetup:
+    """The group, layout, mask and kernel of a call that was already checked (no communication)."""
+    cp = CPGroup.from_mesh(mesh)
     kernel = KernelArgs(
-        scale=scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]), backend=backend,
-        softcap=None if softcap is None else float(softcap),
+        scale=scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]),
+        backend=select_backend(q, options.backend), softcap=None if softcap is None else float(softcap),
     )
-    return AttentionSetup(cp, layout, MaskSpec(is_causal, *window), kernel, options.meter, return_lse)
+    mask = MaskSpec(is_causal, *window_pair(options.window_size, is_causal)[0])
+    return AttentionSetup(cp, resolve_layout(options.layout, cp.world), mask, kernel, options.meter, return_lse)
+
+
+def _replay(strategy: Any, layout: Layout, mask: MaskSpec, kernel: KernelArgs, need_lse: bool, cp: CPGroup,
+            q: Tensor, k: Tensor, v: Tensor) -> None:
+    """An agreed call again, on other tensors, unmetered (see `agreement.CallSpec.mimic`)."""
+    strategy.apply(q, k, v, AttentionSetup(cp, layout, mask, kernel, None, need_lse))
 
 
 def _metadata_device(q: object) -> torch.device:
@@ -185,6 +220,7 @@ def _signature(
         ("softcap", float_code(softcap) if isinstance(softcap, (int, float)) else -3),
         ("backend", zlib.crc32(str(options.backend).encode())),
         ("return_lse", int(bool(return_lse))),
+        ("validate", VALIDATE_MODES.index(options.validate) if options.validate in VALIDATE_MODES else -1),
     ]
 
 

@@ -33,7 +33,7 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
 from cpcompose._compat import MemberType, OpaqueBase, register_opaque_type
-from cpcompose.attention.alltoall import _HeadPlan, kv_head_ranges, query_head_ranges
+from cpcompose.attention.alltoall import head_plan, kv_head_ranges, query_head_ranges
 from cpcompose.attention.options import CPOptions
 from cpcompose.comm import CPGroup
 from cpcompose.precision import accumulation_dtype
@@ -93,14 +93,11 @@ class _SavedContext:
         pass  # the op's autograd formula gives the LSE no gradient
 
 
-def _setup(q: Tensor, k: Tensor, v: Tensor, context: CPContext, is_causal: bool, scale: float | None,
-           softcap: float | None, return_lse: bool, caller_error: str | None) -> Any:
-    from cpcompose.attention.api import prepare  # api imports this module: import when called
-
-    return prepare(
-        q, k, v, mesh=context.mesh, is_causal=is_causal, scale=scale, options=context.options(),
-        softcap=softcap, return_lse=return_lse, caller_error=caller_error,
-    )
+def _options(context: CPContext, strategy: str) -> Any:
+    options = context.options()
+    if options.strategy != strategy:  # traced with one strategy, run with another
+        raise ValueError(f"cp_attention was compiled for strategy={strategy!r}; recompile to change it")
+    return options
 
 
 def _strategy(name: str) -> Any:
@@ -114,13 +111,18 @@ def _attention(
     q: Tensor, k: Tensor, v: Tensor, context: CPContext, strategy: str, is_causal: bool, scale: float | None,
     softcap: float | None, return_lse: bool, caller_error: str | None,
 ) -> tuple[Tensor, Tensor, list[Tensor]]:
-    setup = _setup(q, k, v, context, is_causal, scale, softcap, return_lse, caller_error)
-    if context.options().strategy != strategy:  # traced with one strategy, run with another
-        raise ValueError(f"cp_attention was compiled for strategy={strategy!r}; recompile to change it")
-    saved = _SavedContext()
-    out, lse = _strategy(strategy).forward(saved, q, k, v, setup)
-    residuals = [t.contiguous() for t in saved.saved_tensors] if strategy == "alltoall" else []
-    return out.contiguous(), lse.contiguous(), residuals  # contiguous: the strides the fake promises
+    from cpcompose.attention.api import checked_call  # api imports this module: import when called
+
+    def forward(setup: Any) -> tuple[Tensor, Tensor, list[Tensor]]:
+        saved = _SavedContext()
+        out, lse = _strategy(strategy).forward(saved, q, k, v, setup)
+        residuals = [t.contiguous() for t in saved.saved_tensors] if strategy == "alltoall" else []
+        return out.contiguous(), lse.contiguous(), residuals  # contiguous: the strides the fake promises
+
+    return checked_call(
+        q, k, v, mesh=context.mesh, is_causal=is_causal, scale=scale, options=_options(context, strategy),
+        softcap=softcap, return_lse=return_lse, caller_error=caller_error, run=forward,
+    )
 
 
 @_attention.register_fake
@@ -161,13 +163,17 @@ def _attention_backward(
     context: CPContext, strategy: str, is_causal: bool, scale: float | None, softcap: float | None,
     return_lse: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    # The forward already agreed; this re-check is one tiny all-gather (cached per signature later).
-    setup = _setup(q, k, v, context, is_causal, scale, softcap, return_lse, None)
+    from cpcompose.attention.api import setup_for
+
+    # The forward agreed on this call: the backward only rebuilds its setup (no communication).
+    setup = setup_for(q, mesh=context.mesh, is_causal=is_causal, scale=scale, softcap=softcap,
+                      options=_options(context, strategy), return_lse=return_lse)
     ctx = _SavedContext()
     ctx.setup = setup  # type: ignore[attr-defined]
     if strategy == "alltoall":
         ctx.saved_tensors = tuple(residuals)
-        ctx.plan, ctx.n_kv = _HeadPlan(q, k, setup.cp.world, setup.cp.rank), k.shape[1]  # type: ignore[attr-defined]
+        plan = head_plan(q.shape[1], k.shape[1], setup.cp.world, setup.cp.rank, q.device)
+        ctx.plan, ctx.n_kv = plan, k.shape[1]  # type: ignore[attr-defined]
     else:
         ctx.saved_tensors = (q, k.contiguous(), v.contiguous(), out, lse)
     dq, dk, dv, _ = _strategy(strategy).backward(ctx, dout, None)

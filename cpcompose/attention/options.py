@@ -18,6 +18,8 @@ from cpcompose.layouts import LayoutSpec, layout_error
 
 Strategy = Literal["ring", "allgather", "alltoall"]
 STRATEGY_NAMES: tuple[str, ...] = ("ring", "allgather", "alltoall")
+Validate = Literal["first_call", "every_call"]
+VALIDATE_MODES: tuple[str, ...] = ("first_call", "every_call")
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,11 @@ class CPOptions:
             per call against the mask (see `cp_attention`).
         backend: force a local kernel (see `kernels.BACKENDS`); None = best available.
         meter: counts the bytes CP attention sends.
+        validate: "first_call" (the default): the blocking cross-rank agreement runs
+            when a call differs from the one every rank expects (the first call, new
+            shapes or options), not on repeats; "every_call": on every call, a debug
+            mode that catches a rank changing its inputs alone on any device (see
+            `cpcompose.attention.agreement`). Must be the same on every rank.
     """
 
     strategy: Strategy = "ring"
@@ -41,6 +48,7 @@ class CPOptions:
     window_size: int | tuple[int, int] | None = None
     backend: str | None = None
     meter: CommMeter | None = None
+    validate: Validate = "first_call"
 
     def replace(self, **changes: Any) -> "CPOptions":
         """A copy with `changes` (TypeError names an unknown option, as a function call would)."""
@@ -52,4 +60,6 @@ class CPOptions:
             return f"strategy={self.strategy!r} is unknown; choose one of {STRATEGY_NAMES}"
         if self.meter is not None and not isinstance(self.meter, CommMeter):
             return f"meter must be a cpcompose.CommMeter, got {type(self.meter).__name__}"
+        if self.validate not in VALIDATE_MODES:
+            return f"validate={self.validate!r} is unknown; choose one of {VALIDATE_MODES}"
         return layout_error(self.layout, world)

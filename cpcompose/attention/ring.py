@@ -17,21 +17,23 @@ rows. dQ stays local.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
-from typing import Any
+from typing import Any, NamedTuple, Sequence
 
 import torch
 from torch import Tensor
 
-from cpcompose.attention.blocks import BlockTask, backward_blocks, forward_blocks, needed_rows
+from cpcompose.attention.blocks import BlockTask, MaskSpec, backward_blocks, forward_blocks, needed_rows
 from cpcompose.attention.merge import SoftmaxAccumulator
-from cpcompose.attention.setup import AttentionSetup, finish_forward, float_zeros
+from cpcompose.attention.setup import PLAN_CACHE_SIZE, AttentionSetup, cached_plan, finish_forward, float_zeros
 from cpcompose.comm import PendingRecv, RingComm
+from cpcompose.layouts import Layout
 
 _KV_TAG, _GRAD_TAG = 0, 1
 
 
-def _gather_rows(x: Tensor, rows: list[slice]) -> Tensor:
+def _gather_rows(x: Tensor, rows: Sequence[slice]) -> Tensor:
     """The rows `rows` of `x` (dim 2), contiguous; `x` itself when that is all of it."""
     if len(rows) == 1 and rows[0] == slice(0, x.shape[2]):
         return x
@@ -40,7 +42,7 @@ def _gather_rows(x: Tensor, rows: list[slice]) -> Tensor:
     return torch.cat([x[:, :, r] for r in rows], dim=2)
 
 
-def _compact(tasks: list[BlockTask], rows: list[slice]) -> list[BlockTask]:
+def _compact(tasks: Sequence[BlockTask], rows: Sequence[slice]) -> tuple[BlockTask, ...]:
     """Re-address the tasks' key rows into the concatenation of `rows`."""
     starts, offset = [], 0
     for r in rows:
@@ -51,7 +53,25 @@ def _compact(tasks: list[BlockTask], rows: list[slice]) -> list[BlockTask]:
         i = next(i for i, r in enumerate(rows) if r.start <= t.kv.start and t.kv.stop <= r.stop)
         shift = starts[i] - rows[i].start
         out.append(replace(t, kv=slice(t.kv.start + shift, t.kv.stop + shift)))
-    return out
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
+def _round(layout: Layout, mask: MaskSpec, seq_len: int, rank: int, world: int, s: int) -> _RoundPlan:
+    """Round s of `rank`'s ring: the rows it sends to rank+s, the rows it reads from rank-s, its tasks on them.
+
+    Pure and cached: each forward and backward walks the same P-1 rounds.
+    """
+    send = tuple(needed_rows(cached_plan(layout, mask, seq_len, (rank + s) % world, rank)))
+    tasks = cached_plan(layout, mask, seq_len, rank, (rank - s) % world)
+    rows = tuple(needed_rows(tasks))
+    return _RoundPlan(send, rows, _compact(tasks, rows))
+
+
+class _RoundPlan(NamedTuple):
+    send: tuple[slice, ...]
+    recv: tuple[slice, ...]
+    tasks: tuple[BlockTask, ...]
 
 
 class _Rounds:
@@ -61,20 +81,22 @@ class _Rounds:
         self.setup, self.seq = setup, local_seq
         self.rank, self.world = setup.cp.rank, setup.cp.world
 
-    def local_tasks(self) -> list[BlockTask]:
+    def local_tasks(self) -> Sequence[BlockTask]:
         return self.setup.tasks_between(self.rank, self.rank, self.seq)
 
-    def send_rows(self, s: int) -> list[slice]:
+    def _plan(self, s: int) -> _RoundPlan:
+        return _round(self.setup.layout, self.setup.mask, self.setup.seq_len(self.seq), self.rank, self.world, s)
+
+    def send_rows(self, s: int) -> Sequence[slice]:
         """Rows of my K/V that rank+s reads in round s."""
-        return needed_rows(self.setup.tasks_between((self.rank + s) % self.world, self.rank, self.seq))
+        return self._plan(s).send
 
-    def recv(self, s: int) -> tuple[list[slice], list[BlockTask]]:
+    def recv(self, s: int) -> tuple[Sequence[slice], Sequence[BlockTask]]:
         """Rows of rank-s's K/V that I read in round s, and my tasks on their compact copy."""
-        tasks = self.setup.tasks_between(self.rank, (self.rank - s) % self.world, self.seq)
-        rows = needed_rows(tasks)
-        return rows, _compact(tasks, rows)
+        plan = self._plan(s)
+        return plan.recv, plan.tasks
 
-    def post_kv(self, comm: RingComm, k: Tensor, v: Tensor, s: int) -> tuple[PendingRecv, list[BlockTask]]:
+    def post_kv(self, comm: RingComm, k: Tensor, v: Tensor, s: int) -> tuple[PendingRecv, Sequence[BlockTask]]:
         """Start round s's K/V exchange; returns the pending receive and the round's tasks."""
         send = self.send_rows(s)
         rows, tasks = self.recv(s)
@@ -90,7 +112,7 @@ def _with_rows(x: Tensor, n: int) -> Tensor:
     return x.new_empty((x.shape[0], x.shape[1], n, x.shape[3]))
 
 
-def _add_rows(grads: tuple[Tensor, Tensor], pending: PendingRecv, rows: list[slice]) -> None:
+def _add_rows(grads: tuple[Tensor, Tensor], pending: PendingRecv, rows: Sequence[slice]) -> None:
     """Wait for a compact dK/dV block and add it into the rows it belongs to."""
     offset = 0
     got = pending.wait()
@@ -128,7 +150,7 @@ class RingAttention(torch.autograd.Function):
         dq, dk, dv = float_zeros(q), float_zeros(k), float_zeros(v)
         pending = rounds.post_kv(comm, k, v, 1) if rounds.world > 1 else None
         backward_blocks((dq, dk, dv), dout, q, k, v, out, lse, rounds.local_tasks(), setup.kernel)
-        returning: tuple[PendingRecv, list[slice]] | None = None  # dK/dV of my rows, coming home
+        returning: tuple[PendingRecv, Sequence[slice]] | None = None  # dK/dV of my rows, coming home
         for s in range(1, rounds.world):
             following = rounds.post_kv(comm, k, v, s + 1) if s + 1 < rounds.world else None
             assert pending is not None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,20 +29,35 @@ class AttentionSetup:
     def seq_len(self, local_seq: int) -> int:
         return local_seq * self.cp.world
 
-    def tasks_between(self, q_rank: int, kv_rank: int, local_seq: int) -> list[BlockTask]:
+    def tasks_between(self, q_rank: int, kv_rank: int, local_seq: int) -> tuple[BlockTask, ...]:
         """Kernel calls for rank `q_rank`'s queries against rank `kv_rank`'s keys."""
-        seq = self.seq_len(local_seq)
-        return plan(self.layout.runs(q_rank, seq), self.layout.runs(kv_rank, seq), self.mask)
+        return cached_plan(self.layout, self.mask, self.seq_len(local_seq), q_rank, kv_rank)
 
-    def tasks_against_all(self, local_seq: int) -> list[BlockTask]:
+    def tasks_against_all(self, local_seq: int) -> tuple[BlockTask, ...]:
         """Kernel calls for the local queries against the whole sequence in global order."""
-        seq = self.seq_len(local_seq)
-        return plan(self.layout.runs(self.cp.rank, seq), self.layout.global_runs(seq), self.mask)
+        return cached_plan(self.layout, self.mask, self.seq_len(local_seq), self.cp.rank, GLOBAL)
 
-    def tasks_full_sequence(self, seq_len: int) -> list[BlockTask]:
+    def tasks_full_sequence(self, seq_len: int) -> tuple[BlockTask, ...]:
         """Kernel calls for the whole sequence against itself, both in global order (all-to-all)."""
-        runs = self.layout.global_runs(seq_len)
-        return plan(runs, runs, self.mask)
+        return cached_plan(self.layout, self.mask, seq_len, GLOBAL, GLOBAL)
+
+
+GLOBAL = -1  # "the whole sequence in global order" in place of a rank
+PLAN_CACHE_SIZE = 4096  # plans kept (a few MB at most): a ring call at P ranks reads 2P - 1 of them per rank
+
+
+@functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
+def cached_plan(layout: Layout, mask: MaskSpec, seq_len: int, q_rank: int, kv_rank: int) -> tuple[BlockTask, ...]:
+    """The block plan of `q_rank`'s queries against `kv_rank`'s keys (GLOBAL: the whole sequence).
+
+    A pure function of hashable arguments (a layout hashes by its identity), computed
+    once: every round of every forward and backward used to re-plan in Python. A
+    tuple, so no caller can change what the next call reads.
+    """
+    def runs(rank: int) -> list:
+        return layout.global_runs(seq_len) if rank == GLOBAL else layout.runs(rank, seq_len)
+
+    return tuple(plan(runs(q_rank), runs(kv_rank), mask))
 
 
 def float_zeros(like: Tensor) -> Tensor:

@@ -14,6 +14,7 @@ what an all-gather of the shards returns, and the global sequence of a CP DTenso
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -105,8 +106,19 @@ class Layout(ABC):
 
     def to_global_order(self, x: Tensor, dim: int) -> Tensor:
         """Reorder a layout-order tensor (as all-gather returns it) into global order."""
-        return x.index_select(dim, torch.argsort(self.rank_major_order(x.shape[dim], x.device)))
+        return x.index_select(dim, _order_index(self, x.shape[dim], x.device, True))
 
     def to_rank_major(self, x: Tensor, dim: int) -> Tensor:
         """Reorder a global-order tensor into layout order."""
-        return x.index_select(dim, self.rank_major_order(x.shape[dim], x.device))
+        return x.index_select(dim, _order_index(self, x.shape[dim], x.device, False))
+
+
+@functools.lru_cache(maxsize=64)
+def _order_index(layout: Layout, seq_len: int, device: torch.device, inverse: bool) -> Tensor:
+    """The permutation into layout order (or back), built once per layout, length and device.
+
+    The all-gather and all-to-all strategies reorder K/V on every call; rebuilding the
+    index from a packed layout's pieces each time is pure host work. Read-only.
+    """
+    order = layout.rank_major_order(seq_len, device)
+    return torch.argsort(order) if inverse else order

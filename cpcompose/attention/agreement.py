@@ -1,0 +1,214 @@
+"""Agree once per signature, not every call, without letting one rank go astray alone.
+
+The full cross-rank agreement (`cpcompose.validation.agree_across_ranks`) is a
+blocking all-gather read on the host: on NCCL a device-to-host sync per attention
+call. Here it runs only when a call's signature (shapes, dtype, options, the
+layout's identity) is not the one every rank already *expects*; the expected call
+is skipped straight to its K/V collectives.
+
+Why "expected" and not "any signature seen before": a rank that skips the agreement
+posts K/V collectives whose sizes come from its own signature. If ranks could skip
+with two different cached signatures, or one rank skipped while another agreed,
+their collectives would not match (gloo aborts the process on a size mismatch,
+NCCL hangs). So every rank predicts the same next signature from shared history:
+the signature that followed the previous call's last time (the previous call's
+own, by default). History only changes on outcomes every rank sees alike (a call
+all ranks ran, an agreement all ranks joined), so the prediction is identical on
+every rank, and ranks that skip all run the same call.
+
+A rank whose call differs from the prediction (new shapes or options, a local
+error, `validate="every_call"`) *deviates*. Where the data lives on the host (CPU,
+gloo), reading a flag from a peer costs no device sync, so every call also sends
+one int64 flag to every peer, posted before the K/V exchange and read after it:
+
+* a predicted call posts flag 0, runs, and then reads the flags; if a peer
+  deviated, its result is discarded and it joins the full agreement;
+* a deviating rank posts flag 1 and reads the flags at once; if any peer runs the
+  predicted call, it runs that same call on zeros so their collectives complete,
+  then joins the full agreement, which raises the same ValueError on every rank
+  (or, if every rank asked for the same new call, agrees and runs it).
+
+On CUDA the flags would need a device-to-host sync, so they are not sent: a rank
+deviating alone after warm-up is caught only by the backend's timeout
+(`comm.timeout_s`), and `validate="every_call"` restores the per-call check.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from cpcompose.comm import CPGroup, PendingRecv, RingComm
+from cpcompose.validation import Field, agree_across_ranks
+
+Key = tuple[int, ...]
+R = TypeVar("R")
+_FLAG_TAG = 7  # distinct from the ring's K/V (0) and gradient (1) streams
+MAX_ENTRIES = 256
+
+
+@dataclass(frozen=True)
+class CallSpec:
+    """Enough of an agreed call to run it again on zeros (what a deviating rank mimics)."""
+
+    q_shape: torch.Size
+    k_shape: torch.Size
+    v_shape: torch.Size
+    dtype: torch.dtype
+    device: torch.device
+    run: Callable[[CPGroup, Tensor, Tensor, Tensor], object]  # the call on (group, q, k, v); holds no group
+
+    @property
+    def on_host(self) -> bool:
+        return self.device.type == "cpu"
+
+    def mimic(self, cp: CPGroup) -> None:
+        """Run the call on zeros: every collective a peer running it posts gets its partner."""
+        with torch.no_grad():
+            shapes = (self.q_shape, self.k_shape, self.v_shape)
+            self.run(cp, *(torch.zeros(s, dtype=self.dtype, device=self.device) for s in shapes))
+
+
+class AgreementCache:
+    """What the ranks of one process group agreed on, identical on every rank by construction.
+
+    Every mutation happens on an outcome all ranks of the group see alike, in the
+    same order, so `expected()` is common knowledge without communication.
+    """
+
+    def __init__(self, max_entries: int = MAX_ENTRIES) -> None:
+        self.max_entries = max_entries
+        self.prev: Key | None = None  # the last call every rank ran (None: unknown, after an error)
+        self._next: OrderedDict[Key, Key] = OrderedDict()  # what followed a signature last time
+        self._specs: OrderedDict[Key, CallSpec] = OrderedDict()
+        self.agreements = 0  # full agreements run (the blocking all-gather)
+        self.skipped = 0  # calls that ran without one
+        self.deviations = 0  # calls where some rank deviated after warm-up (flags seen)
+
+    def expected(self) -> Key | None:
+        """The signature every rank predicts for the next call, or None (then nobody skips)."""
+        if self.prev is None:
+            return None
+        key = self._next.get(self.prev, self.prev)
+        return key if key in self._specs else None
+
+    def spec(self, key: Key) -> CallSpec:
+        return self._specs[key]
+
+    def ran(self, key: Key) -> None:
+        """Every rank ran the expected call `key` without an agreement."""
+        self.skipped += 1
+        self.prev = key
+        self._specs.move_to_end(key)
+
+    def agreed(self, key: Key, spec: CallSpec) -> None:
+        """Every rank agreed on `key` through the full agreement."""
+        if self.prev is not None:
+            _put(self._next, self.prev, key, self.max_entries)
+        _put(self._specs, key, spec, self.max_entries)
+        self.prev = key
+
+    def failed(self) -> None:
+        """Every rank raised: forget the previous call, so the next call agrees in full."""
+        self.prev = None
+
+
+def _put(d: OrderedDict, key: Hashable, value: object, limit: int) -> None:
+    d[key] = value
+    d.move_to_end(key)
+    while len(d) > limit:
+        d.popitem(last=False)
+
+
+# The process group owns its agreement history: the cache lives exactly as long as the
+# group object, with no state outside it (a WeakKeyDictionary, not a global registry of
+# values that could outlive their group).
+_CACHES: weakref.WeakKeyDictionary[dist.ProcessGroup, AgreementCache] = weakref.WeakKeyDictionary()
+
+
+def agreement_cache(group: dist.ProcessGroup) -> AgreementCache:
+    """The agreement history of `group` (created empty on first use)."""
+    cache = _CACHES.get(group)
+    if cache is None:
+        cache = _CACHES[group] = AgreementCache()
+    return cache
+
+
+def _post_flags(cp: CPGroup, deviating: bool) -> list[PendingRecv]:
+    """Send this rank's flag to every peer and start receiving theirs (gloo, host tensors, unmetered)."""
+    comm = RingComm(cp)
+    mine = torch.tensor([int(deviating)], dtype=torch.int64)
+    return [
+        comm.exchange_with([mine], dst=(cp.rank + s) % cp.world, recv_like=[mine], src=(cp.rank - s) % cp.world,
+                           tag=_FLAG_TAG)
+        for s in range(1, cp.world)
+    ]
+
+
+def _any_deviated(pending: list[PendingRecv]) -> bool:
+    return any(bool(p.wait()[0].item()) for p in pending)
+
+
+def _all_deviated(pending: list[PendingRecv]) -> bool:
+    return all(bool(p.wait()[0].item()) for p in pending)
+
+
+def agreed_call(
+    cp: CPGroup,
+    local_error: str | None,
+    signature: Sequence[Field],
+    *,
+    what: str,
+    device: torch.device,
+    every_call: bool,
+    spec: Callable[[], CallSpec],
+    run: Callable[[], R],
+) -> R:
+    """Run `run()` once every rank is known to make this same call; raise the same ValueError everywhere otherwise.
+
+    Args:
+        cp: the CP group.
+        local_error: this rank's complaint about its input, or None.
+        signature: the named integers every rank must share (see `agree_across_ranks`).
+        what: the entry point's name, for messages.
+        device: where the agreement's tiny tensor lives (CUDA for NCCL).
+        every_call: run the full agreement whatever the history (`validate="every_call"`).
+        spec: builds this call's `CallSpec` (only called for a valid call).
+        run: the call itself.
+    """
+    cache = agreement_cache(cp.group)
+    key: Key = tuple(int(v) for _, v in signature)
+    expected = cache.expected()
+    predicted = local_error is None and not every_call and key == expected
+    flags = expected is not None and cp.world > 1 and cache.spec(expected).on_host
+    if flags:
+        pending = _post_flags(cp, deviating=not predicted)
+        if predicted:
+            result = run()
+            if not _any_deviated(pending):
+                cache.ran(key)
+                return result
+            cache.deviations += 1  # a peer deviated: this result was computed with its zeros
+        else:
+            if not _all_deviated(pending):
+                cache.deviations += 1
+                assert expected is not None
+                cache.spec(expected).mimic(cp)
+    elif predicted:
+        cache.ran(key)
+        return run()
+    cache.agreements += 1
+    try:
+        agree_across_ranks(cp, local_error, signature, what=what, device=device)
+    except ValueError:
+        cache.failed()
+        raise
+    cache.agreed(key, spec())
+    return run()

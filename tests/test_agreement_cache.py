@@ -1,0 +1,228 @@
+"""The cross-rank agreement runs once per expected call, and a rank that deviates later is still caught.
+
+Real gloo groups (the `pools` fixture); the workers persist between cases, so every
+count below is a difference taken within one case.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from cpcompose import PackedLayout, cp_attention
+from cpcompose.attention.agreement import agreement_cache
+from cpcompose.attention.blocks import MaskSpec, needed_rows, plan
+from cpcompose.attention.setup import GLOBAL, cached_plan
+from cpcompose.layouts import ZigzagLayout
+from tests.attention_cases import Case, run_cp
+
+STRATEGIES = ("ring", "allgather", "alltoall")
+
+
+def _qkv(rank: int, seq: int, heads: int = 4, kv_heads: int = 2, dim: int = 8) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(rank)
+    q = torch.randn(1, heads, seq, dim, generator=g, requires_grad=True)
+    k = torch.randn(1, kv_heads, seq, dim, generator=g, requires_grad=True)
+    return [q, k, torch.randn(1, kv_heads, seq, dim, generator=g, requires_grad=True)]
+
+
+class CountCollectives(TorchDispatchMode):
+    """Counts the c10d ops that run inside it (forward and backward), by name; passes everything through."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func.namespace == "c10d":
+            self.counts[func.__name__.split(".")[0]] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _counts(mesh) -> tuple[int, int]:
+    cache = agreement_cache(mesh.get_group())
+    return cache.agreements, cache.skipped
+
+
+def two_steps(mesh, strategy: str, validate: str) -> dict[str, Any]:
+    """Two training steps of a two-"layer" attention stack, forward and backward; count agreements and all-gathers."""
+    q, k, v = _qkv(mesh.get_local_rank(), seq=20)  # a shape no other case uses: step 1 is a new call
+
+    def step() -> tuple[int, int, int]:
+        before = _counts(mesh)
+        with CountCollectives() as comm:
+            h = cp_attention(q, k, v, mesh=mesh, is_causal=True, strategy=strategy, validate=validate)
+            out = cp_attention(h, k, v, mesh=mesh, is_causal=True, strategy=strategy, validate=validate)
+            out.sum().backward()
+        after = _counts(mesh)
+        return after[0] - before[0], after[1] - before[1], comm.counts["_allgather_base_"]
+
+    return {"step1": step(), "step2": step()}
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_steady_state_does_no_agreement(pools, strategy: str) -> None:
+    """Step 1 agrees once (the first layer's new call), the second layer and all of step 2 skip it."""
+    for rank, r in enumerate(pools.get(2).run(two_steps, strategy, "first_call")):
+        assert r["step1"][:2] == (1, 1), f"rank {rank}: {r}"
+        assert r["step2"][:2] == (0, 2), f"rank {rank}: {r}"
+        # No all-gather at all in step 2, except the all-gather strategy's own K/V (per layer: forward, backward).
+        assert r["step2"][2] == (4 if strategy == "allgather" else 0), f"rank {rank}: {r}"
+        assert r["step1"][2] == r["step2"][2] + 1, f"rank {rank}: step 1 had the one agreement all-gather: {r}"
+
+
+def test_every_call_agrees_every_call(pools) -> None:
+    for rank, r in enumerate(pools.get(2).run(two_steps, "ring", "every_call")):
+        assert r["step1"][:2] == (2, 0) and r["step2"][:2] == (2, 0), f"rank {rank}: {r}"
+        assert r["step1"][2] == r["step2"][2] == 2, f"rank {rank}: one agreement all-gather per call: {r}"
+
+
+def deviate_after_warmup(mesh, strategy: str, how: str) -> list[str]:
+    """Warm up (the call is agreed and then skipped), then one rank deviates alone, then a valid call."""
+    rank = mesh.get_local_rank()
+    q, k, v = (t.detach() for t in _qkv(rank, seq=12))
+    kwargs: dict[str, Any] = {"mesh": mesh, "is_causal": True, "strategy": strategy}
+    results = []
+    for _ in range(3):
+        cp_attention(q, k, v, **kwargs)
+    bad_q, bad_k, bad_v, bad_kwargs = q, k, v, dict(kwargs)
+    if how == "new_shape":
+        bad_q, bad_k, bad_v = (t.detach() for t in _qkv(rank, seq=24))
+    elif how == "local_error":
+        bad_kwargs["softcap"] = float("nan")
+    elif how == "other_option":
+        bad_kwargs["scale"] = 0.5
+    cache = agreement_cache(mesh.get_group())
+    before, deviations = cache.skipped, cache.deviations
+    try:
+        cp_attention(*((bad_q, bad_k, bad_v) if rank == 1 else (q, k, v)), **(bad_kwargs if rank == 1 else kwargs))
+        results.append("no error")
+    except ValueError as e:
+        results.append(str(e))
+    assert cache.skipped == before  # nobody's result escaped
+    assert cache.deviations == deviations + 1  # seen in the flags: rank 0 ran the expected call, rank 1 replayed it
+    out = cp_attention(q, k, v, **kwargs)  # the group is still in step
+    results.append(f"valid call: {tuple(out.shape)}")
+    return results
+
+
+EXPECTED = {
+    "new_shape": "inputs differ between CP ranks (q, k, v)",
+    "local_error": "rank 1: softcap must be a finite positive number",
+    "other_option": "inputs differ between CP ranks (scale)",
+}
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("how", sorted(EXPECTED))
+def test_a_rank_deviating_alone_after_warmup_raises_everywhere(pools, strategy: str, how: str) -> None:
+    """The deviating rank replays the expected call on zeros, so nobody hangs; every rank raises the same error."""
+    messages = pools.get(2).run(deviate_after_warmup, strategy, how, timeout=60)
+    for rank, (error, valid) in enumerate(messages):
+        assert EXPECTED[how] in error, f"rank {rank}: {error!r}"
+        assert valid == "valid call: (1, 4, 12, 8)", f"rank {rank}: {valid!r}"
+    assert messages[0][0] == messages[1][0]
+
+
+def packed_batches(mesh) -> list[tuple[int, int]]:
+    """Each batch brings a new packed layout on every rank: one agreement per batch, then skips."""
+    rank, counts = mesh.get_local_rank(), []
+    for cu in ([0, 5, 24, 40], [0, 17, 31, 40], [0, 3, 9, 40]):
+        layout = PackedLayout.build(cu, 2)
+        q, k, v = (t.detach() for t in _qkv(rank, seq=20))
+        before = _counts(mesh)
+        for _ in range(3):  # three layers
+            cp_attention(q, k, v, mesh=mesh, is_causal=True, layout=layout)
+        after = _counts(mesh)
+        counts.append((after[0] - before[0], after[1] - before[1]))
+    return counts
+
+
+def test_packed_layouts_agree_once_per_batch(pools) -> None:
+    for rank, counts in enumerate(pools.get(2).run(packed_batches)):
+        assert counts == [(1, 2)] * 3, f"rank {rank}: {counts}"
+
+
+def test_exact_after_warmup(pools) -> None:
+    """Skipping the agreement changes nothing in the results: the same case twice, bit for bit."""
+    pool = pools.get(2)
+    case = Case("ring", "zigzag", True, 4, 2, 2, seq=32)
+    first, second = pool.run(run_cp, case), pool.run(run_cp, case)
+    for a, b in zip(first, second):
+        for name in ("out", "lse", "dq", "dk", "dv"):
+            assert torch.equal(a[name], b[name]), name
+
+
+def test_plans_are_cached_tuples() -> None:
+    """A cached plan is the planner's own answer, computed once, and immutable."""
+    layout, mask = ZigzagLayout(4), MaskSpec(True)
+    fresh = plan(layout.runs(1, 64), layout.runs(3, 64), mask)
+    cached = cached_plan(layout, mask, 64, 1, 3)
+    assert isinstance(cached, tuple) and list(cached) == fresh
+    assert cached_plan(ZigzagLayout(4), MaskSpec(True), 64, 1, 3) is cached  # equal layouts share it
+    assert needed_rows(cached_plan(layout, mask, 64, 1, GLOBAL)) == needed_rows(
+        plan(layout.runs(1, 64), layout.global_runs(64), mask)
+    )
+
+
+def cache_lifetime(mesh) -> tuple[int, int, int]:
+    """A group's agreement history lives exactly as long as the group: nothing in it holds the group."""
+    import gc
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from cpcompose.attention import agreement
+
+    group = dist.new_group(ranks=[0, 1], backend="gloo")
+    sub = DeviceMesh.from_group(group, "cpu", mesh_dim_names=("cp",))
+    q, k, v = (t.detach() for t in _qkv(mesh.get_local_rank(), seq=8))
+    before = len(agreement._CACHES)
+    cp_attention(q, k, v, mesh=sub, is_causal=True)
+    during = len(agreement._CACHES)
+    dist.destroy_process_group(group)
+    del group, sub
+    gc.collect()
+    return before, during, len(agreement._CACHES)
+
+
+def test_history_is_owned_by_its_group(pools) -> None:
+    for before, during, after in pools.get(2).run(cache_lifetime):
+        assert during == before + 1 and after == before, (before, during, after)
+
+
+def model_steps(mesh) -> list[tuple[int, int, int]]:
+    """Two training steps of a small two-layer model through `ContextParallel` (the SDPA route)."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from cpcompose import ContextParallel, cp_cross_entropy, cp_position_ids, cp_shard
+    from tests.test_entry_points import SEQ, make_batch, make_model
+
+    model = make_model(causal=True)
+    parallelize_module(model, mesh, {"blocks.*": ContextParallel(strategy="ring")})
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    tokens, labels = (cp_shard(t, mesh, seq_dim=1, layout="zigzag") for t in make_batch())
+    positions = cp_position_ids(SEQ, mesh, layout="zigzag")
+    steps = []
+    for _ in range(2):
+        before = _counts(mesh)
+        with CountCollectives() as comm:
+            logits = model(tokens, positions)
+        loss = cp_cross_entropy(logits, labels, mesh=mesh)  # its own all-reduce, outside the count
+        with comm:
+            loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        after = _counts(mesh)
+        steps.append((after[0] - before[0], after[1] - before[1], comm.counts["_allgather_base_"]))
+    return steps
+
+
+def test_model_training_step_at_steady_state(pools) -> None:
+    for rank, (step1, step2) in enumerate(pools.get(2).run(model_steps)):
+        assert step1[0] + step1[1] == 2 and step1[0] <= 1, f"rank {rank}: {step1}"  # at most the first layer agrees
+        assert step2 == (0, 2, 0), f"rank {rank}: step 2 agreed or all-gathered: {step2}"
