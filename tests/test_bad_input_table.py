@@ -40,7 +40,7 @@ def _qkv(**shape: int) -> list[torch.Tensor]:
             torch.randn(b, hkv, s, d, generator=g)]
 
 
-def attention(bad: bool, **changes: Any) -> Callable:
+def attention(**changes: Any) -> Callable:
     """A cp_attention call whose keyword `changes` apply on the bad rank only."""
 
     def call(mesh, is_bad: bool) -> Any:
@@ -51,10 +51,6 @@ def attention(bad: bool, **changes: Any) -> Callable:
         return cp_attention(q, k, v, mesh=mesh, **kwargs)
 
     return call
-
-
-def tensors(**shape: int) -> list[torch.Tensor]:
-    return _qkv(**shape)
 
 
 def _mutate(fn: Callable[[list[torch.Tensor]], list[torch.Tensor]]) -> Callable:
@@ -128,25 +124,25 @@ LOCAL = "bad"  # raised on the bad rank only (no communication)
 
 CASES: dict[str, tuple[Callable, str, str]] = {
     # cp_attention: options
-    "scale_negative": (attention(True, scale=-1.0), SHARED, "scale must be a finite positive number"),
-    "scale_inf": (attention(True, scale=float("inf")), SHARED, "scale must be a finite positive number"),
-    "scale_nan": (attention(True, scale=float("nan")), SHARED, "scale must be a finite positive number"),
-    "scale_string": (attention(True, scale="1"), SHARED, "scale must be a finite positive number"),
-    "scale_differs": (attention(True, scale=0.5), SHARED, "differ between CP ranks (scale)"),
-    "softcap_zero": (attention(True, softcap=0.0), SHARED, "softcap must be a finite positive number"),
-    "window_negative": (attention(True, window_size=-3), SHARED, "window_size must be a positive number"),
-    "window_pair_causal_right": (attention(True, window_size=(2, 3)), SHARED, "a causal window has right = 0"),
-    "window_pair_bad": (attention(True, window_size=(-2, 0)), SHARED, "two non-negative ints"),
-    "window_bool": (attention(True, window_size=True), SHARED, "window_size must be a positive number"),
-    "strategy_unknown": (attention(True, strategy="tree"), SHARED, "strategy='tree' is unknown"),
-    "layout_unknown": (attention(True, layout="striped"), SHARED, "layout='striped' is unknown"),
-    "layout_wrong_world": (attention(True, layout=PackedLayout.build([0, 16], 4)), SHARED, "built for 4 CP ranks"),
-    "layout_differs": (attention(True, layout="contiguous"), SHARED, "differ between CP ranks (layout)"),
-    "backend_unknown": (attention(True, backend="nope"), SHARED, "backend='nope' is unknown"),
-    "backend_cuda_on_cpu": (attention(True, backend="cuda_flash"), SHARED, "needs CUDA tensors"),
-    "meter_wrong_type": (attention(True, meter="bytes"), SHARED, "meter must be a cpcompose.CommMeter"),
-    "causal_differs": (attention(True, is_causal=False), SHARED, "differ between CP ranks (is_causal)"),
-    "return_lse_differs": (attention(True, return_lse=True), SHARED, "differ between CP ranks (return_lse)"),
+    "scale_negative": (attention(scale=-1.0), SHARED, "scale must be a finite positive number"),
+    "scale_inf": (attention(scale=float("inf")), SHARED, "scale must be a finite positive number"),
+    "scale_nan": (attention(scale=float("nan")), SHARED, "scale must be a finite positive number"),
+    "scale_string": (attention(scale="1"), SHARED, "scale must be a finite positive number"),
+    "scale_differs": (attention(scale=0.5), SHARED, "differ between CP ranks (scale)"),
+    "softcap_zero": (attention(softcap=0.0), SHARED, "softcap must be a finite positive number"),
+    "window_negative": (attention(window_size=-3), SHARED, "window_size must be a positive number"),
+    "window_pair_causal_right": (attention(window_size=(2, 3)), SHARED, "a causal window has right = 0"),
+    "window_pair_bad": (attention(window_size=(-2, 0)), SHARED, "two non-negative ints"),
+    "window_bool": (attention(window_size=True), SHARED, "window_size must be a positive number"),
+    "strategy_unknown": (attention(strategy="tree"), SHARED, "strategy='tree' is unknown"),
+    "layout_unknown": (attention(layout="striped"), SHARED, "layout='striped' is unknown"),
+    "layout_wrong_world": (attention(layout=PackedLayout.build([0, 16], 4)), SHARED, "built for 4 CP ranks"),
+    "layout_differs": (attention(layout="contiguous"), SHARED, "differ between CP ranks (layout)"),
+    "backend_unknown": (attention(backend="nope"), SHARED, "backend='nope' is unknown"),
+    "backend_cuda_on_cpu": (attention(backend="cuda_flash"), SHARED, "needs CUDA tensors"),
+    "meter_wrong_type": (attention(meter="bytes"), SHARED, "meter must be a cpcompose.CommMeter"),
+    "causal_differs": (attention(is_causal=False), SHARED, "differ between CP ranks (is_causal)"),
+    "return_lse_differs": (attention(return_lse=True), SHARED, "differ between CP ranks (return_lse)"),
     # cp_attention: tensors
     "q_3d": (_mutate(lambda t: [t[0][0], t[1], t[2]]), SHARED, "must be 4-D"),
     "q_0d": (_mutate(lambda t: [t[0].sum(), t[1], t[2]]), SHARED, "must be 4-D"),

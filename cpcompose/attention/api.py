@@ -145,8 +145,9 @@ def checked_call(
     """
     cp = CPGroup.from_mesh(mesh)
     layout: Layout | None = None
+    window, window_error = window_pair(options.window_size, is_causal)
     error = (
-        caller_error or options.error(cp.world) or window_pair(options.window_size, is_causal)[1]
+        caller_error or options.error(cp.world) or window_error
         or _tensor_error(q, k, v) or _positive_error("scale", scale) or _positive_error("softcap", softcap)
     )
     if error is None:
@@ -157,7 +158,6 @@ def checked_call(
             select_backend(q, options.backend)
         except ValueError as e:
             error = str(e)
-    window = window_pair(options.window_size, is_causal)[0]
     signature = _signature(q, k, v, is_causal, scale, softcap, window, options, layout, return_lse)
     strategy = STRATEGIES.get(options.strategy)
 
