@@ -22,6 +22,8 @@ cuda_flash_forward = aten._scaled_dot_product_flash_attention.default
 cuda_flash_backward = aten._scaled_dot_product_flash_attention_backward.default
 cuda_efficient_forward = aten._scaled_dot_product_efficient_attention.default
 cuda_efficient_backward = aten._scaled_dot_product_efficient_attention_backward.default
+cuda_cudnn_forward = aten._scaled_dot_product_cudnn_attention.default
+cuda_cudnn_backward = aten._scaled_dot_product_cudnn_attention_backward.default
 
 
 def import_flash_attn() -> ModuleType | None:
@@ -37,6 +39,24 @@ def import_flash_attn() -> ModuleType | None:
     if not hasattr(flash_attn_interface, "_flash_attn_forward"):
         return None
     return flash_attn_interface
+
+
+# Flat collectives: torch 2.13 names them `all_gather_single` / `reduce_scatter_single`;
+# earlier releases (2.11 on the GPU machines this project is lent) only have the
+# `*_tensor` spellings, which take the same flat buffers.
+_all_gather_flat = getattr(torch.distributed, "all_gather_single", None) or torch.distributed.all_gather_into_tensor
+_reduce_scatter_flat = (getattr(torch.distributed, "reduce_scatter_single", None)
+                        or torch.distributed.reduce_scatter_tensor)
+
+
+def all_gather_flat(out: torch.Tensor, flat: torch.Tensor, group: Any) -> None:
+    """Every rank's `flat` concatenated into `out` (1-D buffers), in rank order."""
+    _all_gather_flat(out, flat, group=group)
+
+
+def reduce_scatter_flat(out: torch.Tensor, flat: torch.Tensor, group: Any) -> None:
+    """The sum over ranks of this rank's slice of `flat` (1-D buffers) into `out`."""
+    _reduce_scatter_flat(out, flat, op=torch.distributed.ReduceOp.SUM, group=group)
 
 
 def flatten_mesh(mesh: Any, name: str) -> Any:

@@ -190,7 +190,7 @@ def all_gather(x: Tensor, cp: CPGroup, meter: CommMeter | None = None) -> Tensor
     if device is not None:
         flat = _to_host(flat)
     out = flat.new_empty(cp.world * x.numel())
-    dist.all_gather_single(out, flat, group=cp.group)
+    _compat.all_gather_flat(out, flat, cp.group)
     if meter is not None:
         meter.add("all_gather", (cp.world - 1) * _nbytes([x]))
     if device is not None:
@@ -205,7 +205,7 @@ def reduce_scatter(x: Tensor, cp: CPGroup, meter: CommMeter | None = None) -> Te
     if device is not None:
         flat = _to_host(flat)
     out = flat.new_empty(x.shape[1:])
-    dist.reduce_scatter_single(out.view(-1), flat, op=dist.ReduceOp.SUM, group=cp.group)
+    _compat.reduce_scatter_flat(out.view(-1), flat, cp.group)
     if meter is not None:
         meter.add("reduce_scatter", _nbytes([x]) * (cp.world - 1) // cp.world)
     return out if device is None else out.to(device, copy=True)
