@@ -1,11 +1,14 @@
 """All-gather attention (Llama 3 style): gather the whole K/V, attend locally.
 
 Forward all-gathers K and V in one collective (GQA K/V travel with their own head
-count; K and V are concatenated along the head dim, so V may have its own, as in
-MLA), reorders them into global order and runs the local queries against the
-visible blocks only. Backward gathers K/V again instead of keeping the full copy
-alive between forward and backward (activation memory stays 1/P), computes dK/dV
-for the whole sequence in float32 and reduce-scatters them to their owners.
+count; each rank sends its K and V flattened end to end, so V may have its own head
+dim, as in MLA, and every gathered shard is a contiguous view) and runs the local queries against each rank's gathered shard in place, with
+the block plans the ring uses for that pair of ranks. Nothing is reordered into
+global order: a full-sequence copy (and, in backward, a second one for the
+gradients) cost as much as the kernels on packed batches of short documents.
+Backward gathers K/V again instead of keeping the full copy alive between forward
+and backward (activation memory stays 1/P), accumulates dK/dV for every rank's rows
+in float32, already laid out rank by rank, and reduce-scatters them to their owners.
 """
 
 from __future__ import annotations
@@ -22,12 +25,16 @@ from cpcompose.comm import all_gather, reduce_scatter
 from cpcompose.precision import accumulation_dtype
 
 
-def _gather_kv(k: Tensor, v: Tensor, setup: AttentionSetup) -> tuple[Tensor, Tensor]:
-    """Full K and V in global order, `(B, Hkv, L, Dk)` and `(B, Hkv, L, Dv)`."""
-    stacked = all_gather(torch.cat([k, v], dim=3), setup.cp, setup.meter)  # (P, B, H, S, Dk + Dv)
-    full = torch.cat(stacked.unbind(0), dim=2)  # rank-major along the sequence
-    full = setup.layout.to_global_order(full, dim=2)
-    return full[..., : k.shape[3]], full[..., k.shape[3] :]
+def _gather_kv(k: Tensor, v: Tensor, setup: AttentionSetup) -> list[tuple[Tensor, Tensor]]:
+    """Every rank's `(K, V)` shards, in rank order, as contiguous views of one gathered buffer."""
+    flat = all_gather(torch.cat([k.reshape(-1), v.reshape(-1)]), setup.cp, setup.meter)  # (P, |K| + |V|)
+    return _split_kv(flat, k, v)
+
+
+def _split_kv(flat: Tensor, k: Tensor, v: Tensor) -> list[tuple[Tensor, Tensor]]:
+    """Rank p's row of `flat` as `(K-shaped, V-shaped)` views: contiguous, so no kernel call copies them."""
+    n = k.numel()
+    return [(row[:n].view(k.shape), row[n:].view(v.shape)) for row in flat.unbind(0)]
 
 
 class AllGatherAttention(torch.autograd.Function):
@@ -35,24 +42,23 @@ class AllGatherAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, setup: AttentionSetup) -> tuple[Tensor, Tensor]:
-        k_full, v_full = _gather_kv(k, v, setup)
+        seq, rank = q.shape[2], setup.cp.rank
         acc = SoftmaxAccumulator(q, v.shape[-1])
-        forward_blocks(acc, q, k_full, v_full, setup.tasks_against_all(q.shape[2]), setup.kernel)
+        for src, (k_src, v_src) in enumerate(_gather_kv(k, v, setup)):
+            forward_blocks(acc, q, k_src, v_src, setup.tasks_between(rank, src, seq), setup.kernel)
         return finish_forward(ctx, q, k, v, acc, setup)
 
     @staticmethod
     def backward(ctx: Any, dout: Tensor, _dlse: Tensor | None) -> tuple[Tensor, Tensor, Tensor, None]:
         q, k, v, out, lse = ctx.saved_tensors
         setup: AttentionSetup = ctx.setup
-        k_full, v_full = _gather_kv(k, v, setup)
+        seq, rank, world = q.shape[2], setup.cp.rank, setup.cp.world
         acc_dtype = accumulation_dtype(q.dtype)
         dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
-        dkv = torch.zeros((*k_full.shape[:3], k.shape[3] + v.shape[3]), dtype=acc_dtype, device=q.device)
-        dk_full, dv_full = dkv[..., : k.shape[3]], dkv[..., k.shape[3] :]  # views: one buffer, one collective
-        tasks = setup.tasks_against_all(q.shape[2])
-        backward_blocks((dq, dk_full, dv_full), dout.contiguous(), q, k_full, v_full, out, lse, tasks, setup.kernel)
-        # Back to rank-major order, one slice per rank, then sum over ranks.
-        per_rank = setup.layout.to_rank_major(dkv, dim=2).chunk(setup.cp.world, dim=2)
-        dkv_mine = reduce_scatter(torch.stack(per_rank), setup.cp, setup.meter)
-        dk, dv = dkv_mine[..., : k.shape[3]], dkv_mine[..., k.shape[3] :]
+        dkv = torch.zeros((world, k.numel() + v.numel()), dtype=acc_dtype, device=q.device)  # one collective
+        dout = dout.contiguous()
+        for src, ((k_src, v_src), (dk_src, dv_src)) in enumerate(zip(_gather_kv(k, v, setup), _split_kv(dkv, k, v))):
+            tasks = setup.tasks_between(rank, src, seq)
+            backward_blocks((dq, dk_src, dv_src), dout, q, k_src, v_src, out, lse, tasks, setup.kernel)
+        (dk, dv), = _split_kv(reduce_scatter(dkv, setup.cp, setup.meter)[None], k, v)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None

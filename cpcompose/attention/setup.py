@@ -33,10 +33,6 @@ class AttentionSetup:
         """Kernel calls for rank `q_rank`'s queries against rank `kv_rank`'s keys."""
         return cached_plan(self.layout, self.mask, self.seq_len(local_seq), q_rank, kv_rank)
 
-    def tasks_against_all(self, local_seq: int) -> tuple[BlockTask, ...]:
-        """Kernel calls for the local queries against the whole sequence in global order."""
-        return cached_plan(self.layout, self.mask, self.seq_len(local_seq), self.cp.rank, GLOBAL)
-
     def tasks_full_sequence(self, seq_len: int) -> tuple[BlockTask, ...]:
         """Kernel calls for the whole sequence against itself, both in global order (all-to-all)."""
         return cached_plan(self.layout, self.mask, seq_len, GLOBAL, GLOBAL)
