@@ -35,10 +35,23 @@ class SoftmaxAccumulator:
         self.out = torch.zeros(b, h, s, value_dim, dtype=acc, device=like.device)
         self.lse = torch.full((b, h, s), float("-inf"), dtype=acc, device=like.device)
         self._queries = like
+        self._touched: list[tuple[int, int]] = []  # row ranges some block has written
 
     def merge(self, rows: slice, block_out: Tensor, block_lse: Tensor) -> None:
-        """Fold one block's result for query rows `rows` into the running result."""
+        """Fold one block's result for query rows `rows` into the running result.
+
+        The first block to reach a row range is copied in (what the merge would
+        compute from `-inf`, exactly): on packed batches most rows see a few small
+        blocks, and the merge's half-dozen passes over the output cost as much as
+        the kernel calls themselves.
+        """
         out, lse = self.out[:, :, rows], self.lse[:, :, rows]
+        if not any(a < rows.stop and rows.start < b for a, b in self._touched):
+            self._touched.append((rows.start, rows.stop))
+            out.copy_(block_out)
+            lse.copy_(block_lse)
+            return
+        self._touched.append((rows.start, rows.stop))
         block_lse = block_lse.to(lse.dtype)
         keep = torch.sigmoid(lse - block_lse).unsqueeze(-1)
         take = torch.sigmoid(block_lse - lse).unsqueeze(-1)
