@@ -99,8 +99,10 @@ def run_cp(mesh, case: Case) -> dict[str, Tensor]:
         "forward_bytes": forward_bytes, "total_bytes": meter.total,
     }
     if case.device != "cpu" and mesh.get_local_rank() == 0:
+        masked = case.window is not None
         result["baseline"] = sdpa_baseline(
-            full["q"], full["k"], full["v"], full["dout"], causal=case.causal, scale=case.head_dim**-0.5
+            full["q"], full["k"], full["v"], full["dout"], causal=case.causal, scale=case.head_dim**-0.5,
+            visible=case.visible().to(case.device) if masked else None, softcap=case.softcap,
         )
     return result
 

@@ -17,27 +17,56 @@ from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
-def sdpa_baseline(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, *, causal: bool, scale: float) -> dict[str, Tensor]:
-    """Output, LSE and gradients of full-sequence SDPA on `q`'s device and dtype, returned on the CPU.
+def sdpa_baseline(
+    q: Tensor, k: Tensor, v: Tensor, dout: Tensor, *, causal: bool, scale: float, visible: Tensor | None = None,
+    softcap: float | None = None,
+) -> dict[str, Tensor]:
+    """Output, LSE and gradients of full-sequence attention on `q`'s device and dtype, returned on the CPU.
 
     K/V heads are repeated before the kernel (the fused CUDA kernels have no GQA), so
-    dK/dV come back summed over each group, with the K/V head count.
+    dK/dV come back summed over each group, with the K/V head count. A window
+    (`visible`, the boolean `(S, S)` mask) goes to the memory-efficient kernel as an
+    additive bias, whatever the dtype (PyTorch's flash kernel takes no mask), as
+    cpcompose's window-edge blocks do; softcap and float64, which no fused PyTorch
+    kernel has, use an explicit softmax in the input dtype through autograd. V with
+    its own head dim is zero-padded for the fused kernels (zero columns change nothing).
     """
     half = q.dtype in (torch.float16, torch.bfloat16)
     q, k, v, dout = (t.detach().contiguous() for t in (q, k, v, dout))
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     group = q.shape[1] // k.shape[1]
     ke, ve = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-    with sdpa_kernel([SDPBackend.FLASH_ATTENTION if half else SDPBackend.EFFICIENT_ATTENTION]):
-        out = F.scaled_dot_product_attention(q, ke, ve, is_causal=causal, scale=scale)
+    if softcap is not None or q.dtype == torch.float64:
+        s = q @ ke.transpose(-1, -2) * scale
+        if softcap is not None:
+            s = softcap * torch.tanh(s / softcap)
+        if visible is None and causal:
+            visible = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+        if visible is not None:
+            s = s.masked_fill(~visible.to(q.device), float("-inf"))
+        lse = torch.logsumexp(s.float(), -1)
+        out = (torch.softmax(s.float(), -1).to(q.dtype) @ ve)
+    else:
+        width = max(q.shape[-1], v.shape[-1])
+        qp, kp, vp = (F.pad(t, (0, width - t.shape[-1])) for t in (q, ke, ve))
+        masked = visible is not None  # a window (`causal` then only says which side it bounds)
+        bias = None
+        if masked:
+            bias = torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill(
+                ~visible.to(q.device), float("-inf"))
+        kernel = SDPBackend.EFFICIENT_ATTENTION if (masked or not half) else SDPBackend.FLASH_ATTENTION
+        with sdpa_kernel([kernel]):
+            out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=bias, is_causal=causal and not masked,
+                                                 scale=scale)[..., : v.shape[-1]]
+        with torch.no_grad():
+            if kernel == SDPBackend.FLASH_ATTENTION:
+                lse = torch.ops.aten._scaled_dot_product_flash_attention(qp, kp, vp, 0.0, causal, False, scale=scale)[1]
+            else:  # the efficient kernel pads the LSE to a multiple of 32 queries
+                full_bias = None if bias is None else bias.expand(qp.shape[0], qp.shape[1], *bias.shape)
+                lse = torch.ops.aten._scaled_dot_product_efficient_attention(
+                    qp, kp, vp, full_bias, True, 0.0, causal and not masked, scale=scale
+                )[1][..., : q.shape[2]]
     out.backward(dout)
-    with torch.no_grad():
-        if half:
-            lse = torch.ops.aten._scaled_dot_product_flash_attention(q, ke, ve, 0.0, causal, False, scale=scale)[1]
-        else:  # the efficient kernel pads the LSE to a multiple of 32 queries
-            lse = torch.ops.aten._scaled_dot_product_efficient_attention(
-                q, ke, ve, None, True, 0.0, causal, scale=scale
-            )[1][..., : q.shape[2]]
     grads = [t.grad for t in (q, k, v)]
     assert all(g is not None for g in grads)
     return {name: t.detach().cpu() for name, t in zip(("out", "lse", "dq", "dk", "dv"), [out, lse, *grads])}

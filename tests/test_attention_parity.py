@@ -128,6 +128,34 @@ def test_cuda_matches_single_process(pools, case: Case) -> None:
     assert_matches_single_process(case, pools.get(case.world, "cuda").run(run_cp, case))
 
 
+# Window edges, MLA and softcap on the CUDA kernels: fp32 bands go to the efficient kernel
+# with an additive bias, bf16 ones to flash-attn's native window (or the efficient kernel
+# where the band has no flash-attn spelling), float64 to the explicit path.
+CUDA_MASK_MATRIX = [
+    Case(strategy, "zigzag", seq=24 * world, world=world, dtype=dtype, device="cuda", **variant)  # type: ignore[arg-type]
+    for world, dtype, strategy, variant in itertools.product(
+        (2, 4), (torch.float32, torch.bfloat16), ("ring", "allgather", "alltoall"), VARIANTS
+    )
+] + [Case(s, "zigzag", True, 4, 2, 2, dtype=torch.float64, seq=48, window=(9, 0), device="cuda")
+     for s in ("ring", "allgather", "alltoall")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CUDA_MASK_MATRIX, ids=str)
+def test_cuda_windows_mla_softcap_match_single_process(pools, case: Case) -> None:
+    assert_matches_single_process(case, pools.get(case.world, "cuda").run(run_cp, case))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cuda_efficient", "cuda_cudnn", "cuda_flash"])
+def test_cuda_forced_backends_match(pools, backend: str) -> None:
+    """Each aten CUDA kernel, forced, with windows (their band blocks go to the efficient kernel's bias)."""
+    dtype = torch.float32 if backend == "cuda_efficient" else torch.bfloat16
+    case = Case("ring", "zigzag", False, 4, 2, 2, dtype=dtype, seq=96, window=(17, 5), backend=backend,
+                device="cuda")
+    assert_matches_single_process(case, pools.get(2, "cuda").run(run_cp, case))
+
+
 @pytest.mark.gpu
 def test_cuda_longer_sequence(pools) -> None:
     """Many kernel tiles per block on the GPU kernels, bf16 (the flash kernel)."""

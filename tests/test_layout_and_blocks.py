@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from cpcompose.attention.blocks import MaskSpec, plan
-from cpcompose.attention.kernels import attention_backward, attention_forward
+from cpcompose.attention.kernels import Band, attention_backward, attention_forward
 from cpcompose.attention.merge import SoftmaxAccumulator
 from cpcompose.layouts import Run, resolve_layout
 
@@ -196,15 +196,16 @@ def test_explicit_kernel_matches_float64_definition(softcap, masking: str, monke
     k = torch.randn(2, 2, 23, 8, generator=g, dtype=torch.float64) * 2
     v = torch.randn(2, 2, 23, 5, generator=g, dtype=torch.float64)
     dout = torch.randn(2, 6, 23, 5, generator=g, dtype=torch.float64)
-    mask = None
+    mask, band = None, None
     if masking == "band":
         d = torch.arange(23)[:, None] - torch.arange(23)[None, :]
         mask = torch.zeros(23, 23, dtype=torch.float64).masked_fill((d > 4) | (d < -2), float("-inf"))
+        band = Band(0, 4, 2)
     backend = "math" if softcap is None else "cpu_flash"  # softcap must leave the fused kernel by itself
-    out, lse = attention_forward(q, k, v, causal=masking == "causal", scale=0.4, backend=backend, mask=mask,
+    out, lse = attention_forward(q, k, v, causal=masking == "causal", scale=0.4, backend=backend, band=band,
                                  softcap=softcap)
     grads = attention_backward(dout, q, k, v, out, lse, causal=masking == "causal", scale=0.4, backend=backend,
-                               mask=mask, softcap=softcap)
+                               band=band, softcap=softcap)
     want = _explicit_reference(q, k, v, dout, causal=masking == "causal", scale=0.4, mask=mask, softcap=softcap)
     for got, exp in zip((out, lse, *grads), want):
         torch.testing.assert_close(got, exp, rtol=0, atol=1e-10)

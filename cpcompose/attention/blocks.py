@@ -29,11 +29,14 @@ from typing import Literal, Sequence
 import torch
 from torch import Tensor
 
-from cpcompose.attention.kernels import Backend, attention_backward, attention_forward
+from cpcompose.attention import varlen
+from cpcompose.attention.kernels import (
+    UNBOUNDED, Backend, Band, attention_backward, attention_forward, supports_varlen,
+)
 from cpcompose.attention.merge import SoftmaxAccumulator
 from cpcompose.layouts import Run
 
-NO_WINDOW = 1 << 62
+NO_WINDOW = UNBOUNDED
 BAND_TILE = 512  # rows per band tile: masks stay under 512 x 1024 elements, whatever the window
 
 
@@ -78,21 +81,17 @@ class BlockTask:
     window: int = NO_WINDOW
     right: int = 0
 
+    @property
+    def band(self) -> Band | None:
+        """What the kernel needs to mask a `band` (None for full and causal blocks, which need nothing)."""
+        return Band(self.offset, self.window, self.right) if self.kind == "band" else None
+
     def visible(self, device: torch.device | str | None = None) -> Tensor:
         """The boolean mask of this block `(len(q), len(kv))`."""
+        nq, nk = self.q.stop - self.q.start, self.kv.stop - self.kv.start
         if self.kind == "full":
-            return torch.ones(self.q.stop - self.q.start, self.kv.stop - self.kv.start, dtype=torch.bool, device=device)
-        offset = self.offset if self.kind == "band" else 0
-        d = (torch.arange(self.q.stop - self.q.start, device=device)[:, None] + offset
-             - torch.arange(self.kv.stop - self.kv.start, device=device)[None, :])
-        return (d >= -self.right) & (d <= self.window)
-
-    def additive_mask(self, dtype: torch.dtype, device: torch.device) -> Tensor | None:
-        """The float mask a `band` needs (0 visible, -inf hidden); None for the other kinds."""
-        if self.kind != "band":
-            return None
-        mask = torch.zeros(self.q.stop - self.q.start, self.kv.stop - self.kv.start, dtype=dtype, device=device)
-        return mask.masked_fill_(~self.visible(device), float("-inf"))
+            return torch.ones(nq, nk, dtype=torch.bool, device=device)
+        return Band(self.offset if self.kind == "band" else 0, self.window, self.right).visible(nq, nk, device)
 
     def flops_weight(self) -> float:
         """Query x key pairs actually visible (what a masked kernel has to compute)."""
@@ -238,11 +237,15 @@ class KernelArgs:
 def forward_blocks(
     acc: SoftmaxAccumulator, q: Tensor, k: Tensor, v: Tensor, tasks: Sequence[BlockTask], kernel: KernelArgs
 ) -> None:
-    """Run the tasks' forward kernels and merge each into `acc`."""
+    """Run the tasks' forward kernels and merge each into `acc` (varlen groups where the kernel has them)."""
+    if supports_varlen(kernel.backend):
+        grouped, tasks = varlen.groups(tasks, q.shape[0], q.device)
+        for group in grouped:
+            varlen.forward(acc, q, k, v, group, kernel)
     for t in tasks:
         out, lse = attention_forward(
             q[:, :, t.q], k[:, :, t.kv], v[:, :, t.kv], causal=t.kind == "causal", scale=kernel.scale,
-            backend=kernel.backend, mask=t.additive_mask(q.dtype, q.device), softcap=kernel.softcap,
+            backend=kernel.backend, band=t.band, softcap=kernel.softcap,
         )
         acc.merge(t.q, out, lse)
 
@@ -260,11 +263,15 @@ def backward_blocks(
 ) -> None:
     """Add the tasks' `(dq, dk, dv)` into the float32 accumulators `grads`."""
     dq_acc, dk_acc, dv_acc = grads
+    if supports_varlen(kernel.backend):
+        grouped, tasks = varlen.groups(tasks, q.shape[0], q.device)
+        for group in grouped:
+            varlen.backward(grads, dout, q, k, v, out, lse, group, kernel)
     for t in tasks:
         dq, dk, dv = attention_backward(
             dout[:, :, t.q], q[:, :, t.q], k[:, :, t.kv], v[:, :, t.kv], out[:, :, t.q], lse[:, :, t.q],
-            causal=t.kind == "causal", scale=kernel.scale, backend=kernel.backend,
-            mask=t.additive_mask(q.dtype, q.device), softcap=kernel.softcap,
+            causal=t.kind == "causal", scale=kernel.scale, backend=kernel.backend, band=t.band,
+            softcap=kernel.softcap,
         )
         dq_acc[:, :, t.q] += dq
         dk_acc[:, :, t.kv] += dk

@@ -10,17 +10,23 @@ Conventions for all kernels: tensors are `(batch, heads, seq, head_dim)`; K/V ma
 have fewer heads than Q (GQA/MQA, `heads_q % heads_kv == 0`); `lse` is float32
 (float64 for float64 inputs), contiguous, `(batch, heads_q, seq_q)`, natural log.
 `causal=True` is only ever asked for square blocks (the block planner guarantees
-it), so top-left versus bottom-right alignment never matters. `mask` is an
-additive float mask `(seq_q, seq_k)` for the few window-edge blocks that need one;
-the CPU kernel takes it directly, CUDA blocks with a mask use the explicit path.
+it), so top-left versus bottom-right alignment never matters. `band` describes
+the few window-edge blocks that are neither full nor causal (`Band`: which key each
+query row sees); each backend takes it in its own form: flash-attn as its native
+`window_size` (shifted to its bottom-right alignment), the CUDA efficient kernel and
+the CPU kernel as an additive bias, the explicit path as a mask. No window-edge
+block falls back to the explicit softmax on CUDA any more.
 V may have its own head dim (MLA); the fused kernels get zero-padded inputs.
 `softcap` blocks run flash-attn's fused softcap on CUDA and the explicit path
-(`explicit.py`) everywhere else.
+(`explicit.py`) everywhere else. Which kernel runs: `select_backend`, the one
+dispatch point (bf16/fp16 to flash-attn when installed, else PyTorch's flash
+kernel; fp32 to the memory-efficient kernel; float64 to the explicit path, which
+the fused CUDA kernels do not support; cuDNN on request).
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 from torch import Tensor
@@ -28,8 +34,49 @@ from torch import Tensor
 from cpcompose import _compat
 from cpcompose.attention.explicit import explicit_backward, explicit_forward
 
-Backend = Literal["cpu_flash", "math", "cuda_flash", "cuda_efficient", "flash_attn"]
-BACKENDS: tuple[str, ...] = ("cpu_flash", "math", "cuda_flash", "cuda_efficient", "flash_attn")
+Backend = Literal["cpu_flash", "math", "cuda_flash", "cuda_efficient", "cuda_cudnn", "flash_attn"]
+BACKENDS: tuple[str, ...] = ("cpu_flash", "math", "cuda_flash", "cuda_efficient", "cuda_cudnn", "flash_attn")
+UNBOUNDED = 1 << 62  # a window side with no limit (the block planner's NO_WINDOW)
+
+
+class Band(NamedTuple):
+    """Which keys each query row of a block sees: key b is visible to row a iff
+    `-right <= offset + a - b <= left` (`offset`: row 0's position minus key 0's).
+
+    flash-attn's `(left, right)` window sizes, with the block's own alignment; a
+    side of `UNBOUNDED` has no limit.
+    """
+
+    offset: int
+    left: int
+    right: int
+
+    def visible(self, n_q: int, n_k: int, device: torch.device | str | None = None) -> Tensor:
+        """The boolean `(n_q, n_k)` mask."""
+        d = (torch.arange(n_q, device=device)[:, None] + self.offset - torch.arange(n_k, device=device)[None, :])
+        return (d >= -self.right) & (d <= self.left)
+
+    def additive(self, n_q: int, n_k: int, dtype: torch.dtype, device: torch.device, align: int = 1) -> Tensor:
+        """The float mask (0 visible, -inf hidden); its rows are padded to a multiple of `align`
+        elements in memory (the efficient kernel's bias alignment) and sliced back."""
+        width = -(-n_k // align) * align
+        mask = torch.zeros(n_q, width, dtype=dtype, device=device)[:, :n_k]
+        return mask.masked_fill_(~self.visible(n_q, n_k, device), float("-inf"))
+
+    def flash_window(self, n_q: int, n_k: int) -> tuple[int, int] | None:
+        """flash-attn's `(window_size_left, window_size_right)` for this band, or None when it has none.
+
+        flash-attn aligns query i with key `i + n_k - n_q` (bottom-right) and lets it
+        see keys `[i + n_k - n_q - left, i + n_k - n_q + right]`; the band's own
+        offset shifts both sides by `offset - (n_k - n_q)`. A side that becomes
+        negative has no flash-attn spelling (-1 means unbounded there).
+        """
+        shift = self.offset - (n_k - n_q)
+        left = -1 if self.left >= UNBOUNDED else self.left - shift
+        right = -1 if self.right >= UNBOUNDED else self.right + shift
+        if (self.left < UNBOUNDED and left < 0) or (self.right < UNBOUNDED and right < 0):
+            return None
+        return left, right
 
 
 def select_backend(q: Tensor, override: str | None = None) -> Backend:
@@ -48,12 +95,18 @@ def select_backend(q: Tensor, override: str | None = None) -> Backend:
         if override.startswith("cuda") or override == "flash_attn":
             if q.device.type != "cuda":
                 raise ValueError(f"backend={override!r} needs CUDA tensors, got {q.device}")
+        if override in ("cuda_flash", "cuda_cudnn", "flash_attn") and q.dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"backend={override!r} takes float16/bfloat16, got {q.dtype}")
+        if override == "cuda_efficient" and q.dtype == torch.float64:
+            raise ValueError("backend='cuda_efficient' does not take float64; use 'math'")
         if override == "cpu_flash" and q.device.type != "cpu":
             raise ValueError(f"backend='cpu_flash' needs CPU tensors, got {q.device}")
         return override  # type: ignore[return-value]
     if q.device.type == "cpu":
         return "cpu_flash"
     if q.device.type == "cuda":
+        if q.dtype == torch.float64:
+            return "math"  # no fused CUDA kernel takes float64
         half = q.dtype in (torch.float16, torch.bfloat16)
         if half and _compat.import_flash_attn() is not None:
             return "flash_attn"
@@ -62,29 +115,35 @@ def select_backend(q: Tensor, override: str | None = None) -> Backend:
 
 
 def attention_forward(
-    q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float, backend: Backend, mask: Tensor | None = None,
+    q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float, backend: Backend, band: Band | None = None,
     softcap: float | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Attention of `q` over `k`/`v`; returns `(out in q.dtype, lse float32)`.
 
-    `v` may have another head dim than `q`/`k` (MLA); `out` has V's. `softcap`
+    `v` may have another head dim than `q`/`k` (MLA); `out` has V's. `band`: the
+    block's window edges (see `Band`), None for a full or causal block. `softcap`
     caps the logits (`softcap * tanh(scores / softcap)`): only flash-attn has it
     fused, every other backend then takes the explicit path.
     """
-    if _explicit(backend, mask, softcap):
-        return explicit_forward(q, k, v, causal=causal, scale=scale, mask=mask, softcap=softcap)
+    backend, window = _route(backend, band, softcap, q.shape[2], k.shape[2])
+    if backend == "math":
+        return explicit_forward(q, k, v, causal=causal, scale=scale, mask=_mask(band, q, k), softcap=softcap)
     dv = v.shape[-1]
     q, k, v = _same_head_dim(q, k, v)
     if backend == "cpu_flash":
-        out, lse = _compat.cpu_flash_forward(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
+        out, lse = _compat.cpu_flash_forward(q, k, v, 0.0, causal, attn_mask=_mask(band, q, k), scale=scale)
     elif backend == "flash_attn":
-        out, lse = _flash_attn_forward(q, k, v, causal=causal, scale=scale, softcap=softcap)
+        out, lse = _flash_attn_forward(q, k, v, causal=causal, scale=scale, softcap=softcap, window=window)
     elif backend == "cuda_flash":
         ke, ve = _expand_kv(q, k), _expand_kv(q, v)
         out, lse = _compat.cuda_flash_forward(q, ke, ve, 0.0, causal, False, scale=scale)[:2]
+    elif backend == "cuda_cudnn":
+        ke, ve = _expand_kv(q, k), _expand_kv(q, v)
+        out, lse = _compat.cuda_cudnn_forward(q, ke, ve, None, True, 0.0, causal, False, scale=scale)[:2]
+        lse = lse.reshape(q.shape[:3])  # cuDNN keeps a trailing unit dim
     else:
         ke, ve = _expand_kv(q, k), _expand_kv(q, v)
-        res = _compat.cuda_efficient_forward(q, ke, ve, None, True, 0.0, causal, scale=scale)
+        res = _compat.cuda_efficient_forward(q, ke, ve, _bias(band, q, k), True, 0.0, causal, scale=scale)
         out, lse = res[0], res[1][..., : q.shape[2]]
     return out[..., :dv], lse.contiguous()
 
@@ -100,34 +159,71 @@ def attention_backward(
     causal: bool,
     scale: float,
     backend: Backend,
-    mask: Tensor | None = None,
+    band: Band | None = None,
     softcap: float | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of one block given the merged `out`/`lse` of the full softmax.
 
     Returns `(dq, dk, dv)` in the input dtype; `dk`/`dv` have K/V's head count.
     """
-    if _explicit(backend, mask, softcap):
+    backend, window = _route(backend, band, softcap, q.shape[2], k.shape[2])
+    if backend == "math":
+        mask = _mask(band, q, k)
         return explicit_backward(dout, q, k, v, out, lse, causal=causal, scale=scale, mask=mask, softcap=softcap)
     dqk, dv_dim = q.shape[-1], v.shape[-1]
     q, k, v = _same_head_dim(q, k, v)
     dout, out = _pad_last(dout, v.shape[-1]), _pad_last(out, v.shape[-1])
     if backend == "cpu_flash":
-        dq, dk, dv = _compat.cpu_flash_backward(dout, q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=scale)
+        dq, dk, dv = _compat.cpu_flash_backward(
+            dout, q, k, v, out, lse, 0.0, causal, attn_mask=_mask(band, q, k), scale=scale
+        )
     elif backend == "flash_attn":
-        dq, dk, dv = _flash_attn_backward(dout, q, k, v, out, lse, causal=causal, scale=scale, softcap=softcap)
+        dq, dk, dv = _flash_attn_backward(
+            dout, q, k, v, out, lse, causal=causal, scale=scale, softcap=softcap, window=window
+        )
     else:
-        dq, dk, dv = _cuda_backward(dout, q, k, v, out, lse, causal=causal, scale=scale, backend=backend)
+        dq, dk, dv = _cuda_backward(dout, q, k, v, out, lse, causal=causal, scale=scale, backend=backend, band=band)
     return dq[..., :dqk], dk[..., :dqk], dv[..., :dv_dim]
 
 
-def _explicit(backend: Backend, mask: Tensor | None, softcap: float | None) -> bool:
-    """Blocks the fused kernels cannot do: the math backend, softcap without flash-attn, masks on CUDA."""
-    if backend == "math":
-        return True
-    if softcap is not None and backend != "flash_attn":
-        return True
-    return mask is not None and backend != "cpu_flash"
+def _route(
+    backend: Backend, band: Band | None, softcap: float | None, n_q: int, n_k: int
+) -> tuple[Backend, tuple[int, int]]:
+    """The backend that actually runs this block, and flash-attn's window for it.
+
+    What the chosen backend cannot do moves the block, never the whole call: softcap
+    without flash-attn goes to the explicit path; a band goes to flash-attn's
+    native window when it has a spelling there, else (and for PyTorch's flash and
+    cuDNN kernels, which take no mask) to the efficient kernel with an additive bias.
+    """
+    if backend == "math" or (softcap is not None and backend != "flash_attn"):
+        return "math", (-1, -1)
+    if band is None:
+        return backend, (-1, -1)
+    if backend == "flash_attn":
+        window = band.flash_window(n_q, n_k)
+        if window is not None:
+            return backend, window
+        return ("math" if softcap is not None else "cuda_efficient"), (-1, -1)
+    if backend in ("cuda_flash", "cuda_cudnn"):
+        return "cuda_efficient", (-1, -1)
+    return backend, (-1, -1)
+
+
+def _mask(band: Band | None, q: Tensor, k: Tensor) -> Tensor | None:
+    """The additive `(Sq, Sk)` mask of a band for the CPU and explicit kernels."""
+    return None if band is None else band.additive(q.shape[2], k.shape[2], q.dtype, q.device)
+
+
+EFFICIENT_BIAS_ALIGN = 16  # the memory-efficient kernel wants its bias rows 16-element aligned
+
+
+def _bias(band: Band | None, q: Tensor, k: Tensor) -> Tensor | None:
+    """The efficient kernel's `(B, H, Sq, Sk)` additive bias for a band (a broadcast view, no copy)."""
+    if band is None:
+        return None
+    mask = band.additive(q.shape[2], k.shape[2], q.dtype, q.device, align=EFFICIENT_BIAS_ALIGN)
+    return mask.expand(q.shape[0], q.shape[1], *mask.shape)
 
 
 def _pad_last(x: Tensor, width: int) -> Tensor:
@@ -150,20 +246,24 @@ def _same_head_dim(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Ten
 
 def _cuda_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *, causal: bool, scale: float,
-    backend: Backend,
+    backend: Backend, band: Band | None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The aten CUDA kernels' backward (no native GQA: K/V expanded, gradients summed back)."""
     ke, ve = _expand_kv(q, k), _expand_kv(q, v)
     zero = torch.zeros((), dtype=torch.int64, device=q.device)
+    sq, sk = q.shape[2], k.shape[2]
     if backend == "cuda_flash":
-        sq, sk = q.shape[2], k.shape[2]
         dq, dk, dv = _compat.cuda_flash_backward(
             dout, q, ke, ve, out, lse, None, None, sq, sk, 0.0, causal, zero, zero, scale=scale
         )
+    elif backend == "cuda_cudnn":
+        dq, dk, dv = _compat.cuda_cudnn_backward(  # no bias, not varlen: undefined tensors, as autograd passes
+            dout, q, ke, ve, out, lse.unsqueeze(-1), zero, zero, None, None, None, sq, sk, 0.0, causal, scale=scale,
+        )
     else:
         dq, dk, dv, _ = _compat.cuda_efficient_backward(
-            dout, q, ke, ve, None, out, _pad_lse_for_efficient(lse), zero, zero, 0.0, [True, True, True, False],
-            causal, scale=scale,
+            dout, q, ke, ve, _bias(band, q, k), out, _pad_lse_for_efficient(lse), zero, zero, 0.0,
+            [True, True, True, False], causal, scale=scale,
         )
     return dq, _reduce_kv(dk, k), _reduce_kv(dv, v)
 
@@ -188,14 +288,15 @@ def _pad_lse_for_efficient(lse: Tensor) -> Tensor:
 
 
 def _flash_attn_forward(
-    q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float, softcap: float | None
+    q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float, softcap: float | None,
+    window: tuple[int, int] = (-1, -1),
 ) -> tuple[Tensor, Tensor]:
     fa = _compat.import_flash_attn()
     assert fa is not None
     res = fa._flash_attn_forward(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
         dropout_p=0.0, softmax_scale=scale, causal=causal,
-        window_size_left=-1, window_size_right=-1, softcap=softcap or 0.0,
+        window_size_left=window[0], window_size_right=window[1], softcap=softcap or 0.0,
         alibi_slopes=None, return_softmax=False,
     )
     return res[0].transpose(1, 2), res[1].contiguous()
@@ -203,7 +304,7 @@ def _flash_attn_forward(
 
 def _flash_attn_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *, causal: bool, scale: float,
-    softcap: float | None,
+    softcap: float | None, window: tuple[int, int] = (-1, -1),
 ) -> tuple[Tensor, Tensor, Tensor]:
     fa = _compat.import_flash_attn()
     assert fa is not None
@@ -212,7 +313,55 @@ def _flash_attn_backward(
     fa._flash_attn_backward(
         t[0], t[1], t[2], t[3], t[4], lse, dq, dk, dv,
         dropout_p=0.0, softmax_scale=scale, causal=causal,
-        window_size_left=-1, window_size_right=-1, softcap=softcap or 0.0,
+        window_size_left=window[0], window_size_right=window[1], softcap=softcap or 0.0,
         alibi_slopes=None, deterministic=True, rng_state=None,
     )
     return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+
+
+# --- varlen: many blocks in one call (flash-attn), for packed documents ---
+
+
+def supports_varlen(backend: Backend) -> bool:
+    """Whether `backend` runs many independent blocks in one call (flash-attn's varlen functions)."""
+    fa = _compat.import_flash_attn() if backend == "flash_attn" else None
+    return fa is not None and hasattr(fa, "_flash_attn_varlen_forward")
+
+
+def varlen_forward(
+    q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int, *, causal: bool,
+    scale: float, softcap: float | None,
+) -> tuple[Tensor, Tensor]:
+    """Blocks packed end to end: `q (Tq, H, D)`, `k`/`v (Tk, Hkv, D)`, segment bounds `cu_q`/`cu_k` (int32).
+
+    Returns `(out (Tq, H, Dv), lse (H, Tq) float32)`: segment i is block i's own
+    attention, as if it had been its own call. V may have its own head dim.
+    """
+    dv = v.shape[-1]
+    q, k, v = (_pad_last(t, max(q.shape[-1], dv)) for t in (q, k, v))
+    fa = _compat.import_flash_attn()
+    assert fa is not None
+    res = fa._flash_attn_varlen_forward(
+        q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.0, softmax_scale=scale, causal=causal,
+        window_size_left=-1, window_size_right=-1, softcap=softcap or 0.0, alibi_slopes=None, return_softmax=False,
+    )
+    return res[0][..., :dv], res[1]
+
+
+def varlen_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int,
+    max_k: int, *, causal: bool, scale: float, softcap: float | None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of `varlen_forward`'s blocks given the merged `out` and `lse (H, Tq)` of each row."""
+    dqk, dv_dim = q.shape[-1], v.shape[-1]
+    width = max(dqk, dv_dim)
+    q, k, v, dout, out = (_pad_last(t, width).contiguous() for t in (q, k, v, dout, out))
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    fa = _compat.import_flash_attn()
+    assert fa is not None
+    fa._flash_attn_varlen_backward(
+        dout, q, k, v, out, lse.contiguous(), dq, dk, dv, cu_q, cu_k, max_q, max_k, dropout_p=0.0,
+        softmax_scale=scale, causal=causal, window_size_left=-1, window_size_right=-1, softcap=softcap or 0.0,
+        alibi_slopes=None, deterministic=True, rng_state=None,
+    )
+    return dq[..., :dqk], dk[..., :dqk], dv[..., :dv_dim]
