@@ -6,6 +6,7 @@ means a torch upgrade is checked, and fixed, in one place.
 
 from __future__ import annotations
 
+import functools
 from types import ModuleType
 from typing import Any
 
@@ -26,11 +27,13 @@ cuda_cudnn_forward = aten._scaled_dot_product_cudnn_attention.default
 cuda_cudnn_backward = aten._scaled_dot_product_cudnn_attention_backward.default
 
 
+@functools.lru_cache(maxsize=1)
 def import_flash_attn() -> ModuleType | None:
     """Return flash-attn's low-level interface module, or None when not installed.
 
     Only flash-attn 2.x exposes `_flash_attn_forward`/`_flash_attn_backward` with
-    an explicit log-sum-exp; anything else is treated as absent.
+    an explicit log-sum-exp; anything else is treated as absent. Looked up once: a
+    failed import searches the whole path again, and the kernel route asks per call.
     """
     try:
         from flash_attn import flash_attn_interface  # type: ignore[import-not-found]
