@@ -8,7 +8,9 @@ head count before sending or an extra rotation, fails loudly.
 from __future__ import annotations
 
 import pytest
+import torch
 
+from cpcompose.attention.twod import predicted_bytes
 from tests.attention_cases import Case, run_cp
 
 F32 = 4
@@ -80,3 +82,44 @@ def test_alltoall_mqa_replicates_kv_only_where_needed(pools) -> None:
     expected_forward = (world - 1) * (2 * q_bytes + lse_bytes) // world + (world - 1) * kv
     for result in pools.get(world).run(run_cp, case):
         assert result["forward_bytes"] == expected_forward
+
+
+# 2-D ("alltoall_ring"): bytes per rank per mesh dimension ("all_to_all" inside a block,
+# "p2p" across blocks) equal the closed form `predicted_bytes`, which the cost model uses.
+TWOD_VOLUME = [
+    Case("alltoall_ring", layout, causal, hq, hkv, world, dtype=dtype, seq=24 * world, alltoall_size=a, v_dim=v_dim)
+    for (world, a), layout, causal, (hq, hkv, v_dim), dtype in [
+        ((4, 2), "zigzag", True, (8, 2, None), torch.float32),
+        ((4, 2), "zigzag", False, (8, 2, None), torch.float32),
+        ((4, 2), "contiguous", True, (5, 5, 24), torch.float32),  # uneven heads 3 + 2, Dv != Dqk
+        ((4, 2), "zigzag", True, (6, 1, None), torch.bfloat16),  # MQA: the K/V head goes to both members
+        ((4, 1), "zigzag", True, (4, 4, None), torch.float32),  # pure ring: no all-to-all bytes
+        ((4, 4), "contiguous", False, (4, 2, None), torch.float32),  # pure Ulysses: no ring bytes
+        ((2, 1), "zigzag", True, (8, 2, None), torch.float32),
+        ((2, 2), "zigzag", True, (8, 2, None), torch.float32),
+    ]
+]
+
+
+@pytest.mark.parametrize("case", TWOD_VOLUME, ids=str)
+def test_twod_bytes_per_dimension_match_prediction(pools, case: Case) -> None:
+    def predicted(rank: int, backward: bool) -> dict[str, int]:
+        return predicted_bytes(
+            batch=case.batch, heads=case.heads, kv_heads=case.kv_heads, head_dim=case.head_dim, v_dim=case.v_dim,
+            local_seq=case.seq // case.world, world=case.world, alltoall_size=case.alltoall_size, rank=rank,
+            itemsize=case.dtype.itemsize, causal=case.causal, layout=case.layout, backward=backward,
+        )
+
+    for rank, result in enumerate(pools.get(case.world).run(run_cp, case)):
+        for got, backward in ((result["forward_by_kind"], False), (result["total_by_kind"], True)):
+            want = predicted(rank, backward)
+            assert {k: got.get(k, 0) for k in want} == want, f"rank {rank} backward={backward}"
+            assert set(got) <= set(want), got  # nothing else moved
+
+
+def test_twod_gqa_sends_a_quarter_of_mha_on_the_ring(pools) -> None:
+    """K/V cross the ring dimension with their own head count, never expanded."""
+    mha = pools.get(4).run(run_cp, Case("alltoall_ring", "zigzag", True, 8, 8, 4, seq=96, alltoall_size=2))
+    gqa = pools.get(4).run(run_cp, Case("alltoall_ring", "zigzag", True, 8, 2, 4, seq=96, alltoall_size=2))
+    for m, g in zip(mha, gqa):
+        assert 4 * g["total_by_kind"]["p2p"] == m["total_by_kind"]["p2p"] > 0
