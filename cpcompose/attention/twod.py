@@ -44,7 +44,6 @@ from cpcompose.attention.ring import Rounds, RingView, ring_backward, ring_forwa
 from cpcompose.attention.setup import AttentionSetup
 from cpcompose.comm import RingComm
 from cpcompose.layouts.grouped import GroupedLayout
-from cpcompose.precision import accumulation_dtype
 
 
 class _Mesh:

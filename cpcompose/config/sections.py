@@ -124,7 +124,8 @@ class Parallelism:
                     "or set parallelism.cp_strategy = \"alltoall_ring\"")
         else:
             require(a is not None, "parallelism.cp_alltoall_size",
-                    f"cp_strategy = \"alltoall_ring\" needs it: ranks per all-to-all block, a divisor of cp = {self.cp}")
+                    f"cp_strategy = \"alltoall_ring\" needs it: ranks per all-to-all block, "
+                    f"a divisor of cp = {self.cp}")
             require(isinstance(a, int) and not isinstance(a, bool) and a >= 1 and self.cp % a == 0,
                     "parallelism.cp_alltoall_size", f"{a!r} must be a positive divisor of parallelism.cp = {self.cp}")
 
