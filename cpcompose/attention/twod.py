@@ -43,7 +43,7 @@ from cpcompose.attention.merge import SoftmaxAccumulator
 from cpcompose.attention.ring import Rounds, RingView, ring_backward, ring_forward
 from cpcompose.attention.setup import AttentionSetup
 from cpcompose.comm import RingComm
-from cpcompose.layouts.grouped import GroupedLayout
+from cpcompose.layouts.grouped import grouped
 
 
 class _Mesh:
@@ -55,7 +55,7 @@ class _Mesh:
         self.group = HeadGroup.of(cp, a)
         self.block = cp.rank // a
         self.plan: _HeadPlan = head_plan(n_heads, n_kv, a, self.group.index, device)
-        self.layout = GroupedLayout(setup.layout, a)
+        self.layout = grouped(setup.layout, a)
         self.seq_len = local_seq * cp.world
         self.view = RingView(self.block, cp.world // a, stride=a, offset=self.group.index)
         self.setup = setup

@@ -23,7 +23,7 @@ from cpcompose.layouts.base import Layout, Run, stable_code
 
 
 class GroupedLayout(Layout):
-    """`base` (over P ranks) seen as `P // size` blocks of `size` consecutive ranks."""
+    """`base` (over P ranks) seen as `P // size` blocks of `size` consecutive ranks; make it with `grouped`."""
 
     name = "grouped"
 
@@ -45,6 +45,11 @@ class GroupedLayout(Layout):
     @property
     def identity(self) -> int:
         return self._identity
+
+    @property
+    def keeps_global_order(self) -> bool:
+        """Blocks of consecutive ranks of an in-order split are in order; one block holds everything."""
+        return self.base.keeps_global_order or self.world == 1
 
     def members(self, block: int) -> range:
         """The ranks of the base layout that make up `block`."""
@@ -70,6 +75,12 @@ class GroupedLayout(Layout):
     def to_member_order(self, block: int, seq_len: int, device: torch.device | str | None = None) -> Tensor:
         """The inverse of `from_member_order`."""
         return _member_index(self, block, seq_len, torch.device(device or "cpu"), True)
+
+
+@functools.lru_cache(maxsize=256)
+def grouped(base: Layout, size: int) -> GroupedLayout:
+    """The `GroupedLayout` of `base` in blocks of `size`, made once (its identity hashes the base's)."""
+    return GroupedLayout(base, size)
 
 
 @functools.lru_cache(maxsize=256)
