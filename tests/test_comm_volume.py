@@ -123,3 +123,41 @@ def test_twod_gqa_sends_a_quarter_of_mha_on_the_ring(pools) -> None:
     gqa = pools.get(4).run(run_cp, Case("alltoall_ring", "zigzag", True, 8, 2, 4, seq=96, alltoall_size=2))
     for m, g in zip(mha, gqa):
         assert 4 * g["total_by_kind"]["p2p"] == m["total_by_kind"]["p2p"] > 0
+
+
+def test_twod_planned_bytes_under_windows_and_documents(pools) -> None:
+    """With a window or packed documents the ring dimension sends only the rows the planner reads:
+    `predicted_bytes` counts them (`ring_rows`), and they are fewer than the closed form's dense rows."""
+    from cpcompose.layouts import PackedLayout
+    from tests.packed_cases import PackedCase, run_packed
+
+    window = Case("alltoall_ring", "zigzag", True, 4, 2, 4, seq=192, window=9, alltoall_size=2)
+    packed = PackedCase("alltoall_ring", (37, 1, 2, 90, 5, 13, 1, 3, 29), True, None, 4, 2, 4, alltoall_size=2)
+    layout: PackedLayout = packed.layout()
+    runs = [
+        (window, pools.get(4).run(run_cp, window), "zigzag", (9, 0), window.seq // 4),
+        (packed, pools.get(4).run(run_packed, packed), layout, None, layout.seq_len // 4),
+    ]
+    for case, per_rank, spec, win, local in runs:
+        for rank, result in enumerate(per_rank):
+            shape = dict(batch=case.batch, heads=case.heads, kv_heads=case.kv_heads, head_dim=case.head_dim,
+                         local_seq=local, world=4, alltoall_size=2, rank=rank, itemsize=4, causal=True)
+            want = predicted_bytes(**shape, layout=spec, window=win)
+            assert {k: result["total_by_kind"].get(k, 0) for k in want} == want, f"{case} rank {rank}"
+            dense = predicted_bytes(**shape, layout="zigzag")
+            assert want["all_to_all"] == dense["all_to_all"] and want["p2p"] < dense["p2p"]
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_twod_closed_form_equals_the_planner(layout: str) -> None:
+    """The closed form's ring rows are the block planner's, for every rank of larger meshes too (no ranks run)."""
+    from cpcompose.layouts import resolve_layout
+
+    for world, a in ((2, 1), (4, 2), (8, 2), (8, 4), (16, 4)):
+        for rank in range(world):
+            for causal in (True, False):
+                shape = dict(batch=1, heads=8, kv_heads=2, head_dim=16, local_seq=8, world=world, alltoall_size=a,
+                             rank=rank, itemsize=2, causal=causal)
+                assert predicted_bytes(**shape, layout=layout) == predicted_bytes(
+                    **shape, layout=resolve_layout(layout, world)
+                ), (world, a, rank, causal)

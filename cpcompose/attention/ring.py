@@ -13,6 +13,10 @@ needs are never sent, and rounds with nothing to attend are skipped.
 Backward repeats the exchange of K/V and sends each block's dK/dV (float32, so
 bf16 rounding does not grow with P) straight back to the rank that owns those
 rows. dQ stays local.
+
+`ring_forward` / `ring_backward` run this loop over any `RingView` (which CP ranks
+are the ring's places) and any layout: `RingAttention` over the whole group, the 2-D
+strategy (`twod.py`) across its all-to-all blocks, on the blocks' `GroupedLayout`.
 """
 
 from __future__ import annotations
@@ -57,7 +61,7 @@ def _compact(tasks: Sequence[BlockTask], rows: Sequence[slice]) -> tuple[BlockTa
 
 
 @functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
-def _round(layout: Layout, mask: MaskSpec, seq_len: int, rank: int, world: int, s: int) -> _RoundPlan:
+def ring_round(layout: Layout, mask: MaskSpec, seq_len: int, rank: int, world: int, s: int) -> RoundPlan:
     """Round s of `rank`'s ring: the rows it sends to rank+s, the rows it reads from rank-s, its tasks on them.
 
     Pure and cached: each forward and backward walks the same P-1 rounds.
@@ -65,10 +69,10 @@ def _round(layout: Layout, mask: MaskSpec, seq_len: int, rank: int, world: int, 
     send = tuple(needed_rows(cached_plan(layout, mask, seq_len, (rank + s) % world, rank)))
     tasks = cached_plan(layout, mask, seq_len, rank, (rank - s) % world)
     rows = tuple(needed_rows(tasks))
-    return _RoundPlan(send, rows, _compact(tasks, rows))
+    return RoundPlan(send, rows, _compact(tasks, rows))
 
 
-class _RoundPlan(NamedTuple):
+class RoundPlan(NamedTuple):
     send: tuple[slice, ...]
     recv: tuple[slice, ...]
     tasks: tuple[BlockTask, ...]
@@ -119,8 +123,8 @@ class Rounds:
     def local_tasks(self) -> Sequence[BlockTask]:
         return cached_plan(self.layout, self.mask, self.seq_len, self.rank, self.rank)
 
-    def _plan(self, s: int) -> _RoundPlan:
-        return _round(self.layout, self.mask, self.seq_len, self.rank, self.world, s)
+    def _plan(self, s: int) -> RoundPlan:
+        return ring_round(self.layout, self.mask, self.seq_len, self.rank, self.world, s)
 
     def send_rows(self, s: int) -> Sequence[slice]:
         """Rows of my K/V that place rank+s reads in round s."""

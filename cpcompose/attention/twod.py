@@ -39,10 +39,12 @@ from cpcompose.attention.alltoall import (
     query_head_ranges,
     seq_to_heads,
 )
+from cpcompose.attention.blocks import MaskSpec
 from cpcompose.attention.merge import SoftmaxAccumulator
-from cpcompose.attention.ring import Rounds, RingView, ring_backward, ring_forward
+from cpcompose.attention.ring import Rounds, RingView, ring_backward, ring_forward, ring_round
 from cpcompose.attention.setup import AttentionSetup
 from cpcompose.comm import RingComm
+from cpcompose.layouts import Layout, resolve_layout
 from cpcompose.layouts.grouped import grouped
 
 
@@ -100,7 +102,7 @@ class AllToAllRingAttention(torch.autograd.Function):
         else:  # nobody asked: spare the exchange
             lse = lse_h.new_empty(0)
         ctx.save_for_backward(qh, kh, vh, out_h, lse_h)
-        ctx.setup, ctx.plan, ctx.n_kv = setup, plan, k.shape[1]
+        ctx.setup, ctx.n_kv = setup, k.shape[1]
         ctx.mark_non_differentiable(lse)
         return torch.cat(out_parts, dim=1), lse
 
@@ -125,6 +127,22 @@ class AllToAllRingAttention(torch.autograd.Function):
         return dq, dk, dv, None
 
 
+def ring_rows(layout: Layout, mask: MaskSpec, seq_len: int, alltoall_size: int, rank: int) -> tuple[int, int]:
+    """Token rows of K/V that `rank` sends, and receives, over the ring dimension in one forward.
+
+    Exact for any layout and mask (documents, windows): the ring's own round plans on
+    the blocks' `GroupedLayout`, which is what the strategy sends.
+    """
+    blocks = grouped(layout, alltoall_size)
+    place, places = rank // alltoall_size, blocks.world
+    sent = received = 0
+    for s in range(1, places):
+        plan = ring_round(blocks, mask, seq_len, place, places, s)
+        sent += sum(r.stop - r.start for r in plan.send)
+        received += sum(r.stop - r.start for r in plan.recv)
+    return sent, received
+
+
 def predicted_bytes(
     *,
     batch: int,
@@ -137,16 +155,18 @@ def predicted_bytes(
     rank: int,
     itemsize: int,
     causal: bool,
-    layout: str = "zigzag",
+    layout: str | Layout = "zigzag",
+    window: tuple[int | None, int | None] | None = None,
     v_dim: int | None = None,
     need_lse: bool = True,
     backward: bool = True,
 ) -> dict[str, int]:
     """Bytes `rank` sends in one "alltoall_ring" call, per mesh dimension, as the meter counts them.
 
-    Closed form for one document under the "zigzag" or "contiguous" layout, causal or
-    full, without a window (windows and packed documents send fewer ring rows: the
-    block planner decides which). Forward only, or forward plus backward.
+    The all-to-all dimension depends on shapes only. The ring dimension has a closed
+    form for one document under the "zigzag" or "contiguous" layout, causal or full,
+    without a window; for a `Layout` object (packed documents) or a window it counts
+    the rows the block planner sends (`ring_rows`). Forward only, or forward plus backward.
 
     Args:
         batch, heads, kv_heads, head_dim, v_dim: the call's shapes (v_dim defaults to head_dim).
@@ -154,15 +174,15 @@ def predicted_bytes(
         world: CP ranks P; alltoall_size: ranks per all-to-all block a (divides P).
         rank: the CP rank whose sends are counted (uneven head splits differ per rank).
         itemsize: bytes per element of q, k, v (4 for float32, 2 for bf16).
-        causal: causal mask; layout: "zigzag" or "contiguous".
+        causal: causal mask.
+        layout: "zigzag", "contiguous", or a `Layout` over `world` ranks (e.g. a `PackedLayout`).
+        window: `(left, right)` window sizes, None for unbounded on a side; None: no window.
         need_lse: the caller asked for the LSE (forward sends it home).
         backward: count the backward pass too.
 
     Returns:
         {"all_to_all": bytes over the all-to-all dimension, "p2p": bytes over the ring dimension}.
     """
-    if layout not in ("zigzag", "contiguous"):
-        raise ValueError(f"predicted_bytes has a closed form for zigzag and contiguous layouts, not {layout!r}")
     a, dv = alltoall_size, head_dim if v_dim is None else v_dim
     i, place, places = rank % a, rank // a, world // a
     acc = max(itemsize, 4)  # float32 accumulators (LSE, ring dK/dV); float64 stays float64
@@ -180,16 +200,21 @@ def predicted_bytes(
         if backward:
             a2a += sum(b * s * nq[j] * dv for j in others) * itemsize  # dO in
             a2a += (a - 1) * b * s * (nq[i] * head_dim + nkv[i] * (head_dim + dv)) * itemsize  # dQ, dK, dV home
-    # The ring: one K/V block is this place's a * S tokens of its K/V heads.
-    rows = b * nkv[i] * a * s * (head_dim + dv) if nq[i] else 0
+    row = b * nkv[i] * (head_dim + dv) if nq[i] else 0  # elements of one token of this place's K/V heads
+    block = a * s  # tokens of one place
     later, earlier = places - 1 - place, place  # peers place+k that do / do not wrap around
-    if not causal:
-        sent, received = (places - 1) * rows, (places - 1) * rows
+    if isinstance(layout, Layout) or window is not None:
+        base = layout if isinstance(layout, Layout) else resolve_layout(layout, world)
+        sent, received = ring_rows(base, MaskSpec(causal, *(window or (None, None))), s * world, a, rank)
+    elif layout not in ("zigzag", "contiguous"):
+        raise ValueError(f"layout={layout!r}: give a Layout object, or 'zigzag' or 'contiguous'")
+    elif not causal:
+        sent = received = (places - 1) * block
     elif layout == "zigzag":  # later places read only this place's early half; earlier ones all of it
-        sent, received = later * rows // 2 + earlier * rows, earlier * rows // 2 + later * rows
+        sent, received = later * block // 2 + earlier * block, earlier * block // 2 + later * block
     else:  # contiguous: later places read all of it, earlier ones nothing
-        sent, received = later * rows, earlier * rows
-    p2p = sent * itemsize
-    if backward:
-        p2p += sent * itemsize + received * acc  # K/V again; float32 dK/dV of the rows I read, sent to their owners
+        sent, received = later * block, earlier * block
+    p2p = sent * row * itemsize
+    if backward:  # K/V again; float32 dK/dV of the rows I read, sent to their owners
+        p2p += sent * row * itemsize + received * row * acc
     return {"all_to_all": a2a, "p2p": p2p}
