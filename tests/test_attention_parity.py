@@ -90,17 +90,19 @@ def test_windows_mla_softcap_match_single_process(pools, case: Case) -> None:
     assert_matches_single_process(case, pools.get(case.world).run(run_cp, case))
 
 
-# 2-D ("alltoall_ring"): P=4 as 2 x 2 through the whole matrix above; the degenerate
-# factorisations (a = P: Ulysses, a = 1: the ring, through the 2-D code) at P=2 and P=4.
+# 2-D ("alltoall_ring"): P=4 as 2 x 2 through the matrix above (bf16 under zigzag only);
+# the degenerate factorisations (a = P: Ulysses, a = 1: the ring, through the 2-D code)
+# at P=2 and P=4, with even (8:2) and uneven (5 heads) head splits.
 TWOD_MATRIX = [
     Case("alltoall_ring", layout, causal, hq, hkv, 4, dtype=dtype, seq=96, alltoall_size=2)
-    for dtype, layout, causal, (hq, hkv) in itertools.product(
-        (torch.float32, torch.bfloat16), ("zigzag", "contiguous"), (True, False), HEADS
+    for (dtype, layout), causal, (hq, hkv) in itertools.product(
+        [(torch.float32, "zigzag"), (torch.float32, "contiguous"), (torch.bfloat16, "zigzag")], (True, False), HEADS
     )
 ] + [
     Case("alltoall_ring", layout, causal, hq, hkv, world, seq=24 * world, alltoall_size=a)
-    for (world, a), layout, causal, (hq, hkv) in itertools.product(
-        ((2, 1), (2, 2), (4, 1), (4, 4)), ("zigzag", "contiguous"), (True, False), [(8, 2), (5, 5)]
+    for (world, a, (hq, hkv)), layout, causal in itertools.product(
+        [(2, 1, (8, 2)), (2, 1, (5, 5)), (2, 2, (8, 2)), (2, 2, (5, 5)), (4, 1, (8, 2)), (4, 4, (5, 5))],
+        ("zigzag", "contiguous"), (True, False),
     )
 ] + [  # fewer heads than the all-to-all block: places without heads
     Case("alltoall_ring", "zigzag", True, 1, 1, 4, seq=96, alltoall_size=2),
