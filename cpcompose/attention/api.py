@@ -236,7 +236,7 @@ def _int_code(x: object) -> int:
     """A non-negative int as itself; None as -1, anything else as -2 (its rank's own check names it)."""
     if x is None:
         return -1
-    return x if isinstance(x, int) and not isinstance(x, bool) and x >= 0 else -2
+    return x if isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 62 else -2
 
 
 def _tensor_error(q: Tensor, k: Tensor, v: Tensor) -> str | None:
