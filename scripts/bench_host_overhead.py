@@ -5,7 +5,7 @@ Method. Three measurements, all on the CPU, medians of `--repeats`:
 1. Planning per call, virtual ranks (one process; the plans are pure arithmetic, so
    P ranks' plans are computed here for each rank in turn). What one rank's ring
    forward + backward reads: its local block plan and, for each of the P-1 rounds,
-   the rows it sends, the rows it receives and its tasks on them (`_round`), twice.
+   the rows it sends, the rows it receives and its tasks on them (`ring_round`), twice.
    "cold": caches cleared first, i.e. what every call cost before plans were cached
    (the average over the ranks timed); "warm": the same lookups again. Dense causal
    zigzag at L=128k for P=2/8, and a 128k-token long-tailed pack
@@ -48,7 +48,7 @@ from cpcompose.attention import api
 from cpcompose.attention.agreement import AgreementCache
 from cpcompose.attention.blocks import MaskSpec
 from cpcompose.attention.options import CPOptions
-from cpcompose.attention.ring import _round
+from cpcompose.attention.ring import ring_round
 from cpcompose.attention.setup import cached_plan
 from cpcompose.data.packing import long_tailed_lengths
 from cpcompose.layouts import Layout, PackedLayout, ZigzagLayout
@@ -70,12 +70,12 @@ def ring_lookups(layout: Layout, mask: MaskSpec, seq: int, rank: int) -> None:
     for _ in range(2):  # forward, backward
         cached_plan(layout, mask, seq, rank, rank)
         for s in range(1, world):
-            _round(layout, mask, seq, rank, world, s)
+            ring_round(layout, mask, seq, rank, world, s)
 
 
 def clear_plans() -> None:
     cached_plan.cache_clear()
-    _round.cache_clear()
+    ring_round.cache_clear()
 
 
 def planning(layout: Layout, seq: int, repeats: int) -> dict[str, Any]:

@@ -37,6 +37,7 @@ class Case:
     softcap: float | None = None
     v_dim: int | None = None  # V's head dim when it differs from Q/K's (MLA)
     device: str = "cpu"  # "cuda": run on a CUDA pool, measured against a CUDA baseline (device_baseline.py)
+    alltoall_size: int | None = None  # ranks per all-to-all block ("alltoall_ring" only)
 
     def __str__(self) -> str:
         mask = "causal" if self.causal else "full"
@@ -47,7 +48,8 @@ class Case:
         dims = f"-d{self.head_dim}v{self.v_dim}" if self.v_dim is not None else ""
         dt = str(self.dtype).removeprefix("torch.")
         on = "" if self.device == "cpu" else f"-{self.device}"
-        return f"{self.strategy}-{self.layout}-{mask}-h{self.heads}kv{self.kv_heads}{dims}-P{self.world}-{dt}{on}"
+        a2a = "" if self.alltoall_size is None else f"-a{self.alltoall_size}"
+        return f"{self.strategy}{a2a}-{self.layout}-{mask}-h{self.heads}kv{self.kv_heads}{dims}-P{self.world}-{dt}{on}"
 
     def visible(self) -> Tensor:
         """The `(seq, seq)` boolean mask from the definition: -right <= i - j <= left, right = 0 if causal."""
@@ -90,13 +92,14 @@ def run_cp(mesh, case: Case) -> dict[str, Tensor]:
     out, lse = cp_attention(
         q, k, v, mesh=mesh, is_causal=case.causal, strategy=case.strategy,
         layout=case.attend_layout or case.layout, window_size=case.window, softcap=case.softcap,
-        backend=case.backend, return_lse=True, meter=meter,
+        backend=case.backend, return_lse=True, meter=meter, alltoall_size=case.alltoall_size,
     )
-    forward_bytes = meter.total
+    forward_bytes, forward_by_kind = meter.total, dict(meter.bytes_sent)
     out.backward(local["dout"])
     result = {
         "out": out.detach(), "lse": lse, "dq": q.grad, "dk": k.grad, "dv": v.grad,
         "forward_bytes": forward_bytes, "total_bytes": meter.total,
+        "forward_by_kind": forward_by_kind, "total_by_kind": dict(meter.bytes_sent),
     }
     if case.device != "cpu" and mesh.get_local_rank() == 0:
         masked = case.window is not None

@@ -27,12 +27,14 @@ class PackedCase:
     seed: int = 0
     balance: str = "documents"
     device: str = "cpu"  # "cuda": a CUDA pool, measured against per-document SDPA on the GPU
+    alltoall_size: int | None = None  # ranks per all-to-all block ("alltoall_ring" only)
 
     def __str__(self) -> str:
         mask = ("causal" if self.causal else "full") + (f"-w{self.window}".replace(" ", "") if self.window else "")
         on = "" if self.device == "cpu" else f"-{self.device}"
         pack = f"{len(self.docs)}docs{sum(self.docs)}"
-        return f"{self.strategy}-{pack}-{mask}-h{self.heads}kv{self.kv_heads}-P{self.world}{on}"
+        a2a = "" if self.alltoall_size is None else f"-a{self.alltoall_size}"
+        return f"{self.strategy}{a2a}-{pack}-{mask}-h{self.heads}kv{self.kv_heads}-P{self.world}{on}"
 
     @property
     def cu_seqlens(self) -> list[int]:
@@ -67,12 +69,12 @@ def run_packed(mesh, case: PackedCase, dtype: torch.dtype = torch.float32) -> di
     meter = CommMeter()
     out, lse = cp_attention(
         q, k, v, mesh=mesh, is_causal=case.causal, strategy=case.strategy, layout=layout,
-        window_size=case.window, return_lse=True, meter=meter,
+        window_size=case.window, return_lse=True, meter=meter, alltoall_size=case.alltoall_size,
     )
     forward_bytes = meter.total
     out.backward(local["dout"])
     result = {"out": out.detach(), "lse": lse, "dq": q.grad, "dk": k.grad, "dv": v.grad,
-              "forward_bytes": forward_bytes, "total_bytes": meter.total}
+              "forward_bytes": forward_bytes, "total_bytes": meter.total, "total_by_kind": dict(meter.bytes_sent)}
     if case.device != "cpu" and rank == 0:
         assert case.window is None, "the CUDA baseline has no window"
         result["baseline"] = concat_baselines([

@@ -90,11 +90,57 @@ def test_windows_mla_softcap_match_single_process(pools, case: Case) -> None:
     assert_matches_single_process(case, pools.get(case.world).run(run_cp, case))
 
 
+# 2-D ("alltoall_ring"): P=4 as 2 x 2 through the matrix above (bf16 under zigzag only);
+# the degenerate factorisations (a = P: Ulysses, a = 1: the ring, through the 2-D code)
+# at P=2 and P=4, with even (8:2) and uneven (5 heads) head splits.
+TWOD_MATRIX = [
+    Case("alltoall_ring", layout, causal, hq, hkv, 4, dtype=dtype, seq=96, alltoall_size=2)
+    for (dtype, layout), causal, (hq, hkv) in itertools.product(
+        [(torch.float32, "zigzag"), (torch.float32, "contiguous"), (torch.bfloat16, "zigzag")], (True, False), HEADS
+    )
+] + [
+    Case("alltoall_ring", layout, causal, hq, hkv, world, seq=24 * world, alltoall_size=a)
+    for (world, a, (hq, hkv)), layout, causal in itertools.product(
+        [(2, 1, (8, 2)), (2, 1, (5, 5)), (2, 2, (8, 2)), (2, 2, (5, 5)), (4, 1, (8, 2)), (4, 4, (5, 5))],
+        ("zigzag", "contiguous"), (True, False),
+    )
+] + [  # fewer heads than the all-to-all block: places without heads
+    Case("alltoall_ring", "zigzag", True, 1, 1, 4, seq=96, alltoall_size=2),
+    Case("alltoall_ring", "zigzag", False, 3, 1, 4, seq=96, alltoall_size=4),
+    Case("alltoall_ring", "contiguous", True, 9, 3, 4, seq=96, alltoall_size=2),  # 5 + 4 heads over 3 K/V heads
+]
+
+
+@pytest.mark.parametrize("case", TWOD_MATRIX, ids=str)
+def test_twod_matches_single_process(pools, case: Case) -> None:
+    assert_matches_single_process(case, pools.get(case.world).run(run_cp, case))
+
+
+TWOD_MASK_MATRIX = [
+    Case("alltoall_ring", layout, seq=24 * world, world=world, alltoall_size=a, **variant)  # type: ignore[arg-type]
+    for (world, a), layout, variant in itertools.product(((4, 2),), ("zigzag", "contiguous"), VARIANTS)
+] + [
+    Case("alltoall_ring", "zigzag", seq=48, world=2, alltoall_size=a, **variant)  # type: ignore[arg-type]
+    for a, variant in itertools.product((1, 2), VARIANTS[:4])
+]
+
+
+@pytest.mark.parametrize("case", TWOD_MASK_MATRIX, ids=str)
+def test_twod_windows_mla_softcap_match_single_process(pools, case: Case) -> None:
+    """Two-sided windows (a halo on the ring dimension), Dv != Dqk and softcap under 2-D (fp32)."""
+    assert_matches_single_process(case, pools.get(case.world).run(run_cp, case))
+
+
 @pytest.mark.parametrize("strategy", ["ring", "allgather", "alltoall"])
 def test_math_backend_matches(pools, strategy: str) -> None:
     """The portable math kernel gives the same CP result as the fused CPU kernel."""
     case = Case(strategy, "zigzag", True, 8, 2, 3, seq=72, backend="math")
     assert_matches_single_process(case, pools.get(3).run(run_cp, case))
+
+
+def test_twod_math_backend_matches(pools) -> None:
+    case = Case("alltoall_ring", "zigzag", True, 8, 2, 4, seq=96, backend="math", alltoall_size=2)
+    assert_matches_single_process(case, pools.get(4).run(run_cp, case))
 
 
 def test_longer_sequence_and_batch(pools) -> None:
@@ -118,6 +164,11 @@ CUDA_MATRIX = [
     for world, dtype, strategy, layout, causal, (hq, hkv) in itertools.product(
         (2, 4), (torch.float32, torch.bfloat16), ("ring", "allgather", "alltoall"),
         ("zigzag", "contiguous"), (True, False), [(4, 4), (8, 2)],
+    )
+] + [
+    Case("alltoall_ring", layout, causal, hq, hkv, 4, dtype=dtype, seq=96, device="cuda", alltoall_size=2)
+    for dtype, layout, causal, (hq, hkv) in itertools.product(
+        (torch.float32, torch.bfloat16), ("zigzag", "contiguous"), (True, False), [(4, 4), (8, 2)]
     )
 ]
 

@@ -49,11 +49,13 @@ def run_staged(mesh, case: Case) -> dict:
         comm._staging = original
 
 
-@pytest.mark.parametrize("strategy", ["ring", "allgather", "alltoall"])
-@pytest.mark.parametrize("world", [2, 3])
-def test_staged_path_is_bit_identical(pools, strategy: str, world: int) -> None:
+@pytest.mark.parametrize(
+    "strategy,world,alltoall_size",
+    [(s, w, None) for s in ("ring", "allgather", "alltoall") for w in (2, 3)] + [("alltoall_ring", 4, 2)],
+)
+def test_staged_path_is_bit_identical(pools, strategy: str, world: int, alltoall_size: int | None) -> None:
     """Point-to-point (both ring streams), all-gather, reduce-scatter, all-to-all and the agreement, staged."""
-    case = Case(strategy, "zigzag", True, 8, 2, world, seq=24 * world)
+    case = Case(strategy, "zigzag", True, 8, 2, world, seq=24 * world, alltoall_size=alltoall_size)
     pool = pools.get(world)
     plain, staged = pool.run(run_cp, case), pool.run(run_staged, case)
     for rank, (a, b) in enumerate(zip(plain, staged)):

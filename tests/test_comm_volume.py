@@ -8,7 +8,9 @@ head count before sending or an extra rotation, fails loudly.
 from __future__ import annotations
 
 import pytest
+import torch
 
+from cpcompose.attention.twod import predicted_bytes
 from tests.attention_cases import Case, run_cp
 
 F32 = 4
@@ -80,3 +82,82 @@ def test_alltoall_mqa_replicates_kv_only_where_needed(pools) -> None:
     expected_forward = (world - 1) * (2 * q_bytes + lse_bytes) // world + (world - 1) * kv
     for result in pools.get(world).run(run_cp, case):
         assert result["forward_bytes"] == expected_forward
+
+
+# 2-D ("alltoall_ring"): bytes per rank per mesh dimension ("all_to_all" inside a block,
+# "p2p" across blocks) equal the closed form `predicted_bytes`, which the cost model uses.
+TWOD_VOLUME = [
+    Case("alltoall_ring", layout, causal, hq, hkv, world, dtype=dtype, seq=24 * world, alltoall_size=a, v_dim=v_dim)
+    for (world, a), layout, causal, (hq, hkv, v_dim), dtype in [
+        ((4, 2), "zigzag", True, (8, 2, None), torch.float32),
+        ((4, 2), "zigzag", False, (8, 2, None), torch.float32),
+        ((4, 2), "contiguous", True, (5, 5, 24), torch.float32),  # uneven heads 3 + 2, Dv != Dqk
+        ((4, 2), "zigzag", True, (6, 1, None), torch.bfloat16),  # MQA: the K/V head goes to both members
+        ((4, 1), "zigzag", True, (4, 4, None), torch.float32),  # pure ring: no all-to-all bytes
+        ((4, 4), "contiguous", False, (4, 2, None), torch.float32),  # pure Ulysses: no ring bytes
+        ((2, 1), "zigzag", True, (8, 2, None), torch.float32),
+        ((2, 2), "zigzag", True, (8, 2, None), torch.float32),
+    ]
+]
+
+
+@pytest.mark.parametrize("case", TWOD_VOLUME, ids=str)
+def test_twod_bytes_per_dimension_match_prediction(pools, case: Case) -> None:
+    def predicted(rank: int, backward: bool) -> dict[str, int]:
+        return predicted_bytes(
+            batch=case.batch, heads=case.heads, kv_heads=case.kv_heads, head_dim=case.head_dim, v_dim=case.v_dim,
+            local_seq=case.seq // case.world, world=case.world, alltoall_size=case.alltoall_size, rank=rank,
+            itemsize=case.dtype.itemsize, causal=case.causal, layout=case.layout, backward=backward,
+        )
+
+    for rank, result in enumerate(pools.get(case.world).run(run_cp, case)):
+        for got, backward in ((result["forward_by_kind"], False), (result["total_by_kind"], True)):
+            want = predicted(rank, backward)
+            assert {k: got.get(k, 0) for k in want} == want, f"rank {rank} backward={backward}"
+            assert set(got) <= set(want), got  # nothing else moved
+
+
+def test_twod_gqa_sends_a_quarter_of_mha_on_the_ring(pools) -> None:
+    """K/V cross the ring dimension with their own head count, never expanded."""
+    mha = pools.get(4).run(run_cp, Case("alltoall_ring", "zigzag", True, 8, 8, 4, seq=96, alltoall_size=2))
+    gqa = pools.get(4).run(run_cp, Case("alltoall_ring", "zigzag", True, 8, 2, 4, seq=96, alltoall_size=2))
+    for m, g in zip(mha, gqa):
+        assert 4 * g["total_by_kind"]["p2p"] == m["total_by_kind"]["p2p"] > 0
+
+
+def test_twod_planned_bytes_under_windows_and_documents(pools) -> None:
+    """With a window or packed documents the ring dimension sends only the rows the planner reads:
+    `predicted_bytes` counts them (`ring_rows`), and they are fewer than the closed form's dense rows."""
+    from cpcompose.layouts import PackedLayout
+    from tests.packed_cases import PackedCase, run_packed
+
+    window = Case("alltoall_ring", "zigzag", True, 4, 2, 4, seq=192, window=9, alltoall_size=2)
+    packed = PackedCase("alltoall_ring", (37, 1, 2, 90, 5, 13, 1, 3, 29), True, None, 4, 2, 4, alltoall_size=2)
+    layout: PackedLayout = packed.layout()
+    runs = [
+        (window, pools.get(4).run(run_cp, window), "zigzag", (9, 0), window.seq // 4),
+        (packed, pools.get(4).run(run_packed, packed), layout, None, layout.seq_len // 4),
+    ]
+    for case, per_rank, spec, win, local in runs:
+        for rank, result in enumerate(per_rank):
+            shape = dict(batch=case.batch, heads=case.heads, kv_heads=case.kv_heads, head_dim=case.head_dim,
+                         local_seq=local, world=4, alltoall_size=2, rank=rank, itemsize=4, causal=True)
+            want = predicted_bytes(**shape, layout=spec, window=win)
+            assert {k: result["total_by_kind"].get(k, 0) for k in want} == want, f"{case} rank {rank}"
+            dense = predicted_bytes(**shape, layout="zigzag")
+            assert want["all_to_all"] == dense["all_to_all"] and want["p2p"] < dense["p2p"]
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_twod_closed_form_equals_the_planner(layout: str) -> None:
+    """The closed form's ring rows are the block planner's, for every rank of larger meshes too (no ranks run)."""
+    from cpcompose.layouts import resolve_layout
+
+    for world, a in ((2, 1), (4, 2), (8, 2), (8, 4), (16, 4)):
+        for rank in range(world):
+            for causal in (True, False):
+                shape = dict(batch=1, heads=8, kv_heads=2, head_dim=16, local_seq=8, world=world, alltoall_size=a,
+                             rank=rank, itemsize=2, causal=causal)
+                assert predicted_bytes(**shape, layout=layout) == predicted_bytes(
+                    **shape, layout=resolve_layout(layout, world)
+                ), (world, a, rank, causal)

@@ -37,10 +37,11 @@ from tests.test_entry_points import SEQ, TOL, make_batch, make_model, reference
 from tests.test_train import run_trainer
 
 
-def compiled_steps(mesh, strategy: str, causal: bool, backend: str) -> dict:
+def compiled_steps(mesh, strategy: str, causal: bool, backend: str, alltoall_size: int | None = None) -> dict:
     torch._dynamo.reset()  # each case compiles from scratch: no graph from an earlier case
     model = make_model(causal)
-    parallelize_module(model, mesh, {"blocks.*": ContextParallel(strategy=strategy)})
+    style = ContextParallel(strategy=strategy, alltoall_size=alltoall_size)
+    parallelize_module(model, mesh, {"blocks.*": style})
     graphs: list[str] = []
 
     def recording(gm: torch.fx.GraphModule, example_inputs: list) -> object:
@@ -78,10 +79,13 @@ def _check(results: list[dict], causal: bool) -> None:
 
 
 @pytest.mark.parametrize(
-    "strategy,world", [("ring", 2), ("allgather", 2), ("alltoall", 2), ("alltoall", 3)]
-)  # all-to-all on 3 ranks: 4 query heads split 2,1,1, so its saved head shards differ per rank
-def test_fullgraph_compile_is_exact(pools, strategy: str, world: int) -> None:
-    _check(pools.get(world).run(compiled_steps, strategy, True, "aot_eager"), True)
+    "strategy,world,alltoall_size",
+    [("ring", 2, None), ("allgather", 2, None), ("alltoall", 2, None), ("alltoall", 3, None), ("alltoall_ring", 2, 1)],
+)  # all-to-all on 3 ranks: 4 query heads split 2,1,1, so its saved head shards differ per rank;
+# 2-D as 1 x 2 (blocks of one rank, a ring of two): its saved shards have all 4 heads of the
+# block's tokens, not all-to-all's 2 heads of the whole sequence (2 x 2 passes too; four ranks compile slower)
+def test_fullgraph_compile_is_exact(pools, strategy: str, world: int, alltoall_size: int | None) -> None:
+    _check(pools.get(world).run(compiled_steps, strategy, True, "aot_eager", alltoall_size), True)
 
 
 def test_fullgraph_compile_inductor(pools) -> None:

@@ -180,7 +180,8 @@ def train_step(_mesh: DeviceMesh, case: dict[str, Any]) -> dict[str, Any]:
         split_llama_for_pipeline(model, num_stages=dims.pp, stage_index=mesh["pp"].get_local_rank())
     parallelize_llama(
         model, parallel_dims=dims, mesh=mesh, activation_checkpoint=case.get("ac", False), fsdp=fsdp,
-        cp=ContextParallel(strategy=case.get("strategy", "ring"), seq_dim=1) if dims.cp_enabled else None,
+        cp=ContextParallel(strategy=case.get("strategy", "ring"), alltoall_size=case.get("alltoall_size"), seq_dim=1)
+        if dims.cp_enabled else None,
     )
     optimizer = make_optimizer(model)
     loss_mesh = flat_mesh(mesh, "dp_cp")
@@ -259,6 +260,8 @@ CASES = [
     pytest.param(2, {"cp": 2, "strategy": "ring", "fsdp": False, "ac": True}, id="cp2-ring-nofsdp-ac"),
 ] + [
     pytest.param(4, {"cp": 4, "strategy": s}, id=f"cp4-{s}") for s in ("ring", "allgather", "alltoall")
+] + [
+    pytest.param(4, {"cp": 4, "strategy": "alltoall_ring", "alltoall_size": 2, "ac": True}, id="cp4-alltoall_ring-2x2-ac"),
 ] + [
     pytest.param(4, {"dp_shard": 2, "cp": 2, "strategy": "ring", "ac": True}, id="fsdp2xcp2-ring-ac"),
     pytest.param(4, {"dp_shard": 2, "cp": 2, "strategy": "alltoall"}, id="fsdp2xcp2-alltoall"),

@@ -137,6 +137,34 @@ def test_alltoall_accepts_heads_not_divisible_by_cp() -> None:
     config.validate(world_size=4)
 
 
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--parallelism.cp=4", "--parallelism.cp_strategy=alltoall_ring"],
+         r"^parallelism.cp_alltoall_size: cp_strategy = \"alltoall_ring\" needs it: .* a divisor of cp = 4"),
+        (["--parallelism.cp=4", "--parallelism.cp_strategy=alltoall_ring", "--parallelism.cp_alltoall_size=3"],
+         r"^parallelism.cp_alltoall_size: 3 must be a positive divisor of parallelism.cp = 4"),
+        (["--parallelism.cp=4", "--parallelism.cp_strategy=alltoall_ring", "--parallelism.cp_alltoall_size=0"],
+         r"^parallelism.cp_alltoall_size: 0 must be a positive divisor"),
+        (["--parallelism.cp=4", "--parallelism.cp_alltoall_size=2"],
+         r"^parallelism.cp_alltoall_size: 2 is only used by cp_strategy = \"alltoall_ring\" \(got 'ring'\)"),
+    ],
+)
+def test_twod_degrees_are_checked_when_read(argv: list[str], message: str) -> None:
+    """The 2-D block size is checked against cp when the config is read, before any process group."""
+    with pytest.raises(ConfigError, match=message):
+        load_config(argv)
+
+
+def test_twod_config_gives_its_options() -> None:
+    config = load_config(["--parallelism.cp=4", "--parallelism.cp_strategy=alltoall_ring",
+                          "--parallelism.cp_alltoall_size=2"])
+    config.validate(world_size=4)
+    options = config.parallelism.cp_options()
+    assert (options.strategy, options.alltoall_size) == ("alltoall_ring", 2)
+    assert options.error(4) is None
+
+
 def test_validate_with_world_size_checks_the_product_without_changing_the_config() -> None:
     config = load_config(["--parallelism.cp=2", "--parallelism.dp_replicate=2"])
     before = config.to_dict()
@@ -166,7 +194,8 @@ def test_help_lists_every_field_with_its_docstring(capsys: pytest.CaptureFixture
             assert "default: " in lines[option]
             assert docs[f.name], f"{section.name}.{f.name} has no docstring"
             assert lines[option + 1].startswith("      ") and docs[f.name].startswith(lines[option + 1].strip())
-    assert '  --parallelism.cp_strategy  (ring|allgather|alltoall, default: "ring")' in lines
+    assert '  --parallelism.cp_strategy  (ring|allgather|alltoall|alltoall_ring, default: "ring")' in lines
+    assert "  --parallelism.cp_alltoall_size  (int | none, default: none)" in lines
     assert "  --data.path  (str | none, default: none)" in lines
 
 

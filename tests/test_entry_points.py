@@ -91,10 +91,11 @@ def _finish(model: nn.Module, loss: torch.Tensor, mesh) -> dict:
     return {"loss": total, "grads": {n: p.grad for n, p in model.named_parameters()}, "unreduced": unreduced}
 
 
-def train_step_style(mesh, strategy: str, causal: bool) -> dict:
+def train_step_style(mesh, strategy: str, causal: bool, alltoall_size: int | None = None) -> dict:
     model = make_model(causal)
     layout = "zigzag"
-    parallelize_module(model, mesh, {"blocks.*": ContextParallel(strategy=strategy, layout=layout)})
+    style = ContextParallel(strategy=strategy, layout=layout, alltoall_size=alltoall_size)
+    parallelize_module(model, mesh, {"blocks.*": style})
     tokens, labels = (cp_shard(t, mesh, seq_dim=1, layout=layout) for t in make_batch())
     positions = cp_position_ids(SEQ, mesh, layout=layout)
     loss = cp_cross_entropy(model(tokens, positions), labels, mesh=mesh)
@@ -102,11 +103,12 @@ def train_step_style(mesh, strategy: str, causal: bool) -> dict:
     return _finish(model, loss, mesh)
 
 
-def train_step_context(mesh, strategy: str, causal: bool) -> dict:
+def train_step_context(mesh, strategy: str, causal: bool, alltoall_size: int | None = None) -> dict:
     model = make_model(causal)
     tokens, labels = make_batch()
     positions = torch.arange(SEQ)
-    with context_parallel(mesh, buffers=[tokens, labels, positions], buffer_seq_dims=[1, 1, 0], strategy=strategy):
+    with context_parallel(mesh, buffers=[tokens, labels, positions], buffer_seq_dims=[1, 1, 0], strategy=strategy,
+                          alltoall_size=alltoall_size):
         assert tokens.shape[1] == SEQ // mesh.size()
         loss = cp_cross_entropy(model(tokens, positions), labels, mesh=mesh)
         loss.backward()
@@ -133,9 +135,10 @@ class DTensorIn(nn.Module):
         return m.head(x)
 
 
-def train_step_dtensor(mesh, strategy: str, causal: bool) -> dict:
+def train_step_dtensor(mesh, strategy: str, causal: bool, alltoall_size: int | None = None) -> dict:
     model = make_model(causal)
-    parallelize_module(model, mesh, {"blocks.*": ContextParallel(strategy=strategy, use_local_output=False)})
+    style = ContextParallel(strategy=strategy, use_local_output=False, alltoall_size=alltoall_size)
+    parallelize_module(model, mesh, {"blocks.*": style})
     tokens, labels = (cp_shard(t, mesh, seq_dim=1, layout="zigzag") for t in make_batch())
     logits = DTensorIn(model, mesh)(tokens, cp_position_ids(SEQ, mesh, layout="zigzag"))
     loss = cp_cross_entropy(logits, labels, mesh=mesh)
@@ -153,6 +156,17 @@ ENTRY_POINTS = {"style": train_step_style, "context": train_step_context, "dtens
 def test_plain_model_trains_exactly(pools, entry: str, strategy: str, causal: bool, world: int) -> None:
     want = reference(causal)
     for rank, got in enumerate(pools.get(world).run(ENTRY_POINTS[entry], strategy, causal)):
+        torch.testing.assert_close(got["loss"], want["loss"], **TOL)
+        for name, grad in want["grads"].items():
+            torch.testing.assert_close(got["grads"][name], grad, **TOL, msg=lambda m: f"rank {rank} {name}: {m}")
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidirectional"])
+@pytest.mark.parametrize("entry", sorted(ENTRY_POINTS))
+def test_plain_model_trains_exactly_twod(pools, entry: str, causal: bool) -> None:
+    """2-D ("alltoall_ring", 2 x 2 at P=4) through every entry point: the same loss and gradients."""
+    want = reference(causal)
+    for rank, got in enumerate(pools.get(4).run(ENTRY_POINTS[entry], "alltoall_ring", causal, 2)):
         torch.testing.assert_close(got["loss"], want["loss"], **TOL)
         for name, grad in want["grads"].items():
             torch.testing.assert_close(got["grads"][name], grad, **TOL, msg=lambda m: f"rank {rank} {name}: {m}")
@@ -245,7 +259,7 @@ def packed_reference() -> dict:
     return {"loss": loss.detach(), "grads": {n: p.grad for n, p in model.named_parameters()}}
 
 
-def train_step_packed(mesh, strategy: str, entry: str) -> dict:
+def train_step_packed(mesh, strategy: str, entry: str, alltoall_size: int | None = None) -> dict:
     model = make_model(True)
     cu = torch.tensor([0, *DOCS]).cumsum(0).tolist()
     layout = PackedLayout.build(cu, mesh.size())
@@ -254,7 +268,7 @@ def train_step_packed(mesh, strategy: str, entry: str) -> dict:
     labels = pad_pack(labels[:1, : sum(DOCS)], layout, dim=1, value=-100)  # padding carries no loss
     positions = pad_pack(torch.cat([torch.arange(n) for n in DOCS]), layout, dim=0)
     if entry == "style":
-        style = ContextParallel(strategy=strategy)
+        style = ContextParallel(strategy=strategy, alltoall_size=alltoall_size)
         parallelize_module(model, mesh, {"blocks.*": style})
         local = [cp_shard(t, mesh, seq_dim=d, layout=layout) for t, d in ((tokens, 1), (labels, 1), (positions, 0))]
         with style.layout_for(layout):
@@ -262,19 +276,23 @@ def train_step_packed(mesh, strategy: str, entry: str) -> dict:
             loss.backward()
     else:
         with context_parallel(mesh, buffers=[tokens, labels, positions], buffer_seq_dims=[1, 1, 0],
-                              strategy=strategy, layout=layout):
+                              strategy=strategy, layout=layout, alltoall_size=alltoall_size):
             loss = cp_cross_entropy(model(tokens, positions), labels, mesh=mesh)
             loss.backward()
     return _finish(model, loss, mesh)
 
 
-@pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("strategy", ["ring", "allgather", "alltoall"])
+@pytest.mark.parametrize(
+    "world,strategy,alltoall_size",
+    [(w, s, None) for w in (2, 3) for s in ("ring", "allgather", "alltoall")] + [(4, "alltoall_ring", 2)],
+)
 @pytest.mark.parametrize("entry", ["style", "context"])
-def test_packed_documents_train_exactly(pools, entry: str, strategy: str, world: int) -> None:
+def test_packed_documents_train_exactly(
+    pools, entry: str, strategy: str, world: int, alltoall_size: int | None
+) -> None:
     """A pack of documents: attention stays inside each document, padding changes nothing."""
     want = packed_reference()
-    for got in pools.get(world).run(train_step_packed, strategy, entry):
+    for got in pools.get(world).run(train_step_packed, strategy, entry, alltoall_size):
         torch.testing.assert_close(got["loss"], want["loss"], **TOL)
         for name, grad in want["grads"].items():
             torch.testing.assert_close(got["grads"][name], grad, **TOL)

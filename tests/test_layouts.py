@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from cpcompose.layouts import LAYOUTS, Layout, PackedLayout, resolve_layout
+from cpcompose.layouts.grouped import GroupedLayout
 
 PACKS = {
     "one-doc": [0, 48],
@@ -34,6 +35,10 @@ def _layouts() -> list[tuple[str, Layout, int]]:
             for balance in ("documents", "zigzag"):
                 layout = PackedLayout.build(cu, world, balance=balance)
                 out.append((f"packed-{pack}-{balance}-P{world}", layout, layout.seq_len))
+    # The 2-D strategy's view: blocks of consecutive ranks as the places of its ring.
+    for base_id, base, seq_len in [c for c in out if c[1].world == 4]:
+        for size in (1, 2, 4):
+            out.append((f"grouped{size}-{base_id}", GroupedLayout(base, size), seq_len))
     return out
 
 
@@ -141,3 +146,19 @@ def test_packed_build_refuses(kwargs: dict, message: str) -> None:
     args = {"cu_seqlens": [0, 4, 8], "world": 2, **kwargs}
     with pytest.raises(ValueError, match=message):
         PackedLayout.build(args.pop("cu_seqlens"), args.pop("world"), **args)
+
+
+@pytest.mark.parametrize("layout,seq_len", [c[1:] for c in CASES if isinstance(c[1], GroupedLayout)],
+                         ids=[c[0] for c in CASES if isinstance(c[1], GroupedLayout)])
+def test_grouped_block_is_its_members_tokens(layout: GroupedLayout, seq_len: int) -> None:
+    """A block holds exactly its members' tokens; the member-order index and its inverse move between the two."""
+    for block in range(layout.world):
+        members = torch.cat([layout.base.local_indices(m, seq_len) for m in layout.members(block)])
+        mine = layout.local_indices(block, seq_len)
+        assert torch.equal(members.index_select(0, layout.from_member_order(block, seq_len)), mine)
+        assert torch.equal(mine.index_select(0, layout.to_member_order(block, seq_len)), members)
+        base_pos = torch.cat([layout.base.position_ids(m, seq_len) for m in layout.members(block)])
+        order = layout.from_member_order(block, seq_len)
+        assert torch.equal(layout.position_ids(block, seq_len), base_pos.index_select(0, order))
+    with pytest.raises(ValueError, match="does not divide"):
+        GroupedLayout(layout.base, 3)

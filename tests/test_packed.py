@@ -49,6 +49,27 @@ def test_packed_matches_per_document_reference(pools, case: PackedCase) -> None:
     assert_exact(case, pools.get(case.world).run(run_packed, case))
 
 
+# 2-D ("alltoall_ring"): 2 x 2 at P=4 through the matrix (the split balanced over all
+# four ranks, the ring over two blocks of two), and the degenerate a = 1, 2 at P=2.
+TWOD_MATRIX = [
+    PackedCase("alltoall_ring", PACKS[pack], causal, window, hq, hkv, world, alltoall_size=a)
+    for (world, a), pack, (causal, window), (hq, hkv) in itertools.product(
+        ((4, 2),), sorted(PACKS), MASKS, [(4, 2), (3, 3)]
+    )
+] + [
+    PackedCase("alltoall_ring", PACKS[pack], causal, window, 4, 2, 2, alltoall_size=a)
+    for a, pack, (causal, window) in itertools.product((1, 2), ("mixed", "one"), MASKS)
+] + [
+    PackedCase("alltoall_ring", PACKS["mixed"], False, window, 4, 2, 4, alltoall_size=2)
+    for window in ((3, 2), (11, 30))  # two-sided windows across blocks
+] + [PackedCase("alltoall_ring", PACKS["mixed"], True, 7, 4, 2, 4, balance="zigzag", alltoall_size=2)]
+
+
+@pytest.mark.parametrize("case", TWOD_MATRIX, ids=str)
+def test_twod_packed_matches_per_document_reference(pools, case: PackedCase) -> None:
+    assert_exact(case, pools.get(case.world).run(run_packed, case))
+
+
 # Bidirectional local attention over packed documents (the split balances causal
 # work; it only moves work, never results). (3, 2) is narrower than most pieces,
 # (11, 30) reaches across pieces and ranks on both sides.
@@ -79,6 +100,9 @@ CUDA_MATRIX = [
     for world, strategy, pack, causal in itertools.product(
         (2, 4), ("ring", "allgather", "alltoall"), sorted(PACKS), (True, False)
     )
+] + [
+    PackedCase("alltoall_ring", PACKS[pack], causal, None, 4, 2, 4, device="cuda", alltoall_size=2)
+    for pack, causal in itertools.product(sorted(PACKS), (True, False))
 ]
 
 
@@ -133,6 +157,18 @@ def test_documents_make_the_ring_send_less(pools) -> None:
     many = pools.get(2).run(run_packed, PackedCase("ring", (50,) * 8, True, None, 4, 2, 2, balance="zigzag"))
     for a, b in zip(one, many):
         assert b["total_bytes"] < a["total_bytes"]
+
+
+def test_documents_make_the_twod_ring_send_less(pools) -> None:
+    """Across blocks too, only pieces of shared documents travel: with one document per zigzag chunk,
+    no document spans two blocks and the ring dimension sends nothing; the all-to-all is unchanged."""
+    def case(docs: tuple[int, ...]) -> PackedCase:
+        return PackedCase("alltoall_ring", docs, True, None, 4, 2, 4, balance="zigzag", alltoall_size=2)
+
+    one, many = pools.get(4).run(run_packed, case((400,))), pools.get(4).run(run_packed, case((50,) * 8))
+    for a, b in zip(one, many):
+        assert b["total_by_kind"]["all_to_all"] == a["total_by_kind"]["all_to_all"] > 0  # same shapes
+        assert a["total_by_kind"]["p2p"] > 0 and b["total_by_kind"].get("p2p", 0) == 0
 
 
 def bad_packed(mesh, case: str) -> str:

@@ -54,6 +54,8 @@ LAYOUTS = {
     "cp2-ring": (2, ["--parallelism.cp=2", "--parallelism.cp_strategy=ring"]),
     "cp2-allgather": (2, ["--parallelism.cp=2", "--parallelism.cp_strategy=allgather"]),
     "cp2-alltoall": (2, ["--parallelism.cp=2", "--parallelism.cp_strategy=alltoall"]),
+    "cp4-alltoall_ring-2x2": (4, ["--parallelism.cp=4", "--parallelism.cp_strategy=alltoall_ring",
+                                  "--parallelism.cp_alltoall_size=2"]),
     "cp2-contiguous-ac": (2, ["--parallelism.cp=2", "--parallelism.cp_layout=contiguous",
                               "--activation_checkpoint.mode=full"]),
     "dp2-cp2": (4, ["--parallelism.cp=2", "--parallelism.dp_shard=2"]),

@@ -1,4 +1,4 @@
-"""Context-parallel attention: kernels, block planning, and the three strategies."""
+"""Context-parallel attention: kernels, block planning, and the strategies (ring, all-gather, all-to-all, 2-D)."""
 
 from cpcompose.attention.api import STRATEGIES, cp_attention
 from cpcompose.attention.op import CPContext

@@ -17,7 +17,7 @@ the output to sequence shards. Works for any head count:
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -26,7 +26,7 @@ from cpcompose.attention.blocks import backward_blocks, forward_blocks
 from cpcompose.attention.kernels import attention_backward, attention_forward
 from cpcompose.attention.merge import SoftmaxAccumulator, keep_nan_rows
 from cpcompose.attention.setup import AttentionSetup, float_zeros
-from cpcompose.comm import all_to_all_pieces
+from cpcompose.comm import CommMeter, CPGroup, all_to_all_pieces
 from cpcompose.precision import accumulation_dtype
 
 HeadRange = tuple[int, int]
@@ -83,32 +83,98 @@ def head_plan(n_heads: int, n_kv: int, world: int, rank: int, device: torch.devi
     return _HeadPlan(n_heads, n_kv, world, rank, device)
 
 
+class HeadGroup(NamedTuple):
+    """The ranks that trade heads for sequence: `size` consecutive CP ranks from `first`, this one at `index`.
+
+    All-to-all attention uses the whole CP group; the 2-D strategy blocks of `alltoall_size`.
+    """
+
+    first: int
+    size: int
+    index: int
+
+    @classmethod
+    def of(cls, cp: CPGroup, size: int) -> "HeadGroup":
+        """This rank's block of `size` consecutive ranks (`size` divides the group)."""
+        return cls(cp.rank - cp.rank % size, size, cp.rank % size)
+
+    @property
+    def members(self) -> range:
+        return range(self.first, self.first + self.size)
+
+
+def seq_to_heads(
+    tensors: list[Tensor], ranges: list[list[HeadRange]], cp: CPGroup, meter: CommMeter | None, group: HeadGroup
+) -> list[Tensor]:
+    """Sequence shards `(B, H_i, S, D)` -> head shards `(B, n_i, size * S, D)`: the members' tokens, member order.
+
+    One all-to-all on the CP group; ranks outside `group` get zero-length splits.
+    `ranges[i][m]` are the heads of `tensors[i]` that member m gets.
+    """
+    if group.size == 1:  # every head stays here: nothing to trade
+        return [t[:, r[0][0] : r[0][1]].contiguous() for t, r in zip(tensors, ranges)]
+    send: list[list[Tensor]] = [[] for _ in range(cp.world)]
+    shapes: list[list[torch.Size]] = [[] for _ in range(cp.world)]
+    mine = [torch.Size((t.shape[0], r[group.index][1] - r[group.index][0], t.shape[2], t.shape[3]))
+            for t, r in zip(tensors, ranges)]
+    for m, peer in enumerate(group.members):
+        send[peer] = [t[:, r[m][0] : r[m][1]] for t, r in zip(tensors, ranges)]
+        shapes[peer] = mine
+    recv = all_to_all_pieces(send, shapes, cp, meter)
+    return [torch.cat([recv[peer][i] for peer in group.members], dim=2) for i in range(len(tensors))]
+
+
+def heads_to_seq(
+    tensors: list[Tensor], ranges: list[list[HeadRange]], cp: CPGroup, meter: CommMeter | None, group: HeadGroup
+) -> list[list[Tensor]]:
+    """Head shards, the members' tokens in member order -> per member m, its `(B, n_m, S, D)` piece of our tokens.
+
+    The inverse exchange of `seq_to_heads`; `ranges[i][m]` are the heads member m holds of `tensors[i]`.
+    """
+    if group.size == 1:
+        return [list(tensors)]
+    chunks = [t.chunk(group.size, dim=2) for t in tensors]
+    seq = tensors[0].shape[2] // group.size
+    send: list[list[Tensor]] = [[] for _ in range(cp.world)]
+    shapes: list[list[torch.Size]] = [[] for _ in range(cp.world)]
+    for m, peer in enumerate(group.members):
+        send[peer] = [c[m] for c in chunks]
+        shapes[peer] = [torch.Size((t.shape[0], r[m][1] - r[m][0], seq, t.shape[3])) for t, r in zip(tensors, ranges)]
+    recv = all_to_all_pieces(send, shapes, cp, meter)
+    return [recv[peer] for peer in group.members]
+
+
+def gather_grads(
+    recv: list[list[Tensor]], kv_ranges: list[HeadRange], n_kv: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """dQ, dK, dV of the local shard from each member's `(dq, dk, dv)` head pieces.
+
+    A K/V head held by several members (fewer K/V heads than members, or uneven
+    groups) gets the sum of their gradients, in the accumulation dtype.
+    """
+    dq = torch.cat([parts[0] for parts in recv], dim=1)
+    b, seq = dq.shape[0], dq.shape[2]
+    acc_dtype = accumulation_dtype(dq.dtype)
+    dk = torch.zeros((b, n_kv, seq, recv[0][1].shape[-1]), dtype=acc_dtype, device=dq.device)
+    dv = torch.zeros((b, n_kv, seq, recv[0][2].shape[-1]), dtype=acc_dtype, device=dq.device)
+    for (klo, khi), parts in zip(kv_ranges, recv):
+        dk[:, klo:khi] += parts[1]
+        dv[:, klo:khi] += parts[2]
+    return dq, dk.to(dq.dtype), dv.to(dq.dtype)
+
+
 def _seq_to_heads(tensors: list[Tensor], ranges: list[list[HeadRange]], setup: AttentionSetup) -> list[Tensor]:
     """Sequence shards `(B, H_i, S, D)` -> head shards `(B, n_i, L, D)` in global order."""
-    world, rank = setup.cp.world, setup.cp.rank
-    send = [[t[:, r[j][0] : r[j][1]] for t, r in zip(tensors, ranges)] for j in range(world)]
-    shapes = [
-        torch.Size((t.shape[0], r[rank][1] - r[rank][0], t.shape[2], t.shape[3]))
-        for t, r in zip(tensors, ranges)
-    ]
-    recv = all_to_all_pieces(send, [shapes] * world, setup.cp, setup.meter)
-    return [
-        setup.layout.to_global_order(torch.cat([recv[s][i] for s in range(world)], dim=2), dim=2)
-        for i in range(len(tensors))
-    ]
+    group = HeadGroup(0, setup.cp.world, setup.cp.rank)
+    heads = seq_to_heads(tensors, ranges, setup.cp, setup.meter, group)
+    return [setup.layout.to_global_order(t, dim=2) for t in heads]
 
 
 def _heads_to_seq(tensors: list[Tensor], ranges: list[list[HeadRange]], setup: AttentionSetup) -> list[list[Tensor]]:
     """Head shards in global order -> per source rank, its `(B, n_src, S, D)` piece of our tokens."""
-    world = setup.cp.world
-    rank_major = [setup.layout.to_rank_major(t, dim=2).chunk(world, dim=2) for t in tensors]
-    send = [[rm[j] for rm in rank_major] for j in range(world)]
-    seq = tensors[0].shape[2] // world
-    shapes = [
-        [torch.Size((t.shape[0], r[s][1] - r[s][0], seq, t.shape[3])) for t, r in zip(tensors, ranges)]
-        for s in range(world)
-    ]
-    return all_to_all_pieces(send, shapes, setup.cp, setup.meter)
+    group = HeadGroup(0, setup.cp.world, setup.cp.rank)
+    rank_major = [setup.layout.to_rank_major(t, dim=2) for t in tensors]
+    return heads_to_seq(rank_major, ranges, setup.cp, setup.meter, group)
 
 
 def _attend(q: Tensor, k: Tensor, v: Tensor, setup: AttentionSetup) -> tuple[Tensor, Tensor]:
@@ -176,13 +242,5 @@ class AllToAllAttention(torch.autograd.Function):
         dq_h, dk_h, dv_h = _attend_backward(dout_h, qh, plan.local_kv(kh), plan.local_kv(vh), out_h, lse_h, setup)
         dk_h, dv_h = plan.reduce_local_kv(dk_h, kh.shape[1]), plan.reduce_local_kv(dv_h, vh.shape[1])
         ranges = [plan.q_ranges, plan.kv_ranges, plan.kv_ranges]
-        recv = _heads_to_seq([dq_h, dk_h, dv_h], ranges, setup)
-        dq = torch.cat([parts[0] for parts in recv], dim=1)
-        b, seq = dq.shape[0], dq.shape[2]
-        acc_dtype = accumulation_dtype(dq.dtype)
-        dk = torch.zeros((b, ctx.n_kv, seq, kh.shape[-1]), dtype=acc_dtype, device=dq.device)
-        dv = torch.zeros((b, ctx.n_kv, seq, vh.shape[-1]), dtype=acc_dtype, device=dq.device)
-        for (klo, khi), parts in zip(plan.kv_ranges, recv):
-            dk[:, klo:khi] += parts[1]
-            dv[:, klo:khi] += parts[2]
-        return dq, dk.to(dq.dtype), dv.to(dq.dtype), None
+        dq, dk, dv = gather_grads(_heads_to_seq([dq_h, dk_h, dv_h], ranges, setup), plan.kv_ranges, ctx.n_kv)
+        return dq, dk, dv, None

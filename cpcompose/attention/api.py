@@ -20,13 +20,17 @@ from cpcompose.attention.op import CPContext, compiled_attention
 from cpcompose.attention.options import STRATEGY_NAMES, VALIDATE_MODES, CPOptions
 from cpcompose.attention.ring import RingAttention
 from cpcompose.attention.setup import AttentionSetup
+from cpcompose.attention.twod import AllToAllRingAttention
 from cpcompose.comm import CommMeter, CPGroup
 from cpcompose.layouts import Layout, resolve_layout
 from cpcompose.validation import Field, dtype_code, float_code, shape_fields
 
 R = TypeVar("R")
 
-STRATEGIES: dict[str, type] = {"ring": RingAttention, "allgather": AllGatherAttention, "alltoall": AllToAllAttention}
+STRATEGIES: dict[str, type] = {
+    "ring": RingAttention, "allgather": AllGatherAttention, "alltoall": AllToAllAttention,
+    "alltoall_ring": AllToAllRingAttention,
+}
 assert tuple(STRATEGIES) == STRATEGY_NAMES
 
 
@@ -57,6 +61,7 @@ def cp_attention(
         options: a `CPOptions` (strategy, layout, window_size, backend, meter, validate).
         return_lse: also return the float32 log-sum-exp `(batch, heads, seq_local)`.
         **overrides: any `CPOptions` field by name, e.g. `strategy="alltoall"`,
+            `strategy="alltoall_ring", alltoall_size=2` (2-D),
             `layout=shard.layout` (a `PackedLayout` for packed documents: the very
             object the shards were cut by), `window_size=512` (causal) or
             `window_size=(left, right)` (bidirectional local attention).
@@ -168,7 +173,7 @@ def checked_call(
     def spec() -> CallSpec:  # what this rank replays on zeros if it deviates from this call later
         s = setup(None)  # the group stays out of it: the history it goes into is owned by the group
         return CallSpec(q.shape, k.shape, v.shape, q.dtype, q.device,
-                        functools.partial(_replay, strategy, s.layout, s.mask, s.kernel, s.need_lse))
+                        functools.partial(_replay, strategy, s.layout, s.mask, s.kernel, s.need_lse, s.alltoall_size))
 
     return agreed_call(
         cp, error, signature, what="cp_attention", device=_metadata_device(q),
@@ -187,13 +192,15 @@ def setup_for(
         backend=select_backend(q, options.backend), softcap=None if softcap is None else float(softcap),
     )
     mask = MaskSpec(is_causal, *window_pair(options.window_size, is_causal)[0])
-    return AttentionSetup(cp, resolve_layout(options.layout, cp.world), mask, kernel, options.meter, return_lse)
+    return AttentionSetup(
+        cp, resolve_layout(options.layout, cp.world), mask, kernel, options.meter, return_lse, options.alltoall_size
+    )
 
 
-def _replay(strategy: Any, layout: Layout, mask: MaskSpec, kernel: KernelArgs, need_lse: bool, cp: CPGroup,
-            q: Tensor, k: Tensor, v: Tensor) -> None:
+def _replay(strategy: Any, layout: Layout, mask: MaskSpec, kernel: KernelArgs, need_lse: bool,
+            alltoall_size: int | None, cp: CPGroup, q: Tensor, k: Tensor, v: Tensor) -> None:
     """An agreed call again, on other tensors, unmetered (see `agreement.CallSpec.mimic`)."""
-    strategy.apply(q, k, v, AttentionSetup(cp, layout, mask, kernel, None, need_lse))
+    strategy.apply(q, k, v, AttentionSetup(cp, layout, mask, kernel, None, need_lse, alltoall_size))
 
 
 def _metadata_device(q: object) -> torch.device:
@@ -221,7 +228,15 @@ def _signature(
         ("backend", zlib.crc32(str(options.backend).encode())),
         ("return_lse", int(bool(return_lse))),
         ("validate", VALIDATE_MODES.index(options.validate) if options.validate in VALIDATE_MODES else -1),
+        ("alltoall_size", _int_code(options.alltoall_size)),
     ]
+
+
+def _int_code(x: object) -> int:
+    """A non-negative int as itself; None as -1, anything else as -2 (its rank's own check names it)."""
+    if x is None:
+        return -1
+    return x if isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 62 else -2
 
 
 def _tensor_error(q: Tensor, k: Tensor, v: Tensor) -> str | None:

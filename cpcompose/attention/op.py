@@ -8,7 +8,7 @@ in `fullgraph=True`). Under `torch.compile` the SDPA route therefore calls
 agreement, strategy) and whose fake implementation gives only shapes; its backward
 is `cpcompose::attention_backward`, wired with `register_autograd`.
 
-What dynamo sees: `(out, lse, residuals) = cpcompose::attention(q, k, v, context, ...)`
+What dynamo sees: `(out, lse, residuals) = cpcompose::attention(q, k, v, context, strategy, alltoall_size, ...)`
 with tensor inputs, a `CPContext` and a few constants; in backward,
 `(dq, dk, dv) = cpcompose::attention_backward(dout, q, k, v, out, lse, residuals, context, ...)`.
 
@@ -21,8 +21,10 @@ Nothing is kept in a module-level registry.
 
 The strategies' `autograd.Function`s are driven directly: their `forward` runs with a
 `_SavedContext` that records what it saves. Ring and all-gather save `q, k, v, out, lse`,
-which the backward op gets anyway; all-to-all saves head-sharded copies, which
-travel as `residuals` (no recomputation, no extra communication).
+which the backward op gets anyway; all-to-all and 2-D ("alltoall_ring") save
+head-sharded copies, which travel as `residuals` (no recomputation, no extra
+communication). The strategy and the 2-D block size shape those residuals, so they
+are read at trace time and passed to the op as constants.
 """
 
 from collections.abc import Callable
@@ -72,11 +74,17 @@ class CPContext(OpaqueBase):
         """The strategy now: it decides the custom op's saved tensors, so compiled code reads it at trace time."""
         return self.options().strategy
 
+    @property
+    def alltoall_size(self) -> int | None:
+        """The 2-D all-to-all block size now (it shapes the saved head shards too); read at trace time."""
+        return self.options().alltoall_size
+
 
 # Read at trace time with the real object and baked in as constants (the fake op needs
 # all-to-all's head split); everything else is read by the op's eager implementation.
 register_opaque_type(
-    CPContext, typ="reference", members={name: MemberType.USE_REAL for name in ("world", "rank", "strategy")}
+    CPContext, typ="reference",
+    members={name: MemberType.USE_REAL for name in ("world", "rank", "strategy", "alltoall_size")},
 )
 
 
@@ -93,11 +101,31 @@ class _SavedContext:
         pass  # the op's autograd formula gives the LSE no gradient
 
 
-def _options(context: CPContext, strategy: str) -> Any:
+_HEAD_SHARDED = ("alltoall", "alltoall_ring")  # strategies whose saved tensors are head shards (residuals)
+
+
+def _options(context: CPContext, strategy: str, alltoall_size: int | None) -> Any:
     options = context.options()
-    if options.strategy != strategy:  # traced with one strategy, run with another
-        raise ValueError(f"cp_attention was compiled for strategy={strategy!r}; recompile to change it")
+    if options.strategy != strategy or _size_code(options.alltoall_size) != alltoall_size:  # traced with others
+        raise ValueError(
+            f"cp_attention was compiled for strategy={strategy!r}, alltoall_size={alltoall_size!r}; "
+            "recompile to change them"
+        )
     return options
+
+
+def _size_code(alltoall_size: object) -> int | None:
+    """`alltoall_size` as the op's `int | None` argument; -1 for a value of another type (the op's checks name it)."""
+    if alltoall_size is None or (isinstance(alltoall_size, int) and not isinstance(alltoall_size, bool)):
+        return alltoall_size
+    return -1
+
+
+def _head_block(strategy: str, alltoall_size: int | None, world: int, rank: int) -> tuple[int, int]:
+    """(ranks that trade heads, this rank's place among them) of a head-sharded strategy."""
+    if strategy == "alltoall_ring" and isinstance(alltoall_size, int) and alltoall_size >= 1:
+        return alltoall_size, rank % alltoall_size
+    return world, rank
 
 
 def _strategy(name: str) -> Any:
@@ -108,27 +136,28 @@ def _strategy(name: str) -> Any:
 
 @torch.library.custom_op("cpcompose::attention", mutates_args=())
 def _attention(
-    q: Tensor, k: Tensor, v: Tensor, context: CPContext, strategy: str, is_causal: bool, scale: float | None,
-    softcap: float | None, return_lse: bool, caller_error: str | None,
+    q: Tensor, k: Tensor, v: Tensor, context: CPContext, strategy: str, alltoall_size: int | None, is_causal: bool,
+    scale: float | None, softcap: float | None, return_lse: bool, caller_error: str | None,
 ) -> tuple[Tensor, Tensor, list[Tensor]]:
     from cpcompose.attention.api import checked_call  # api imports this module: import when called
 
     def forward(setup: Any) -> tuple[Tensor, Tensor, list[Tensor]]:
         saved = _SavedContext()
         out, lse = _strategy(strategy).forward(saved, q, k, v, setup)
-        residuals = [t.contiguous() for t in saved.saved_tensors] if strategy == "alltoall" else []
+        residuals = [t.contiguous() for t in saved.saved_tensors] if strategy in _HEAD_SHARDED else []
         return out.contiguous(), lse.contiguous(), residuals  # contiguous: the strides the fake promises
 
     return checked_call(
-        q, k, v, mesh=context.mesh, is_causal=is_causal, scale=scale, options=_options(context, strategy),
-        softcap=softcap, return_lse=return_lse, caller_error=caller_error, run=forward,
+        q, k, v, mesh=context.mesh, is_causal=is_causal, scale=scale,
+        options=_options(context, strategy, alltoall_size), softcap=softcap, return_lse=return_lse,
+        caller_error=caller_error, run=forward,
     )
 
 
 @_attention.register_fake
 def _attention_fake(
-    q: Tensor, k: Tensor, v: Tensor, context: Any, strategy: str, is_causal: bool, scale: float | None,
-    softcap: float | None, return_lse: bool, caller_error: str | None,
+    q: Tensor, k: Tensor, v: Tensor, context: Any, strategy: str, alltoall_size: int | None, is_causal: bool,
+    scale: float | None, softcap: float | None, return_lse: bool, caller_error: str | None,
 ) -> tuple[Tensor, Tensor, list[Tensor]]:
     from cpcompose.attention.api import _tensor_error
 
@@ -137,17 +166,19 @@ def _attention_fake(
     b, h, s, _ = q.shape
     acc = accumulation_dtype(q.dtype)
     out = q.new_empty((b, h, s, v.shape[3]))
-    if strategy != "alltoall":
+    if strategy not in _HEAD_SHARDED:
         return out, q.new_empty((b, h, s), dtype=acc), []
     lse = q.new_empty((b, h, s) if return_lse else (0,), dtype=acc)
-    return out, lse, _alltoall_residuals(q, k, v, context.world, context.rank)
+    size, index = _head_block(strategy, alltoall_size, context.world, context.rank)
+    return out, lse, _head_residuals(q, k, v, size, index)
 
 
-def _alltoall_residuals(q: Tensor, k: Tensor, v: Tensor, world: int, rank: int) -> list[Tensor]:
-    """Empty tensors shaped like what `AllToAllAttention.forward` saves on `rank` (see alltoall.py)."""
-    q_ranges = query_head_ranges(q.shape[1], world)
-    (lo, hi), (klo, khi) = q_ranges[rank], kv_head_ranges(q_ranges, q.shape[1] // k.shape[1])[rank]
-    b, length = q.shape[0], q.shape[2] * world
+def _head_residuals(q: Tensor, k: Tensor, v: Tensor, size: int, index: int) -> list[Tensor]:
+    """Empty tensors shaped like what `AllToAllAttention.forward` (size: the world) or
+    `AllToAllRingAttention.forward` (size: alltoall_size) saves at place `index` of its block."""
+    q_ranges = query_head_ranges(q.shape[1], size)
+    (lo, hi), (klo, khi) = q_ranges[index], kv_head_ranges(q_ranges, q.shape[1] // k.shape[1])[index]
+    b, length = q.shape[0], q.shape[2] * size
     return [
         q.new_empty((b, hi - lo, length, q.shape[3])),
         k.new_empty((b, khi - klo, length, k.shape[3])),
@@ -160,19 +191,20 @@ def _alltoall_residuals(q: Tensor, k: Tensor, v: Tensor, world: int, rank: int) 
 @torch.library.custom_op("cpcompose::attention_backward", mutates_args=())
 def _attention_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, residuals: list[Tensor],
-    context: CPContext, strategy: str, is_causal: bool, scale: float | None, softcap: float | None,
-    return_lse: bool,
+    context: CPContext, strategy: str, alltoall_size: int | None, is_causal: bool, scale: float | None,
+    softcap: float | None, return_lse: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     from cpcompose.attention.api import setup_for
 
     # The forward agreed on this call: the backward only rebuilds its setup (no communication).
     setup = setup_for(q, mesh=context.mesh, is_causal=is_causal, scale=scale, softcap=softcap,
-                      options=_options(context, strategy), return_lse=return_lse)
+                      options=_options(context, strategy, alltoall_size), return_lse=return_lse)
     ctx = _SavedContext()
     ctx.setup = setup  # type: ignore[attr-defined]
-    if strategy == "alltoall":
+    if strategy in _HEAD_SHARDED:
         ctx.saved_tensors = tuple(residuals)
-        plan = head_plan(q.shape[1], k.shape[1], setup.cp.world, setup.cp.rank, q.device)
+        size, index = _head_block(strategy, alltoall_size, setup.cp.world, setup.cp.rank)
+        plan = head_plan(q.shape[1], k.shape[1], size, index, q.device)
         ctx.plan, ctx.n_kv = plan, k.shape[1]  # type: ignore[attr-defined]
     else:
         ctx.saved_tensors = (q, k.contiguous(), v.contiguous(), out, lse)
@@ -183,23 +215,23 @@ def _attention_backward(
 @_attention_backward.register_fake
 def _attention_backward_fake(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, residuals: list[Tensor],
-    context: Any, strategy: str, is_causal: bool, scale: float | None, softcap: float | None,
-    return_lse: bool,
+    context: Any, strategy: str, alltoall_size: int | None, is_causal: bool, scale: float | None,
+    softcap: float | None, return_lse: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-    q, k, v, context, strategy, is_causal, scale, softcap, return_lse, _error = inputs
+    q, k, v, context, strategy, alltoall_size, is_causal, scale, softcap, return_lse, _error = inputs
     out, lse, residuals = output
     ctx.save_for_backward(q, k, v, out, lse, *residuals)
-    ctx.args = (context, strategy, is_causal, scale, softcap, return_lse)
+    ctx.args = (context, strategy, alltoall_size, is_causal, scale, softcap, return_lse)
 
 
 def _backward(ctx: Any, dout: Tensor, _dlse: Tensor, _dresiduals: list[Tensor]) -> tuple:
     q, k, v, out, lse, *residuals = ctx.saved_tensors
     dq, dk, dv = _attention_backward(dout.contiguous(), q, k, v, out, lse, residuals, *ctx.args)
-    return dq, dk, dv, None, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 _attention.register_autograd(_backward, setup_context=_setup_context)
@@ -215,6 +247,8 @@ def compiled_attention(
         context: the `CPContext` (made outside the traced code: dynamo cannot build one).
         caller_error: the route's own complaint, joined to the agreement inside the op.
     """
-    strategy = context.strategy  # at trace time: it decides the residuals' shapes
-    out, lse, _ = _attention(q, k, v, context, strategy, is_causal, scale, softcap, return_lse, caller_error)
+    strategy, alltoall_size = context.strategy, _size_code(context.alltoall_size)  # trace time: residual shapes
+    out, lse, _ = _attention(
+        q, k, v, context, strategy, alltoall_size, is_causal, scale, softcap, return_lse, caller_error
+    )
     return (out, lse) if return_lse else out

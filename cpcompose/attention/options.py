@@ -16,8 +16,8 @@ from typing import Any, Literal
 from cpcompose.comm import CommMeter
 from cpcompose.layouts import LayoutSpec, layout_error
 
-Strategy = Literal["ring", "allgather", "alltoall"]
-STRATEGY_NAMES: tuple[str, ...] = ("ring", "allgather", "alltoall")
+Strategy = Literal["ring", "allgather", "alltoall", "alltoall_ring"]
+STRATEGY_NAMES: tuple[str, ...] = ("ring", "allgather", "alltoall", "alltoall_ring")
 Validate = Literal["first_call", "every_call"]
 VALIDATE_MODES: tuple[str, ...] = ("first_call", "every_call")
 
@@ -27,8 +27,9 @@ class CPOptions:
     """The CP attention options shared by every entry point.
 
     Attributes:
-        strategy: "ring" (K/V point-to-point), "allgather" (gather K/V) or
-            "alltoall" (Ulysses: heads for sequence).
+        strategy: "ring" (K/V point-to-point), "allgather" (gather K/V),
+            "alltoall" (Ulysses: heads for sequence) or "alltoall_ring" (2-D: Ulysses
+            inside blocks of `alltoall_size` consecutive ranks, a ring across the blocks).
         layout: how the shards were cut: a registered name ("zigzag", the default,
             or "contiguous") or a `Layout` object such as a `PackedLayout`.
         window_size: sliding window: an int W (causal: each query sees W positions to
@@ -41,6 +42,11 @@ class CPOptions:
             shapes or options), not on repeats; "every_call": on every call, a debug
             mode that catches a rank changing its inputs alone on any device (see
             `cpcompose.attention.agreement`). Must be the same on every rank.
+        alltoall_size: "alltoall_ring" only (and required there): ranks per all-to-all
+            block, a divisor of the CP size P; the ring runs over the P / alltoall_size
+            blocks. Consecutive ranks form a block, so under torchrun a block that fits
+            in a node keeps the all-to-all on the node's fast links. alltoall_size=P is
+            Ulysses, 1 is the ring.
     """
 
     strategy: Strategy = "ring"
@@ -49,6 +55,7 @@ class CPOptions:
     backend: str | None = None
     meter: CommMeter | None = None
     validate: Validate = "first_call"
+    alltoall_size: int | None = None
 
     def replace(self, **changes: Any) -> "CPOptions":
         """A copy with `changes` (TypeError names an unknown option, as a function call would)."""
@@ -62,4 +69,22 @@ class CPOptions:
             return f"meter must be a cpcompose.CommMeter, got {type(self.meter).__name__}"
         if self.validate not in VALIDATE_MODES:
             return f"validate={self.validate!r} is unknown; choose one of {VALIDATE_MODES}"
-        return layout_error(self.layout, world)
+        return self._alltoall_size_error(world) or layout_error(self.layout, world)
+
+    def _alltoall_size_error(self, world: int) -> str | None:
+        a = self.alltoall_size
+        if self.strategy != "alltoall_ring":
+            if a is None:
+                return None
+            return (
+                f"alltoall_size={a!r} is only used by strategy='alltoall_ring' (got strategy={self.strategy!r}): "
+                "drop alltoall_size or set strategy='alltoall_ring'"
+            )
+        if a is None:
+            return (
+                f"strategy='alltoall_ring' needs alltoall_size (ranks per all-to-all block), a divisor of the "
+                f"{world} CP ranks"
+            )
+        if isinstance(a, bool) or not isinstance(a, int) or a < 1 or world % a:
+            return f"alltoall_size={a!r} must be a positive int that divides the {world} CP ranks"
+        return None

@@ -13,18 +13,22 @@ needs are never sent, and rounds with nothing to attend are skipped.
 Backward repeats the exchange of K/V and sends each block's dK/dV (float32, so
 bf16 rounding does not grow with P) straight back to the rank that owns those
 rows. dQ stays local.
+
+`ring_forward` / `ring_backward` run this loop over any `RingView` (which CP ranks
+are the ring's places) and any layout: `RingAttention` over the whole group, the 2-D
+strategy (`twod.py`) across its all-to-all blocks, on the blocks' `GroupedLayout`.
 """
 
 from __future__ import annotations
 
 import functools
 from dataclasses import replace
-from typing import Any, NamedTuple, Sequence
+from typing import Any, NamedTuple, Protocol, Sequence
 
 import torch
 from torch import Tensor
 
-from cpcompose.attention.blocks import BlockTask, MaskSpec, backward_blocks, forward_blocks, needed_rows
+from cpcompose.attention.blocks import BlockTask, KernelArgs, MaskSpec, backward_blocks, forward_blocks, needed_rows
 from cpcompose.attention.merge import SoftmaxAccumulator
 from cpcompose.attention.setup import PLAN_CACHE_SIZE, AttentionSetup, cached_plan, finish_forward, float_zeros
 from cpcompose.comm import PendingRecv, RingComm
@@ -57,7 +61,7 @@ def _compact(tasks: Sequence[BlockTask], rows: Sequence[slice]) -> tuple[BlockTa
 
 
 @functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
-def _round(layout: Layout, mask: MaskSpec, seq_len: int, rank: int, world: int, s: int) -> _RoundPlan:
+def ring_round(layout: Layout, mask: MaskSpec, seq_len: int, rank: int, world: int, s: int) -> RoundPlan:
     """Round s of `rank`'s ring: the rows it sends to rank+s, the rows it reads from rank-s, its tasks on them.
 
     Pure and cached: each forward and backward walks the same P-1 rounds.
@@ -65,34 +69,69 @@ def _round(layout: Layout, mask: MaskSpec, seq_len: int, rank: int, world: int, 
     send = tuple(needed_rows(cached_plan(layout, mask, seq_len, (rank + s) % world, rank)))
     tasks = cached_plan(layout, mask, seq_len, rank, (rank - s) % world)
     rows = tuple(needed_rows(tasks))
-    return _RoundPlan(send, rows, _compact(tasks, rows))
+    return RoundPlan(send, rows, _compact(tasks, rows))
 
 
-class _RoundPlan(NamedTuple):
+class RoundPlan(NamedTuple):
     send: tuple[slice, ...]
     recv: tuple[slice, ...]
     tasks: tuple[BlockTask, ...]
 
 
-class _Rounds:
-    """Who talks to whom in each round, and which rows move."""
+class RingView(NamedTuple):
+    """The ring's places: `world` of them, this rank at `rank`; place j is CP group rank `j * stride + offset`.
 
-    def __init__(self, setup: AttentionSetup, local_seq: int) -> None:
-        self.setup, self.seq = setup, local_seq
-        self.rank, self.world = setup.cp.rank, setup.cp.world
+    The 1-D ring is the whole CP group (stride 1). The 2-D strategy runs a ring across
+    blocks of `stride` consecutive ranks between the ranks at place `offset` of each block.
+    """
+
+    rank: int
+    world: int
+    stride: int = 1
+    offset: int = 0
+
+    def peer(self, s: int) -> int:
+        """The CP group rank `s` places after this one (before, for negative `s`)."""
+        return (self.rank + s) % self.world * self.stride + self.offset
+
+
+class KVHeads(Protocol):
+    """How received K/V heads map to this rank's query heads (the 2-D strategy's `_HeadPlan`)."""
+
+    def local_kv(self, kv: Tensor) -> Tensor: ...
+
+    def reduce_local_kv(self, dkv: Tensor, n_kv: int) -> Tensor: ...
+
+
+class _SameHeads:
+    """The kernel reads K/V heads as they are (GQA natively): nothing to map."""
+
+    def local_kv(self, kv: Tensor) -> Tensor:
+        return kv
+
+    def reduce_local_kv(self, dkv: Tensor, n_kv: int) -> Tensor:
+        return dkv
+
+
+class Rounds:
+    """Who talks to whom in each round of a ring over `layout`, and which rows move."""
+
+    def __init__(self, layout: Layout, mask: MaskSpec, view: RingView, local_seq: int) -> None:
+        self.layout, self.mask, self.view = layout, mask, view
+        self.rank, self.world, self.seq_len = view.rank, view.world, local_seq * view.world
 
     def local_tasks(self) -> Sequence[BlockTask]:
-        return self.setup.tasks_between(self.rank, self.rank, self.seq)
+        return cached_plan(self.layout, self.mask, self.seq_len, self.rank, self.rank)
 
-    def _plan(self, s: int) -> _RoundPlan:
-        return _round(self.setup.layout, self.setup.mask, self.setup.seq_len(self.seq), self.rank, self.world, s)
+    def _plan(self, s: int) -> RoundPlan:
+        return ring_round(self.layout, self.mask, self.seq_len, self.rank, self.world, s)
 
     def send_rows(self, s: int) -> Sequence[slice]:
-        """Rows of my K/V that rank+s reads in round s."""
+        """Rows of my K/V that place rank+s reads in round s."""
         return self._plan(s).send
 
     def recv(self, s: int) -> tuple[Sequence[slice], Sequence[BlockTask]]:
-        """Rows of rank-s's K/V that I read in round s, and my tasks on their compact copy."""
+        """Rows of place rank-s's K/V that I read in round s, and my tasks on their compact copy."""
         plan = self._plan(s)
         return plan.recv, plan.tasks
 
@@ -102,8 +141,8 @@ class _Rounds:
         rows, tasks = self.recv(s)
         n = sum(r.stop - r.start for r in rows)
         pending = comm.exchange_with(
-            [_gather_rows(k, send), _gather_rows(v, send)], dst=(self.rank + s) % self.world,
-            recv_like=[_with_rows(k, n), _with_rows(v, n)], src=(self.rank - s) % self.world, tag=_KV_TAG,
+            [_gather_rows(k, send), _gather_rows(v, send)], dst=self.view.peer(s),
+            recv_like=[_with_rows(k, n), _with_rows(v, n)], src=self.view.peer(-s), tag=_KV_TAG,
         )
         return pending, tasks
 
@@ -123,50 +162,84 @@ def _add_rows(grads: tuple[Tensor, Tensor], pending: PendingRecv, rows: Sequence
         offset += n
 
 
+def ring_forward(
+    acc: SoftmaxAccumulator, q: Tensor, k: Tensor, v: Tensor, rounds: Rounds, comm: RingComm, kernel: KernelArgs,
+    heads: KVHeads = _SameHeads(),
+) -> None:
+    """Merge into `acc` the local queries against every place's K/V; each round's exchange posted a round ahead.
+
+    `k`, `v` are contiguous and travel with their own head count; `heads` maps them to
+    the query heads after they arrive.
+    """
+    pending = rounds.post_kv(comm, k, v, 1) if rounds.world > 1 else None
+    forward_blocks(acc, q, heads.local_kv(k), heads.local_kv(v), rounds.local_tasks(), kernel)
+    for s in range(1, rounds.world):
+        following = rounds.post_kv(comm, k, v, s + 1) if s + 1 < rounds.world else None
+        assert pending is not None
+        recv, tasks = pending[0].wait(), pending[1]
+        forward_blocks(acc, q, heads.local_kv(recv[0]), heads.local_kv(recv[1]), tasks, kernel)
+        pending = following
+
+
+def _kv_block_backward(
+    dq: Tensor, dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+    tasks: Sequence[BlockTask], kernel: KernelArgs, heads: KVHeads,
+) -> tuple[Tensor, Tensor]:
+    """Add one block's dQ into `dq`; return its float32 dK, dV with K/V's own head count."""
+    ke, ve = heads.local_kv(k), heads.local_kv(v)
+    dk, dv = float_zeros(ke), float_zeros(ve)
+    backward_blocks((dq, dk, dv), dout, q, ke, ve, out, lse, tasks, kernel)
+    return heads.reduce_local_kv(dk, k.shape[1]), heads.reduce_local_kv(dv, v.shape[1])
+
+
+def ring_backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, rounds: Rounds, comm: RingComm,
+    kernel: KernelArgs, heads: KVHeads = _SameHeads(),
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Float32 `(dq, dk, dv)` of the local shards: K/V exchanged again, each block's dK/dV sent home."""
+    dq = float_zeros(q)
+    pending = rounds.post_kv(comm, k, v, 1) if rounds.world > 1 else None
+    dk, dv = _kv_block_backward(dq, dout, q, k, v, out, lse, rounds.local_tasks(), kernel, heads)
+    returning: tuple[PendingRecv, Sequence[slice]] | None = None  # dK/dV of my rows, coming home
+    for s in range(1, rounds.world):
+        following = rounds.post_kv(comm, k, v, s + 1) if s + 1 < rounds.world else None
+        assert pending is not None
+        (k_s, v_s), tasks = pending[0].wait(), pending[1]
+        dk_s, dv_s = _kv_block_backward(dq, dout, q, k_s, v_s, out, lse, tasks, kernel, heads)
+        mine = rounds.send_rows(s)  # the rows place rank+s read from me: their gradients come back
+        n = sum(r.stop - r.start for r in mine)
+        home = comm.exchange_with(
+            [dk_s, dv_s], dst=rounds.view.peer(-s), recv_like=[_with_rows(dk, n), _with_rows(dv, n)],
+            src=rounds.view.peer(s), tag=_GRAD_TAG,
+        )
+        if returning is not None:
+            _add_rows((dk, dv), *returning)
+        returning, pending = (home, mine), following
+    if returning is not None:
+        _add_rows((dk, dv), *returning)
+    return dq, dk, dv
+
+
+def _rounds(setup: AttentionSetup, local_seq: int) -> Rounds:
+    return Rounds(setup.layout, setup.mask, RingView(setup.cp.rank, setup.cp.world), local_seq)
+
+
 class RingAttention(torch.autograd.Function):
     """`(q, k, v) -> (out, lse)` on local shards; see the module docstring."""
 
     @staticmethod
     def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, setup: AttentionSetup) -> tuple[Tensor, Tensor]:
-        comm, rounds = RingComm(setup.cp, setup.meter), _Rounds(setup, q.shape[2])
         k, v = k.contiguous(), v.contiguous()
         acc = SoftmaxAccumulator(q, v.shape[-1])
-        pending = rounds.post_kv(comm, k, v, 1) if rounds.world > 1 else None
-        forward_blocks(acc, q, k, v, rounds.local_tasks(), setup.kernel)
-        for s in range(1, rounds.world):
-            following = rounds.post_kv(comm, k, v, s + 1) if s + 1 < rounds.world else None
-            assert pending is not None
-            recv, tasks = pending[0].wait(), pending[1]
-            forward_blocks(acc, q, recv[0], recv[1], tasks, setup.kernel)
-            pending = following
+        ring_forward(acc, q, k, v, _rounds(setup, q.shape[2]), RingComm(setup.cp, setup.meter), setup.kernel)
         return finish_forward(ctx, q, k, v, acc, setup)
 
     @staticmethod
     def backward(ctx: Any, dout: Tensor, _dlse: Tensor | None) -> tuple[Tensor, Tensor, Tensor, None]:
         q, k, v, out, lse = ctx.saved_tensors
         setup: AttentionSetup = ctx.setup
-        comm, rounds = RingComm(setup.cp, setup.meter), _Rounds(setup, q.shape[2])
-        dout = dout.contiguous()
-        dq, dk, dv = float_zeros(q), float_zeros(k), float_zeros(v)
-        pending = rounds.post_kv(comm, k, v, 1) if rounds.world > 1 else None
-        backward_blocks((dq, dk, dv), dout, q, k, v, out, lse, rounds.local_tasks(), setup.kernel)
-        returning: tuple[PendingRecv, Sequence[slice]] | None = None  # dK/dV of my rows, coming home
-        for s in range(1, rounds.world):
-            following = rounds.post_kv(comm, k, v, s + 1) if s + 1 < rounds.world else None
-            assert pending is not None
-            (k_s, v_s), tasks = pending[0].wait(), pending[1]
-            dk_s, dv_s = float_zeros(k_s), float_zeros(v_s)
-            backward_blocks((dq, dk_s, dv_s), dout, q, k_s, v_s, out, lse, tasks, setup.kernel)
-            mine = rounds.send_rows(s)  # the rows rank+s read from me: their gradients come back
-            n = sum(r.stop - r.start for r in mine)
-            home = comm.exchange_with(
-                [dk_s, dv_s], dst=(rounds.rank - s) % rounds.world,
-                recv_like=[_with_rows(dk, n), _with_rows(dv, n)], src=(rounds.rank + s) % rounds.world,
-                tag=_GRAD_TAG,
-            )
-            if returning is not None:
-                _add_rows((dk, dv), *returning)
-            returning, pending = (home, mine), following
-        if returning is not None:
-            _add_rows((dk, dv), *returning)
+        dq, dk, dv = ring_backward(
+            dout.contiguous(), q, k, v, out, lse, _rounds(setup, q.shape[2]), RingComm(setup.cp, setup.meter),
+            setup.kernel,
+        )
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None

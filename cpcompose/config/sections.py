@@ -101,7 +101,12 @@ class Parallelism:
     """Microbatches per local batch when pp > 1; must divide it (and be >= pp for 1F1B)."""
     cp_strategy: Strategy = "ring"
     """ring: K/V blocks circulate, overlapped with compute; allgather: gather all K/V once
-    (simple, more memory); alltoall: Ulysses head/sequence transpose (any head count)."""
+    (simple, more memory); alltoall: Ulysses head/sequence transpose (any head count);
+    alltoall_ring: 2-D, Ulysses inside blocks of cp_alltoall_size consecutive ranks (keep a
+    block inside a node) and a ring across the cp / cp_alltoall_size blocks."""
+    cp_alltoall_size: int | None = None
+    """Ranks per all-to-all block of cp_strategy = "alltoall_ring" (required there, unset otherwise);
+    must divide cp. cp_alltoall_size = cp is Ulysses, 1 is the ring."""
     cp_layout: str = DEFAULT_LAYOUT
     """A registered layout (zigzag, contiguous): zigzag gives rank r chunks r and 2cp-1-r so causal
     work is balanced; contiguous gives chunk r. Packed documents (data.pack) are split per batch."""
@@ -112,10 +117,23 @@ class Parallelism:
                 f"{self.cp_layout!r} is not a registered layout; choose one of {', '.join(LAYOUTS)}")
         require(self.dp_shard == -1 or self.dp_shard >= 1, "parallelism.dp_shard",
                 f"must be >= 1 or -1, got {self.dp_shard}")
+        a = self.cp_alltoall_size
+        if self.cp_strategy != "alltoall_ring":
+            require(a is None, "parallelism.cp_alltoall_size",
+                    f"{a} is only used by cp_strategy = \"alltoall_ring\" (got {self.cp_strategy!r}): unset it "
+                    "or set parallelism.cp_strategy = \"alltoall_ring\"")
+        else:
+            require(a is not None, "parallelism.cp_alltoall_size",
+                    f"cp_strategy = \"alltoall_ring\" needs it: ranks per all-to-all block, "
+                    f"a divisor of cp = {self.cp}")
+            require(isinstance(a, int) and not isinstance(a, bool) and a >= 1 and self.cp % a == 0,
+                    "parallelism.cp_alltoall_size", f"{a!r} must be a positive divisor of parallelism.cp = {self.cp}")
 
     def cp_options(self, *, meter: CommMeter | None = None) -> CPOptions:
         """The CP attention options these settings describe: one object, from here to every attention call."""
-        return CPOptions(strategy=self.cp_strategy, layout=self.cp_layout, meter=meter)
+        return CPOptions(
+            strategy=self.cp_strategy, layout=self.cp_layout, meter=meter, alltoall_size=self.cp_alltoall_size
+        )
 
 
 @dataclass

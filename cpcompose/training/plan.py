@@ -25,7 +25,7 @@ def describe_plan(config: JobConfig, world: int) -> str:
     lines = [
         f"plan for '{config.job.name}' on {world} rank(s)",
         f"  mesh: pp={dims.pp} dp_replicate={dims.dp_replicate} dp_shard={dims.dp_shard} cp={dims.cp} tp={dims.tp}",
-        f"  context parallel: strategy={p.cp_strategy} layout={p.cp_layout}; "
+        f"  context parallel: strategy={p.cp_strategy}{_blocks(p.cp, p.cp_alltoall_size)} layout={p.cp_layout}; "
         f"{t.seq_len:,} tokens per sequence, {local_seq:,} per CP rank",
         f"  model: {config.model.name}, {n_params / 1e9:.3f} B parameters ({config.model.n_layers} layers, "
         f"dim {config.model.dim}, {config.model.n_heads} heads, {config.model.n_kv_heads} kv heads)",
@@ -35,3 +35,8 @@ def describe_plan(config: JobConfig, world: int) -> str:
         f"{config.activation_checkpoint.mode}",
     ]
     return "\n".join(lines)
+
+
+def _blocks(cp: int, alltoall_size: int | None) -> str:
+    """The 2-D mesh of "alltoall_ring": all-to-all blocks x ring places."""
+    return "" if alltoall_size is None else f" ({alltoall_size} all-to-all x {cp // alltoall_size} ring)"
