@@ -224,3 +224,12 @@ def test_llama3_8b_config_has_the_llama3_shape() -> None:
         4096, 32, 32, 8, 14336, 128256)
     assert config.training.seq_len == 131072 and config.training.mixed_precision == "bfloat16"
     assert config.activation_checkpoint.mode == "full" and config.parallelism.cp == 8
+
+
+def test_validate_mode_reaches_the_attention_options() -> None:
+    """`parallelism.cp_validate` is the trainer's switch for the every-call agreement (a debug mode)."""
+    assert load_config([]).parallelism.cp_options().validate == "first_call"
+    config = load_config(["--parallelism.cp_validate=every_call"])
+    assert config.parallelism.cp_options().validate == "every_call"
+    with pytest.raises(ConfigError, match="cp_validate"):
+        load_config(["--parallelism.cp_validate=sometimes"])

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from cpcompose.attention.options import CPOptions, Strategy
+from cpcompose.attention.options import CPOptions, Strategy, Validate
 from cpcompose.comm import CommMeter
 from cpcompose.layouts import DEFAULT_LAYOUT, LAYOUTS
 
@@ -110,6 +110,10 @@ class Parallelism:
     cp_layout: str = DEFAULT_LAYOUT
     """A registered layout (zigzag, contiguous): zigzag gives rank r chunks r and 2cp-1-r so causal
     work is balanced; contiguous gives chunk r. Packed documents (data.pack) are split per batch."""
+    cp_validate: Validate = "first_call"
+    """first_call: the blocking cross-rank check of each attention call's shapes and options runs
+    for a new call signature only (no host sync at steady state); every_call: on every call, a
+    debug mode that also catches one rank changing its inputs alone (see README, What is checked when)."""
 
     def __post_init__(self) -> None:
         _positive(self, "parallelism", "dp_replicate", "cp", "tp", "pp", "pp_microbatches")
@@ -132,7 +136,8 @@ class Parallelism:
     def cp_options(self, *, meter: CommMeter | None = None) -> CPOptions:
         """The CP attention options these settings describe: one object, from here to every attention call."""
         return CPOptions(
-            strategy=self.cp_strategy, layout=self.cp_layout, meter=meter, alltoall_size=self.cp_alltoall_size
+            strategy=self.cp_strategy, layout=self.cp_layout, meter=meter, alltoall_size=self.cp_alltoall_size,
+            validate=self.cp_validate,
         )
 
 
