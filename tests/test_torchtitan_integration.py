@@ -1,0 +1,74 @@
+"""torchtitan's own Llama3, Qwen3 and DeepSeek-V3 models with cpcompose as their CP.
+
+Each model is built tiny from torchtitan's model configs in float64, its flex inner
+attention replaced by `CPComposeAttention` (`use_cpcompose_attention`). One training
+step (forward, torchtitan's loss: a token sum over the global count of valid
+tokens, backward) runs under cpcompose CP on P = 2 and 4, for ring, allgather and
+alltoall, on a dense batch (zigzag split, torchtitan's "headtail") and on packed
+documents (positions restarting at 0, split by the balanced `PackedLayout`). Loss
+and every parameter gradient (summed over the CP ranks) must equal the
+single-process step: the whole batch for dense rows; for packed rows, every document
+run through the model on its own, so document masking is checked against a run that
+needs no mask at all.
+
+Tolerances: 1e-12 absolute wherever the model computes in float64 (what is left is
+summation order; measured <= 1e-15). torchtitan computes two things in lower
+precision by design, identically per token in both runs: RoPE (float32 caches), which
+therefore adds no difference, and DeepSeek-V3's routed experts, whose grouped
+matmuls run in bfloat16. Their weight gradients are bfloat16 sums over tokens that
+CP splits differently across ranks, so those three tensors are held to bfloat16's
+scale: 2 bfloat16 epsilons (2 * 2^-7) of the tensor's largest gradient (measured
+<= 0.5% of it). Every other DeepSeek-V3 gradient, router and shared experts
+included, is held to 1e-12.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests import titan_cases as cases
+
+from cpcompose.integrations.torchtitan import CPComposeConfig, cpcompose_parallelize
+from cpcompose.layouts import PackedLayout
+
+TOL = dict(rtol=0.0, atol=1e-12)
+BF16_EPS = 2.0**-7
+BF16_GRADS = ("w1_EFD", "w2_EDF", "w3_EFD")  # DeepSeek-V3's routed experts: bfloat16 grouped matmuls
+
+
+def tolerance(param: str, reference: torch.Tensor) -> dict:
+    if param.endswith(BF16_GRADS):
+        return dict(rtol=0.0, atol=2 * BF16_EPS * reference.abs().max().item())
+    return TOL
+
+
+def assert_matches(want: dict, per_rank: list[dict], where: str) -> None:
+    for rank, by_strategy in enumerate(per_rank):
+        for strategy, got in by_strategy.items():
+            at = f"{where} rank {rank} {strategy}"
+            torch.testing.assert_close(got["loss"], want["loss"], **TOL, msg=lambda m: f"{at} loss: {m}")
+            assert got["grads"].keys() == want["grads"].keys()
+            for param, grad in want["grads"].items():
+                torch.testing.assert_close(got["grads"][param], grad, **tolerance(param, grad),
+                                           msg=lambda m: f"{at} {param}: {m}")
+
+
+@pytest.mark.parametrize("kind", ["dense", "packed"])
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("name", cases.MODELS)
+def test_training_step_is_exact(pools, name: str, world: int, kind: str) -> None:
+    """Every strategy, one step: loss and every gradient equal the single-process step."""
+    want, state = cases.reference(name, kind)
+    per_rank = pools.get(world).run(cases.cp_steps, name, state, kind)
+    assert_matches(want, per_rank, f"{name} P={world} {kind}")
+    if kind == "packed":  # the balanced split of the batch's documents, padded only at the end
+        expected = PackedLayout.build(cases.packed_cu_seqlens(), world)
+        assert all(got["pad"] == expected.pad for got in per_rank[0].values())
+
+
+def test_sliding_window_is_exact(pools) -> None:
+    """cpcompose.window on packed documents: CP equals the one-process document-and-window mask."""
+    want, state = cases.reference("qwen3", "packed", window=5)
+    per_rank = pools.get(2).run(cases.cp_steps, "qwen3", state, "packed", 5)
+    assert_matches(want, per_rank, "qwen3 window=5")

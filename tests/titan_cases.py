@@ -1,0 +1,186 @@
+"""Tiny torchtitan models and the CP cases the torchtitan integration tests run on every rank.
+
+Each model is built from torchtitan's own model configs (its llama3, qwen3 and
+deepseek_v3 layer builders, shrunk), its inner attention made cpcompose's by
+`use_cpcompose_attention`, in float64; its weights are sent to the ranks, so the CP
+run and the single-process reference start from the same parameters.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from tests import _torchtitan_stub
+
+_torchtitan_stub.install()  # before torchtitan is imported: see the stand-in's docstring
+
+from torchtitan.models.common import ComplexRoPE, CosSinRoPE, Embedding, Linear, RMSNorm  # noqa: E402
+from torchtitan.models.deepseek_v3 import _build_dsv3_layers  # noqa: E402
+from torchtitan.models.deepseek_v3.model import DeepSeekV3Model  # noqa: E402
+from torchtitan.models.llama3 import _build_llama3_layers  # noqa: E402
+from torchtitan.models.llama3.model import Llama3Model  # noqa: E402
+from torchtitan.models.qwen3 import _build_qwen3_layers  # noqa: E402
+from torchtitan.models.qwen3.model import Qwen3Model  # noqa: E402
+
+from cpcompose.integrations.torchtitan import (  # noqa: E402
+    CPAttentionMask, CPComposeConfig, shard_batch, use_cpcompose_attention,
+)
+
+STRATEGIES = ("ring", "allgather", "alltoall")
+MODELS = ("llama3", "qwen3", "deepseek_v3")
+VOCAB, DIM, MAX_SEQ = 64, 32, 256
+IGNORE = -100
+
+
+def _frame(cls: type, layers: list, **extra: Any) -> Any:
+    return cls.Config(
+        dim=DIM, vocab_size=VOCAB, layers=layers,
+        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM),
+        norm=RMSNorm.Config(normalized_shape=DIM),
+        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB),
+        **extra,
+    )
+
+
+def model_config(name: str) -> Any:
+    """torchtitan's flex-attention config of a tiny `name`, before cpcompose replaces its attention."""
+    if name == "llama3":  # GQA: 4 query heads, 2 K/V heads, fused QKV
+        rope = ComplexRoPE.Config(dim=8, max_seq_len=MAX_SEQ, theta=500000, scaling="llama")
+        return _frame(Llama3Model, _build_llama3_layers(
+            n_layers=2, dim=DIM, n_heads=4, n_kv_heads=2, hidden_dim=64, rope=rope, attn_backend="flex"))
+    if name == "qwen3":  # GQA with QK-norm, head_dim 8 (not dim / heads)
+        rope = CosSinRoPE.Config(dim=8, max_seq_len=MAX_SEQ, theta=1e6)
+        return _frame(Qwen3Model, _build_qwen3_layers(
+            n_layers=2, dim=DIM, n_heads=4, n_kv_heads=2, head_dim=8, hidden_dim=64, rope=rope, attn_backend="flex"))
+    # DeepSeek-V3: MLA (Q/K head dim 8 + 4 rope, V head dim 6), a dense layer then an MoE layer
+    rope = ComplexRoPE.Config(dim=4, max_seq_len=MAX_SEQ, theta=10000.0, scaling="yarn", rope_factor=4.0,
+                              original_seq_len=64)
+    layers = _build_dsv3_layers(
+        n_layers=2, n_dense_layers=1, dim=DIM, n_heads=4, q_lora_rank=0, kv_lora_rank=16, qk_nope_head_dim=8,
+        qk_rope_head_dim=4, v_head_dim=6, mscale=0.7, dense_hidden_dim=64, moe_hidden_dim=16, num_experts=4,
+        num_shared_experts=1, router_top_k=2, router_score_func="softmax", attn_backend="flex",
+        moe_comm_backend="standard", non_blocking_capacity_factor=None, rope=rope,
+    )
+    return _frame(DeepSeekV3Model, layers, mtp_layers=[])
+
+
+def build(name: str, state: dict | None = None) -> torch.nn.Module:
+    """float64 throughout: parameters and RoPE caches (complex128) are made in float64, not cast."""
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        model = use_cpcompose_attention(model_config(name)).build()
+        model.init_states(buffer_device=torch.device("cpu"))
+    finally:
+        torch.set_default_dtype(default)
+    if state is not None:
+        model.load_state_dict(state)
+    return model
+
+
+# --- batches: dense rows, and packed rows in torchtitan's convention (positions restart at 0 per document) ---
+
+BATCH, DENSE_SEQ = 2, 32
+# Per row: the positions each document starts at and its length. Row 1 opens with the tail of a
+# document from an earlier row (positions 20..23: a row start is a document start too) and holds a
+# one-token document; 62 tokens, so the packed split pads 2 at P=4 (none at P=2).
+ROW_DOCS = (((0, 7), (0, 13), (0, 11)), ((20, 4), (0, 1), (0, 26)))
+PACKED_SEQ = 31
+
+
+def dense_batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Tokens, labels (shifted, a few ignored) and positions 0..seq-1 of every row."""
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(1, VOCAB, (BATCH, DENSE_SEQ + 1), generator=g)
+    labels = tokens[:, 1:].clone()
+    labels[0, :5] = IGNORE  # uneven valid counts per rank: the global count matters
+    positions = torch.arange(DENSE_SEQ).expand(BATCH, -1).clone()
+    return tokens[:, :-1].clone(), labels, positions
+
+
+def packed_batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows of packed documents as torchtitan's dataloader emits them: labels ignored at document ends."""
+    g = torch.Generator().manual_seed(2)
+    tokens = torch.randint(1, VOCAB, (BATCH, PACKED_SEQ), generator=g)
+    labels = torch.randint(1, VOCAB, (BATCH, PACKED_SEQ), generator=g)
+    positions = torch.cat([torch.cat([torch.arange(s, s + n) for s, n in row])[None] for row in ROW_DOCS])
+    for row, docs in enumerate(ROW_DOCS):
+        ends = torch.tensor([n for _, n in docs]).cumsum(0) - 1
+        labels[row, ends[:-1]] = IGNORE
+    return tokens, labels, positions
+
+
+def _result(model: torch.nn.Module, loss: torch.Tensor) -> dict:
+    return {"loss": loss.detach().clone(), "grads": {n: p.grad.clone() for n, p in model.named_parameters()}}
+
+
+def _loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="sum")
+
+
+def reference(name: str, kind: str, window: int | None = None) -> tuple[dict, dict]:
+    """The single-process step, and the weights it started from.
+
+    dense: the whole batch, causal SDPA over each row. packed: every document run through
+    the model on its own (with its own positions): what document masking must reproduce,
+    computed without any mask. With `window`: the batch at once on one process, the
+    document and window mask applied by `CPComposeAttention`'s SDPA path.
+    """
+    model = build(name)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    tokens, labels, positions = dense_batch() if kind == "dense" else packed_batch()
+    count = (labels != IGNORE).sum()
+    if kind == "dense":
+        total = _loss_sum(model(tokens, positions=positions), labels)
+    elif window is not None:
+        batch = shard_batch(tokens, labels, positions, None, CPComposeConfig(window=window))
+        total = _loss_sum(model(tokens, positions=positions, attention_masks=batch.attention_masks), labels)
+    else:
+        total = 0.0
+        for row, docs in enumerate(ROW_DOCS):
+            start = 0
+            for _, n in docs:
+                cut = slice(start, start + n)
+                logits = model(tokens[row : row + 1, cut], positions=positions[row : row + 1, cut])
+                total = total + _loss_sum(logits, labels[row : row + 1, cut])
+                start += n
+    loss = total / count
+    loss.backward()
+    return _result(model, loss), state
+
+
+def cp_steps(mesh, name: str, state: dict, kind: str, window: int | None = None,
+             strategies: tuple[str, ...] = STRATEGIES) -> dict:
+    """One training step per strategy under cpcompose CP: torchtitan's loss (a token sum over the
+    global valid count), the loss summed and the gradients all-reduced over the CP ranks."""
+    model = build(name, state)
+    for module in model.modules():
+        if hasattr(module, "cp_degree"):
+            module.cp_degree = mesh.size()
+    out = {}
+    for strategy in strategies:
+        model.zero_grad(set_to_none=True)
+        tokens, labels, positions = dense_batch() if kind == "dense" else packed_batch()
+        count = (labels != IGNORE).sum()
+        config = CPComposeConfig(strategy=strategy, documents=kind == "packed", window=window)
+        batch = shard_batch(tokens, labels, positions, mesh, config)
+        assert isinstance(batch.attention_masks, CPAttentionMask)
+        logits = model(batch.inputs, positions=batch.positions, attention_masks=batch.attention_masks)
+        loss = _loss_sum(logits, batch.labels) / count
+        loss.backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad, group=mesh.get_group())
+        dist.all_reduce(total := loss.detach().clone(), group=mesh.get_group())
+        out[strategy] = {**_result(model, total), "pad": batch.layout.pad if kind == "packed" else 0}
+    return out
+
+
+def packed_cu_seqlens() -> list[int]:
+    """The documents of `packed_batch` as one pack (rows one after the other)."""
+    lengths = [n for row in ROW_DOCS for _, n in row]
+    return torch.tensor([0, *lengths]).cumsum(0).tolist()
