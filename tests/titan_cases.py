@@ -184,3 +184,54 @@ def packed_cu_seqlens() -> list[int]:
     """The documents of `packed_batch` as one pack (rows one after the other)."""
     lengths = [n for row in ROW_DOCS for _, n in row]
     return torch.tensor([0, *lengths]).cumsum(0).tolist()
+
+
+# --- torchtitan's own parallelize_fn (activation checkpointing, FSDP over the CP ranks), wrapped ---
+
+
+def parallelized_step(mesh, name: str, state: dict, kind: str, strategy: str) -> dict:
+    """`cpcompose_parallelize(parallelize_<model>)` with torchtitan's ParallelDims (cp = P), full
+    activation checkpointing and FSDP2 over dp_shard x cp in float64 (its gradient division off,
+    as torchtitan sets it: the loss is already a share of the global token mean)."""
+    import importlib
+
+    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.distributed import ParallelDims, parallel_dims
+    from torchtitan.distributed.activation_checkpoint import FullAC
+
+    from cpcompose.integrations.torchtitan import cpcompose_parallelize
+
+    world = mesh.size()
+    # torchtitan picks "cuda" for its meshes whenever no other accelerator is found (tools.utils.device_type),
+    # CPU-only builds included; this worker process has no GPU, so its meshes are put on the CPU (gloo).
+    parallel_dims.device_type = "cpu"
+    parallelism = ParallelismConfig(
+        context_parallel_degree=world, data_parallel_shard_degree=1, spmd_backend="partial_dtensor"
+    )
+    dims = ParallelDims.from_config(parallelism, world)
+    dims.build_mesh()
+    package = importlib.import_module(f"torchtitan.models.{name}")
+    original = {"llama3": "parallelize_llama", "qwen3": "parallelize_qwen3",
+                "deepseek_v3": "parallelize_deepseekv3"}[name]
+    model = build(name, state)
+    training = TrainingConfig(mixed_precision_param="float32", mixed_precision_reduce="float32")
+    model = cpcompose_parallelize(getattr(package, original))(
+        model, parallel_dims=dims, training=training, parallelism=parallelism, compile_config=CompileConfig(),
+        ac_config=FullAC.Config(), dump_folder="/tmp",
+    )
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():  # torchtitan's divide factor 1 is a PREMUL_SUM, which gloo lacks: the same SUM
+        if isinstance(module, FSDPModule):
+            module.set_force_sum_reduction_for_comms(True)
+    tokens, labels, positions = dense_batch() if kind == "dense" else packed_batch()
+    count = (labels != IGNORE).sum()
+    config = CPComposeConfig(strategy=strategy, documents=kind == "packed")
+    batch = shard_batch(tokens, labels, positions, dims.get_mesh("cp"), config)
+    logits = model(batch.inputs, positions=batch.positions, attention_masks=batch.attention_masks)
+    loss = _loss_sum(logits, batch.labels) / count
+    loss.backward()
+    dist.all_reduce(total := loss.detach().clone(), group=mesh.get_group())
+    grads = {n.replace("_checkpoint_wrapped_module.", ""): p.grad.full_tensor().double()
+             for n, p in model.named_parameters()}
+    return {strategy: {"loss": total.double(), "grads": grads}}

@@ -123,8 +123,7 @@ def _refusal(q: Tensor, score_mod: object, out_transform: object) -> str | None:
         return "out_transform (an LSE epilogue such as gpt-oss's attention sinks) is not supported"
     if isinstance(q, DTensor):
         return (
-            "got DTensor q/k/v; cpcompose attends local tensors: use parallelism.spmd_backend='partial_dtensor' "
-            "(the default)"
+            "got DTensor q/k/v; cpcompose attends local tensors: use parallelism.spmd_backend='partial_dtensor'"
         )
     return None
 
@@ -213,6 +212,9 @@ def cpcompose_parallelize(parallelize_fn: Callable[..., torch.nn.Module]) -> Cal
 
     @functools.wraps(parallelize_fn)
     def parallelize(model: torch.nn.Module, *, parallel_dims: Any, **kwargs: Any) -> torch.nn.Module:
+        backend_error = _backend_error(kwargs.get("parallelism"))
+        if backend_error:
+            raise ValueError(f"cpcompose_parallelize: {backend_error}")
         others = [name for name, m in model.named_modules()
                   if isinstance(m, (FlexAttention, VarlenAttention, ScaledDotProductAttention))]
         ours = [m for m in model.modules() if isinstance(m, CPComposeAttention)]
@@ -229,6 +231,17 @@ def cpcompose_parallelize(parallelize_fn: Callable[..., torch.nn.Module]) -> Cal
     return parallelize
 
 
+def _backend_error(parallelism: Any) -> str | None:
+    """cpcompose attends plain local tensors: torchtitan's DTensor-for-model-parallel-axes backend."""
+    backend = getattr(parallelism, "spmd_backend", "partial_dtensor")
+    if backend != "partial_dtensor":
+        return (
+            f"parallelism.spmd_backend={backend!r}: cpcompose CP runs with 'partial_dtensor' (with_cpcompose sets "
+            "it; torchtitan 0.3.0's default is 'spmd_types')"
+        )
+    return None
+
+
 class CPComposeTrainer(Trainer):
     """torchtitan's Trainer, each batch split by cpcompose (`shard_batch`) instead of torchtitan's CP."""
 
@@ -241,11 +254,9 @@ class CPComposeTrainer(Trainer):
         self, input_dict: dict[str, Tensor], labels: Tensor
     ) -> tuple[Tensor, Tensor, dict[str, Any]]:
         """This rank's inputs and labels, and the model kwargs (`positions`, `attention_masks`)."""
-        if self.config.parallelism.spmd_backend != "partial_dtensor":
-            raise ValueError(
-                f"parallelism.spmd_backend={self.config.parallelism.spmd_backend!r}: cpcompose CP runs with "
-                "'partial_dtensor' (the default)"
-            )
+        backend_error = _backend_error(self.config.parallelism)
+        if backend_error:
+            raise ValueError(f"CPComposeTrainer: {backend_error}")
         extra = {k: v for k, v in input_dict.items() if k != "input"}
         mesh = self.parallel_dims.get_mesh("cp") if self.parallel_dims.cp_enabled else None
         batch = shard_batch(input_dict["input"], labels, extra.get("positions"), mesh, self.config.cpcompose)
@@ -268,7 +279,11 @@ def with_cpcompose(config: Trainer.Config, **settings: Any) -> CPComposeTrainer.
         spec, model=use_cpcompose_attention(spec.model), parallelize_fn=cpcompose_parallelize(spec.parallelize_fn)
     )
     values = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init}
-    values.update(model_spec=model_spec, cpcompose=CPComposeConfig(**settings))
+    values.update(
+        model_spec=model_spec,
+        parallelism=dataclasses.replace(config.parallelism, spmd_backend="partial_dtensor"),
+        cpcompose=CPComposeConfig(**settings),
+    )
     return CPComposeTrainer.Config(**values)
 
 
