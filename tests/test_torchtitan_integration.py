@@ -90,3 +90,54 @@ def test_torchtitan_parallelize_fn_wrapped(pools, name: str, strategy: str) -> N
     want, state = cases.reference(name, "packed")
     per_rank = pools.get(2).run(cases.parallelized_step, name, state, "packed", strategy)
     assert_matches(want, per_rank, f"{name} parallelize_fn", float32=True)
+
+
+REFUSALS = [
+    ("positions_one_rank", "positions must have the inputs' shape"),
+    ("unsplittable", "training.seq_len (zigzag split) 30 is not divisible by 4"),
+    ("score_mod_one_rank", "score_mod"),
+    ("no_region", "carries no CP region"),
+    ("flex_mask", "torchtitan's flex/varlen mask"),
+]
+
+
+@pytest.mark.parametrize("case,message", REFUSALS, ids=[c for c, _ in REFUSALS])
+def test_refusal_raises_on_every_rank(pools, case: str, message: str) -> None:
+    """What cannot be honoured raises on every rank (even when only one rank's input is bad), naming
+    it; a valid step in the same group then runs and is exact."""
+    want, state = cases.reference("llama3", "dense")
+    for rank, got in enumerate(pools.get(2).run(cases.refusal, case, state)):
+        assert message in got["message"], f"rank {rank}: {got['message']}"
+        torch.testing.assert_close(got["after"], want["loss"], **TOL)
+
+
+@pytest.mark.parametrize("key,value", [("strategy", "bogus"), ("balance", "even"), ("layout", "packed"),
+                                       ("window", -1)])
+def test_bad_setting_names_its_key(key: str, value: object) -> None:
+    with pytest.raises(ValueError, match=f"cpcompose.{key}"):
+        CPComposeConfig(**{key: value})
+
+
+def test_launch_recipe_parses() -> None:
+    """The README's torchtitan command line, parsed by torchtitan's own ConfigManager: the config comes
+    from torchtitan's registry, with cpcompose's attention, parallelize_fn and settings in place."""
+    from torchtitan.config import ConfigManager
+
+    from cpcompose.integrations.torchtitan import CPComposeAttention, CPComposeTrainer
+
+    config = ConfigManager().parse_args([
+        "--module", "cpcompose.integrations.torchtitan", "--config", "qwen3_debugmodel",
+        "--parallelism.context_parallel_degree", "2", "--cpcompose.strategy", "alltoall", "--cpcompose.window", "64",
+    ])
+    assert isinstance(config, CPComposeTrainer.Config)
+    assert config.cpcompose == CPComposeConfig(strategy="alltoall", window=64)
+    assert config.parallelism.context_parallel_degree == 2 and config.parallelism.spmd_backend == "partial_dtensor"
+    layers = config.model_spec.model.layers
+    assert all(isinstance(layer.attention.inner_attention, CPComposeAttention.Config) for layer in layers)
+    assert config.model_spec.parallelize_fn.__wrapped__.__name__ == "parallelize_qwen3"
+
+
+def test_parallelize_refuses_torchtitan_attention() -> None:
+    model = cases.model_config("llama3").build()  # flex attention, not cpcompose's
+    with pytest.raises(ValueError, match="use_cpcompose_attention"):
+        cpcompose_parallelize(lambda model, **kwargs: model)(model, parallel_dims=None)

@@ -235,3 +235,40 @@ def parallelized_step(mesh, name: str, state: dict, kind: str, strategy: str) ->
     grads = {n.replace("_checkpoint_wrapped_module.", ""): p.grad.full_tensor().double()
              for n, p in model.named_parameters()}
     return {strategy: {"loss": total.double(), "grads": grads}}
+
+
+# --- refusals: a bad input (on one rank only where it can be), then a valid step in the same group ---
+
+
+def _bad_call(mesh, case: str, rank: int) -> None:
+    tokens, labels, positions = dense_batch()
+    config = CPComposeConfig()
+    if case == "positions_one_rank":
+        shard_batch(tokens, labels, positions[:, :-1] if rank == 1 else positions, mesh, config)
+        return
+    if case == "unsplittable":  # zigzag at P=2 needs a multiple of 4
+        shard_batch(tokens[:, :30], labels[:, :30], positions[:, :30], mesh, CPComposeConfig(documents=False))
+        return
+    model = build("llama3")
+    for module in model.modules():
+        if hasattr(module, "cp_degree"):
+            module.cp_degree = mesh.size()
+    batch = shard_batch(tokens, labels, positions, mesh, config)
+    if case == "score_mod_one_rank":  # torchtitan's inner attention signature, called as its attention layers do
+        attention = next(m for m in model.modules() if hasattr(m, "cp_degree"))
+        q = torch.randn(1, 8, 4, 8, dtype=torch.float64)
+        attention(q, q, q, attention_masks=batch.attention_masks, score_mod=(lambda s, *a: s) if rank == 1 else None)
+        return
+    masks = {"no_region": None, "flex_mask": {"block_causal": object()}}[case]
+    model(batch.inputs, positions=batch.positions, attention_masks=masks)
+
+
+def refusal(mesh, case: str, state: dict) -> dict:
+    """The error each rank raised for `case`, and the loss of a valid dense step run right after."""
+    message = "no error"
+    try:
+        _bad_call(mesh, case, mesh.get_local_rank())
+    except ValueError as e:
+        message = str(e)
+    after = cp_steps(mesh, "llama3", state, "dense", strategies=("ring",))
+    return {"message": message, "after": after["ring"]["loss"]}
