@@ -83,16 +83,19 @@ def test_sliding_window_is_exact(pools) -> None:
 
 
 @pytest.mark.parametrize("name,strategy", [("llama3", "ring"), ("qwen3", "allgather"), ("deepseek_v3", "alltoall")])
-def test_torchtitan_parallelize_fn_wrapped(pools, name: str, strategy: str) -> None:
-    """The model's own torchtitan parallelize_fn through `cpcompose_parallelize`: ParallelDims with cp=2,
-    full activation checkpointing (the recompute reads the same mask) and FSDP2 over dp_shard x cp.
+def test_trainer_pieces_step(pools, name: str, strategy: str) -> None:
+    """A CPComposeTrainer step's pieces on CPU: the model's own torchtitan parallelize_fn through
+    `cpcompose_parallelize` (ParallelDims with cp=2, full activation checkpointing: the recompute reads
+    the same mask; FSDP2 over dp_shard x cp), the batch through the trainer's post_dataloading_process,
+    torchtitan's CrossEntropyLoss.
 
     torchtitan's FSDP casts parameters to at best float32 (mixed_precision_param), so this run is
     held to float32's scale: 1e-5 relative to the largest gradient of each tensor (measured <= 3e-7).
     """
     want, state = cases.reference(name, "packed")
     per_rank = pools.get(2).run(cases.parallelized_step, name, state, "packed", strategy)
-    assert_matches(want, per_rank, f"{name} parallelize_fn", float32=True)
+    assert_matches(want, per_rank, f"{name} trainer pieces", float32=True)
+    assert [r[strategy]["ntokens_seen"] for r in per_rank] == [cases.BATCH * cases.PACKED_SEQ // 2] * 2
 
 
 REFUSALS = [

@@ -190,16 +190,20 @@ def packed_cu_seqlens() -> list[int]:
 
 
 def parallelized_step(mesh, name: str, state: dict, kind: str, strategy: str) -> dict:
-    """`cpcompose_parallelize(parallelize_<model>)` with torchtitan's ParallelDims (cp = P), full
-    activation checkpointing and FSDP2 over dp_shard x cp in float64 (its gradient division off,
-    as torchtitan sets it: the loss is already a share of the global token mean)."""
+    """A CPComposeTrainer step without the trainer's CUDA-only set-up: the model's own torchtitan
+    parallelize_fn through `cpcompose_parallelize` (ParallelDims with cp = P, full activation
+    checkpointing, FSDP2 over dp_shard x cp), the batch through `CPComposeTrainer.post_dataloading_process`,
+    torchtitan's CrossEntropyLoss over the global valid-token count, backward."""
     import importlib
+    from types import SimpleNamespace
 
+    from torch.distributed.fsdp import FSDPModule
+    from torchtitan.components.loss import CrossEntropyLoss
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.distributed import ParallelDims, parallel_dims
     from torchtitan.distributed.activation_checkpoint import FullAC
 
-    from cpcompose.integrations.torchtitan import cpcompose_parallelize
+    from cpcompose.integrations.torchtitan import CPComposeTrainer, cpcompose_parallelize
 
     world = mesh.size()
     # torchtitan picks "cuda" for its meshes whenever no other accelerator is found (tools.utils.device_type),
@@ -219,22 +223,26 @@ def parallelized_step(mesh, name: str, state: dict, kind: str, strategy: str) ->
         model, parallel_dims=dims, training=training, parallelism=parallelism, compile_config=CompileConfig(),
         ac_config=FullAC.Config(), dump_folder="/tmp",
     )
-    from torch.distributed.fsdp import FSDPModule
-
     for module in model.modules():  # torchtitan's divide factor 1 is a PREMUL_SUM, which gloo lacks: the same SUM
         if isinstance(module, FSDPModule):
             module.set_force_sum_reduction_for_comms(True)
     tokens, labels, positions = dense_batch() if kind == "dense" else packed_batch()
-    count = (labels != IGNORE).sum()
-    config = CPComposeConfig(strategy=strategy, documents=kind == "packed")
-    batch = shard_batch(tokens, labels, positions, dims.get_mesh("cp"), config)
-    logits = model(batch.inputs, positions=batch.positions, attention_masks=batch.attention_masks)
-    loss = _loss_sum(logits, batch.labels) / count
+    count = (labels != IGNORE).sum()  # what the trainer's train_step counts on the full batch
+    trainer = SimpleNamespace(  # what CPComposeTrainer.post_dataloading_process reads of the trainer
+        config=SimpleNamespace(parallelism=parallelism, cpcompose=CPComposeConfig(strategy=strategy,
+                                                                                   documents=kind == "packed")),
+        parallel_dims=dims, ntokens_seen=0,
+    )
+    inputs, local_labels, extra = CPComposeTrainer.post_dataloading_process(
+        trainer, {"input": tokens, "positions": positions}, labels
+    )
+    assert isinstance(extra["attention_masks"], CPAttentionMask)
+    loss, _ = CrossEntropyLoss.Config(global_vocab_size=VOCAB).build()(model(inputs, **extra), local_labels, count)
     loss.backward()
     dist.all_reduce(total := loss.detach().clone(), group=mesh.get_group())
     grads = {n.replace("_checkpoint_wrapped_module.", ""): p.grad.full_tensor().double()
              for n, p in model.named_parameters()}
-    return {strategy: {"loss": total.double(), "grads": grads}}
+    return {strategy: {"loss": total.double(), "grads": grads, "ntokens_seen": trainer.ntokens_seen}}
 
 
 # --- refusals: a bad input (on one rank only where it can be), then a valid step in the same group ---
