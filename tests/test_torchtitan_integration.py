@@ -72,13 +72,29 @@ def test_training_step_is_exact(pools, name: str, world: int, kind: str) -> None
     assert_matches(want, per_rank, f"{name} P={world} {kind}")
     if kind == "packed":  # the balanced split of the batch's documents, padded only at the end
         expected = PackedLayout.build(cases.packed_cu_seqlens(), world)
-        assert all(got["pad"] == expected.pad for got in per_rank[0].values())
+        assert all(got["layout"] == expected for got in per_rank[0].values())
+
+
+@pytest.mark.parametrize("kind,settings", [
+    ("packed", {"balance": "zigzag"}),
+    ("dense", {"layout": "contiguous"}),
+])
+def test_other_splits_are_exact(pools, kind: str, settings: dict) -> None:
+    """cpcompose.balance / cpcompose.layout: the other splits are exact too, and are the ones used."""
+    want, state = cases.reference("llama3", kind)
+    per_rank = pools.get(4).run(cases.cp_steps, "llama3", state, kind, settings)
+    assert_matches(want, per_rank, f"llama3 {settings}")
+    layout = per_rank[0]["ring"]["layout"]
+    if kind == "packed":
+        assert layout == PackedLayout.build(cases.packed_cu_seqlens(), 4, balance="zigzag")
+    else:
+        assert layout.name == "contiguous"
 
 
 def test_sliding_window_is_exact(pools) -> None:
     """cpcompose.window on packed documents: CP equals the one-process document-and-window mask."""
     want, state = cases.reference("qwen3", "packed", window=5)
-    per_rank = pools.get(2).run(cases.cp_steps, "qwen3", state, "packed", 5)
+    per_rank = pools.get(2).run(cases.cp_steps, "qwen3", state, "packed", {"window": 5})
     assert_matches(want, per_rank, "qwen3 window=5")
 
 

@@ -154,10 +154,11 @@ def reference(name: str, kind: str, window: int | None = None) -> tuple[dict, di
     return _result(model, loss), state
 
 
-def cp_steps(mesh, name: str, state: dict, kind: str, window: int | None = None,
+def cp_steps(mesh, name: str, state: dict, kind: str, settings: dict | None = None,
              strategies: tuple[str, ...] = STRATEGIES) -> dict:
     """One training step per strategy under cpcompose CP: torchtitan's loss (a token sum over the
-    global valid count), the loss summed and the gradients all-reduced over the CP ranks."""
+    global valid count), the loss summed and the gradients all-reduced over the CP ranks.
+    `settings`: more `CPComposeConfig` fields (window, balance, layout)."""
     model = build(name, state)
     for module in model.modules():
         if hasattr(module, "cp_degree"):
@@ -167,7 +168,7 @@ def cp_steps(mesh, name: str, state: dict, kind: str, window: int | None = None,
         model.zero_grad(set_to_none=True)
         tokens, labels, positions = dense_batch() if kind == "dense" else packed_batch()
         count = (labels != IGNORE).sum()
-        config = CPComposeConfig(strategy=strategy, documents=kind == "packed", window=window)
+        config = CPComposeConfig(strategy=strategy, documents=kind == "packed", **(settings or {}))
         batch = shard_batch(tokens, labels, positions, mesh, config)
         assert isinstance(batch.attention_masks, CPAttentionMask)
         logits = model(batch.inputs, positions=batch.positions, attention_masks=batch.attention_masks)
@@ -176,7 +177,7 @@ def cp_steps(mesh, name: str, state: dict, kind: str, window: int | None = None,
         for p in model.parameters():
             dist.all_reduce(p.grad, group=mesh.get_group())
         dist.all_reduce(total := loss.detach().clone(), group=mesh.get_group())
-        out[strategy] = {**_result(model, total), "pad": batch.layout.pad if kind == "packed" else 0}
+        out[strategy] = {**_result(model, total), "layout": batch.layout}
     return out
 
 
