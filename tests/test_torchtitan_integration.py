@@ -27,15 +27,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests import titan_cases as cases
-
-from cpcompose.integrations.torchtitan import CPComposeConfig, cpcompose_parallelize
 from cpcompose.layouts import PackedLayout
+from tests import titan_cases as cases  # first of torchtitan: it installs the CPU stand-in for triton's kernels
 
 # torchtitan's MoE router asks for float32 autocast, which CPU autocast cannot do (the router then runs as is).
 pytestmark = pytest.mark.filterwarnings("ignore:In CPU autocast:UserWarning")
 
-TOL = dict(rtol=0.0, atol=1e-12)
+TOL = {"rtol": 0.0, "atol": 1e-12}
 BF16_EPS = 2.0**-7
 BF16_GRADS = ("w1_EFD", "w2_EDF", "w3_EFD")  # DeepSeek-V3's routed experts: bfloat16 grouped matmuls
 
@@ -46,20 +44,20 @@ FLOAT32_SCALE = 1e-5  # FSDP computes in float32 at best (torchtitan's mixed_pre
 def tolerance(param: str, reference: torch.Tensor, float32: bool = False) -> dict:
     scale = reference.abs().max().item()
     if param.endswith(BF16_GRADS):
-        return dict(rtol=0.0, atol=2 * BF16_EPS * scale)
-    return dict(rtol=FLOAT32_SCALE, atol=FLOAT32_SCALE * scale) if float32 else TOL
+        return {"rtol": 0.0, "atol": 2 * BF16_EPS * scale}
+    return {"rtol": FLOAT32_SCALE, "atol": FLOAT32_SCALE * scale} if float32 else TOL
 
 
 def assert_matches(want: dict, per_rank: list[dict], where: str, float32: bool = False) -> None:
-    loss_tol = dict(rtol=FLOAT32_SCALE, atol=0.0) if float32 else TOL
+    loss_tol = {"rtol": FLOAT32_SCALE, "atol": 0.0} if float32 else TOL
     for rank, by_strategy in enumerate(per_rank):
         for strategy, got in by_strategy.items():
             at = f"{where} rank {rank} {strategy}"
-            torch.testing.assert_close(got["loss"], want["loss"], **loss_tol, msg=lambda m: f"{at} loss: {m}")
+            torch.testing.assert_close(got["loss"], want["loss"], **loss_tol, msg=lambda m, at=at: f"{at} loss: {m}")
             assert got["grads"].keys() == want["grads"].keys()
             for param, grad in want["grads"].items():
                 torch.testing.assert_close(got["grads"][param], grad, **tolerance(param, grad, float32),
-                                           msg=lambda m: f"{at} {param}: {m}")
+                                           msg=lambda m, at=at, param=param: f"{at} {param}: {m}")
 
 
 @pytest.mark.parametrize("kind", ["dense", "packed"])
@@ -137,7 +135,7 @@ def test_refusal_raises_on_every_rank(pools, case: str, message: str) -> None:
                                        ("window", -1)])
 def test_bad_setting_names_its_key(key: str, value: object) -> None:
     with pytest.raises(ValueError, match=f"cpcompose.{key}"):
-        CPComposeConfig(**{key: value})
+        cases.CPComposeConfig(**{key: value})
 
 
 def test_launch_recipe_parses() -> None:
@@ -152,7 +150,7 @@ def test_launch_recipe_parses() -> None:
         "--parallelism.context_parallel_degree", "2", "--cpcompose.strategy", "alltoall", "--cpcompose.window", "64",
     ])
     assert isinstance(config, CPComposeTrainer.Config)
-    assert config.cpcompose == CPComposeConfig(strategy="alltoall", window=64)
+    assert config.cpcompose == cases.CPComposeConfig(strategy="alltoall", window=64)
     assert config.parallelism.context_parallel_degree == 2 and config.parallelism.spmd_backend == "partial_dtensor"
     layers = config.model_spec.model.layers
     assert all(isinstance(layer.attention.inner_attention, CPComposeAttention.Config) for layer in layers)
@@ -162,4 +160,4 @@ def test_launch_recipe_parses() -> None:
 def test_parallelize_refuses_torchtitan_attention() -> None:
     model = cases.model_config("llama3").build()  # flex attention, not cpcompose's
     with pytest.raises(ValueError, match="use_cpcompose_attention"):
-        cpcompose_parallelize(lambda model, **kwargs: model)(model, parallel_dims=None)
+        cases.cpcompose_parallelize(lambda model, **kwargs: model)(model, parallel_dims=None)

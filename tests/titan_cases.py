@@ -18,16 +18,20 @@ from tests import _torchtitan_stub
 
 _torchtitan_stub.install()  # before torchtitan is imported: see the stand-in's docstring
 
-from torchtitan.models.common import ComplexRoPE, CosSinRoPE, Embedding, Linear, RMSNorm  # noqa: E402
-from torchtitan.models.deepseek_v3 import _build_dsv3_layers  # noqa: E402
-from torchtitan.models.deepseek_v3.model import DeepSeekV3Model  # noqa: E402
-from torchtitan.models.llama3 import _build_llama3_layers  # noqa: E402
-from torchtitan.models.llama3.model import Llama3Model  # noqa: E402
-from torchtitan.models.qwen3 import _build_qwen3_layers  # noqa: E402
-from torchtitan.models.qwen3.model import Qwen3Model  # noqa: E402
+from torchtitan.models.common import ComplexRoPE, CosSinRoPE, Embedding, Linear, RMSNorm
+from torchtitan.models.deepseek_v3 import _build_dsv3_layers
+from torchtitan.models.deepseek_v3.model import DeepSeekV3Model
+from torchtitan.models.llama3 import _build_llama3_layers
+from torchtitan.models.llama3.model import Llama3Model
+from torchtitan.models.qwen3 import _build_qwen3_layers
+from torchtitan.models.qwen3.model import Qwen3Model
 
-from cpcompose.integrations.torchtitan import (  # noqa: E402
-    CPAttentionMask, CPComposeConfig, shard_batch, use_cpcompose_attention,
+from cpcompose.integrations.torchtitan import (
+    CPAttentionMask,
+    CPComposeConfig,
+    cpcompose_parallelize,
+    shard_batch,
+    use_cpcompose_attention,
 )
 
 STRATEGIES = ("ring", "allgather", "alltoall")
@@ -204,7 +208,7 @@ def parallelized_step(mesh, name: str, state: dict, kind: str, strategy: str) ->
     from torchtitan.distributed import ParallelDims, parallel_dims
     from torchtitan.distributed.activation_checkpoint import FullAC
 
-    from cpcompose.integrations.torchtitan import CPComposeTrainer, cpcompose_parallelize
+    from cpcompose.integrations.torchtitan import CPComposeTrainer
 
     world = mesh.size()
     # torchtitan picks "cuda" for its meshes whenever no other accelerator is found (tools.utils.device_type),

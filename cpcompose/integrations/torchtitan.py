@@ -31,8 +31,9 @@ import copy
 import dataclasses
 import functools
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -287,11 +288,15 @@ def with_cpcompose(config: Trainer.Config, **settings: Any) -> CPComposeTrainer.
     return CPComposeTrainer.Config(**values)
 
 
+def _wrapped(make: Callable[[], Trainer.Config]) -> Callable[[], CPComposeTrainer.Config]:
+    return functools.wraps(make)(lambda: with_cpcompose(make()))
+
+
 def __getattr__(name: str) -> Callable[[], CPComposeTrainer.Config]:
     """torchtitan's `--config NAME` from this module: NAME of the llama3 / qwen3 / deepseek_v3 registries, wrapped."""
     for model in () if name.startswith("_") else _REGISTRIES:
         registry = importlib.import_module(f"torchtitan.models.{model}.config_registry")
         make = getattr(registry, name, None)
         if callable(make):
-            return functools.wraps(make)(lambda: with_cpcompose(make()))
+            return _wrapped(make)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r} (nor do torchtitan's {_REGISTRIES} registries)")
