@@ -89,6 +89,28 @@ def test_other_splits_are_exact(pools, kind: str, settings: dict) -> None:
         assert layout.name == "contiguous"
 
 
+@pytest.mark.parametrize("name", cases.MODELS)
+def test_one_process_document_mask_is_exact(name: str) -> None:
+    """Without CP (context_parallel_degree 1) the same attention masks documents itself."""
+    want, state = cases.reference(name, "packed")
+    assert_matches(want, [{"one process": cases.one_process_step(name, state)}], name)
+
+
+def test_documents_are_torchtitans() -> None:
+    """`document_starts` draws the boundaries of torchtitan's own flex document mask (get_document_mask_mod)."""
+    from torchtitan.models.common.attention import get_document_mask_mod
+
+    from cpcompose.integrations._titan_batch import document_starts
+
+    _, _, positions = cases.packed_batch()
+    b, q, kv = torch.meshgrid(*(torch.arange(n) for n in (cases.BATCH, cases.PACKED_SEQ, cases.PACKED_SEQ)),
+                              indexing="ij")
+    theirs = get_document_mask_mod(positions)(b, None, q, kv)
+    ids = document_starts(positions).cumsum(dim=1)
+    ours = ids[:, :, None] == ids[:, None, :]
+    assert torch.equal(ours, theirs) and ours.sum() < ours.numel()
+
+
 def test_sliding_window_is_exact(pools) -> None:
     """cpcompose.window on packed documents: CP equals the one-process document-and-window mask."""
     want, state = cases.reference("qwen3", "packed", window=5)

@@ -285,3 +285,14 @@ def refusal(mesh, case: str, state: dict) -> dict:
         message = str(e)
     after = cp_steps(mesh, "llama3", state, "dense", strategies=("ring",))
     return {"message": message, "after": after["ring"]["loss"]}
+
+
+def one_process_step(name: str, state: dict) -> dict:
+    """The packed batch at once on one process (no CP mesh): `CPComposeAttention`'s own document mask."""
+    model = build(name, state)
+    tokens, labels, positions = packed_batch()
+    batch = shard_batch(tokens, labels, positions, None, CPComposeConfig())
+    loss = _loss_sum(model(batch.inputs, positions=batch.positions, attention_masks=batch.attention_masks),
+                     batch.labels) / (labels != IGNORE).sum()
+    loss.backward()
+    return _result(model, loss)
