@@ -148,7 +148,11 @@ def _local_attention(
     q: Tensor, k: Tensor, v: Tensor, mask: CPAttentionMask | None, *, scale: float | None, enable_gqa: bool,
     is_causal: bool,
 ) -> Tensor:
-    """One process: SDPA, with an explicit mask for documents and windows (same rule as the CP path)."""
+    """One process: SDPA, with an explicit mask for documents and windows (same rule as the CP path).
+
+    The mask is `(batch, seq, seq)` booleans: meant for CP degree 1 runs of the same
+    config (evaluation, small jobs); long single-device training is torchtitan's flex's job.
+    """
     if mask is None or (mask.document_ids is None and mask.window is None):
         return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
     seq = q.shape[2]
