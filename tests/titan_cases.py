@@ -8,6 +8,7 @@ run and the single-process reference start from the same parameters.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -127,6 +128,7 @@ def _loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE, reduction="sum")
 
 
+@functools.cache  # several tests compare with the same step; callers only read the result
 def reference(name: str, kind: str, window: int | None = None) -> tuple[dict, dict]:
     """The single-process step, and the weights it started from.
 
