@@ -19,3 +19,13 @@ def test_pyproject_is_valid_and_tidy() -> None:
     assert callable(getattr(importlib.import_module(module), name))
     raw = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert not [d for d in raw["dependencies"] if "python_version" in d], "requires-python >= 3.11 already"
+
+
+def test_integration_extras_pin_what_the_suite_installs() -> None:
+    """Each integration's extra is what the test extra installs, so CI tests the pinned release."""
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert extras["torchtitan"] == ["torchtitan==0.3.0"]
+    assert set(extras["hf"]) | set(extras["torchtitan"]) <= set(extras["test"])
+    assert not any(d.split("=")[0].split(">")[0].strip() == "torch" for d in extras["torchtitan"]), (
+        "pinning torch in an extra could pull a CUDA build; the README's command pins it instead"
+    )

@@ -2,4 +2,6 @@
 
 * `cpcompose.integrations.transformers`: Hugging Face transformers models with
   `attn_implementation="cpcompose"` (install `cpcompose[hf]`).
+* `cpcompose.integrations.torchtitan`: torchtitan's models and trainer with cpcompose
+  as their CP (install `cpcompose[torchtitan]`).
 """

@@ -1,0 +1,202 @@
+"""A torchtitan batch split for cpcompose's CP: documents from its positions, the split balanced.
+
+torchtitan's dataloaders give every CP rank the same `(batch, seq)` tokens, labels
+(already shifted: token t's target) and `positions`, which restart at 0 where a
+packed document starts. torchtitan's own masks (flex `BlockMask`, varlen
+`cu_seqlens`) put a document boundary wherever a position is 0 and at every row
+start; `document_starts` reads the same boundaries. A rank under CP holds a shard,
+so it cannot read them itself: `shard_batch` reads them from the full batch.
+
+With `documents=True` (torchtitan's semantics) the rows become one pack, each row
+cut where its documents start, split by cpcompose's balanced `PackedLayout` and
+padded at its end with a document of its own that carries no loss. With
+`documents=False` every row is attended causally as one sequence (what torchtitan's
+SDPA attention did) and split by the zigzag layout (torchtitan's "headtail").
+
+Nothing here imports torchtitan: `cpcompose.integrations.torchtitan` plugs it into
+torchtitan's trainer, and a user's own loop can call it directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
+
+from cpcompose.attention.options import STRATEGY_NAMES, CPOptions
+from cpcompose.comm import CPGroup
+from cpcompose.layouts import Layout, PackedLayout, resolve_layout
+from cpcompose.layouts.packed import BALANCES
+from cpcompose.packing import pad_pack
+from cpcompose.parallel.dispatch import CPAttentionMode
+from cpcompose.validation import agree_across_ranks, shape_fields
+
+IGNORE_INDEX = -100  # torchtitan's (components.loss.IGNORE_INDEX)
+DENSE_LAYOUTS = ("zigzag", "contiguous")
+
+
+@dataclass
+class CPComposeConfig:
+    """The `cpcompose` section of `CPComposeTrainer.Config` (CLI: `--cpcompose.<key>`)."""
+
+    strategy: Literal["ring", "allgather", "alltoall"] = "ring"
+    """CP attention: "ring" (K/V passed round the ranks), "allgather" or "alltoall" (Ulysses: heads for sequence)."""
+
+    documents: bool = True
+    """Attend within packed documents (positions restarting at 0, as torchtitan's flex/varlen masks do);
+    False: every row is one causal sequence, as torchtitan's SDPA attention did."""
+
+    balance: Literal["documents", "zigzag"] = "documents"
+    """With documents: "documents" (long documents zigzag-split over every rank, short ones whole)
+    or "zigzag" (plain zigzag chunks of the pack)."""
+
+    layout: Literal["zigzag", "contiguous"] = "zigzag"
+    """Without documents: how rows are split ("zigzag" is torchtitan's "headtail")."""
+
+    window: int | None = None
+    """Causal sliding window: each query sees itself and the `window` positions before it (None: no window)."""
+
+    def __post_init__(self) -> None:
+        error = self.error()
+        if error:
+            raise ValueError(error)
+
+    def error(self) -> str | None:
+        """What is wrong with these settings, naming the key to change, or None."""
+        if self.strategy not in STRATEGY_NAMES:
+            return f"cpcompose.strategy={self.strategy!r} is unknown; choose one of {STRATEGY_NAMES}"
+        if self.balance not in BALANCES:
+            return f"cpcompose.balance={self.balance!r} is unknown; choose one of {BALANCES}"
+        if self.layout not in DENSE_LAYOUTS:
+            return f"cpcompose.layout={self.layout!r} is unknown; choose one of {DENSE_LAYOUTS}"
+        if self.window is not None and (isinstance(self.window, bool) or not isinstance(self.window, int)
+                                        or self.window < 0):
+            return f"cpcompose.window must be a non-negative number of positions or None, got {self.window!r}"
+        return None
+
+
+@dataclass(frozen=True, eq=False)
+class CPAttentionMask:
+    """What `CPComposeAttention` reads from torchtitan's `attention_masks` argument.
+
+    Under CP, `region` holds the mesh and the options (strategy, this batch's layout,
+    window) and attention goes through it. On one process (`region` None),
+    `document_ids` `(batch, seq)` numbers each token's document (None: causal over the row).
+    """
+
+    region: CPAttentionMode | None
+    document_ids: Tensor | None
+    window: int | None
+
+
+@dataclass(frozen=True)
+class TitanBatch:
+    """This rank's part of a batch: feed `inputs` and `positions`/`attention_masks` to the model."""
+
+    inputs: Tensor
+    labels: Tensor
+    positions: Tensor
+    attention_masks: CPAttentionMask
+    layout: Layout | None  # the split (None on one process)
+
+
+def document_starts(positions: Tensor) -> Tensor:
+    """`(batch, seq)` bool: where a document starts (position 0, or a row's first token), torchtitan's rule."""
+    starts = positions == 0
+    starts[:, 0] = True
+    return starts
+
+
+def shard_batch(
+    inputs: Tensor,
+    labels: Tensor,
+    positions: Tensor | None,
+    mesh: DeviceMesh | None,
+    config: CPComposeConfig,
+    *,
+    pad_token: int = 0,
+) -> TitanBatch:
+    """This rank's shard of a torchtitan batch, and the attention mask that goes with it.
+
+    Args:
+        inputs: `(batch, seq)` token ids, the same on every CP rank.
+        labels: `(batch, seq)` targets (already shifted), IGNORE_INDEX = no loss.
+        positions: `(batch, seq)` per-document positions (RoPE; documents restart at 0), or
+            None: one document per row, positions 0..seq-1.
+        mesh: the 1-D CP mesh, or None (one process: nothing is split).
+        config: the `cpcompose` settings.
+        pad_token: the id written into the padding document of a pack.
+
+    Returns:
+        A `TitanBatch`. With documents under CP, `inputs`/`labels`/`positions` are `(1, n)`:
+        the batch's rows as one pack.
+
+    Raises:
+        ValueError: on every CP rank (one tiny all-gather) if any rank's batch is invalid,
+            cannot be split, or differs from the others'.
+    """
+    error = config.error() or _batch_error(inputs, labels, positions)
+    if positions is None and error is None:
+        positions = torch.arange(inputs.shape[1], device=inputs.device).expand_as(inputs)
+    if mesh is None:
+        if error:
+            raise ValueError(f"cpcompose torchtitan batch: {error}")
+        assert positions is not None
+        ids = torch.cumsum(document_starts(positions).int(), dim=1) if config.documents else None
+        return TitanBatch(inputs, labels, positions, CPAttentionMask(None, ids, config.window), None)
+    cp = CPGroup.from_mesh(mesh)
+    layout: Layout | None = None
+    if error is None:
+        assert positions is not None
+        try:
+            layout = _layout(positions, cp.world, config)
+        except ValueError as e:
+            error = str(e)
+        if layout is not None and not isinstance(layout, PackedLayout):
+            error = layout.split_error(inputs.shape[1], what=f"training.seq_len ({config.layout} split)")
+    shape = inputs.shape if isinstance(inputs, Tensor) else ()
+    signature = [*shape_fields("inputs", shape, 2), ("layout", -1 if layout is None else layout.identity)]
+    device = inputs.device if isinstance(inputs, Tensor) else torch.device("cpu")
+    agree_across_ranks(cp, error, signature, what="cpcompose torchtitan batch", device=device)
+    assert layout is not None and positions is not None
+    tensors = [inputs, labels, positions]
+    if isinstance(layout, PackedLayout):
+        pads = [pad_token, IGNORE_INDEX, None]
+        tensors = [_pack(t, layout, value) for t, value in zip(tensors, pads)]
+    local = [layout.shard(t, 1, cp.rank) for t in tensors]
+    options = CPOptions(strategy=config.strategy, layout=layout, window_size=config.window)
+    mask = CPAttentionMask(CPAttentionMode(mesh, options), None, config.window)
+    return TitanBatch(local[0], local[1], local[2], mask, layout)
+
+
+def _layout(positions: Tensor, world: int, config: CPComposeConfig) -> Layout:
+    if not config.documents:
+        return resolve_layout(config.layout, world)
+    starts = torch.nonzero(document_starts(positions).reshape(-1)).reshape(-1).tolist()
+    return PackedLayout.build(starts + [positions.numel()], world, balance=config.balance, window=config.window)
+
+
+def _pack(x: Tensor, layout: PackedLayout, value: int | None) -> Tensor:
+    """The rows of `x` as one row, padded to the layout; `value` None: positions 0.. in the padding."""
+    flat = x.reshape(1, -1)
+    if value is not None:
+        return pad_pack(flat, layout, dim=1, value=value)
+    return torch.cat([flat, torch.arange(layout.pad, dtype=x.dtype, device=x.device)[None]], dim=1)
+
+
+def _batch_error(inputs: object, labels: object, positions: object) -> str | None:
+    """What is wrong with this rank's batch, or None."""
+    if not isinstance(inputs, Tensor) or inputs.ndim != 2 or inputs.is_floating_point():
+        return f"inputs must be a (batch, seq) integer tensor, got {getattr(inputs, 'shape', type(inputs))}"
+    if not isinstance(labels, Tensor) or labels.shape != inputs.shape:
+        return f"labels must have the inputs' shape {tuple(inputs.shape)}, got {getattr(labels, 'shape', labels)!r}"
+    if positions is not None and (not isinstance(positions, Tensor) or positions.shape != inputs.shape):
+        return (
+            f"positions must have the inputs' shape {tuple(inputs.shape)} (per-document positions from "
+            f"torchtitan's dataloader), got {getattr(positions, 'shape', positions)!r}"
+        )
+    return None
+
