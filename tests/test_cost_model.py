@@ -200,3 +200,15 @@ def test_packed_short_documents_cost_kernel_calls() -> None:
     d, p = (predict(c, "ring", Topology(), CPU_DEFAULT) for c in (dense, packed))
     assert p.compute_s < d.compute_s  # far fewer visible pairs ...
     assert p.compute_s > d.compute_s * (256 / n)  # ... but more than their share of the FLOPs
+
+
+def test_forward_only_is_the_forward_share() -> None:
+    """Inference prefill: the forward's bytes exactly, and less time than training's pass."""
+    call = _call(16, seq=1 << 16)
+    for strategy, a in (("ring", None), ("allgather", None), ("alltoall", None), ("alltoall_ring", 4)):
+        train = predict(call, strategy, Topology(8), H100_CLUSTER, a)
+        infer = predict(call, strategy, Topology(8), H100_CLUSTER, a, backward=False)
+        fwd = [sum(t.nbytes for t in transfers(call, strategy, block_size(strategy, 16, a), r) if t.phase == "fwd")
+               for r in range(16)]
+        assert list(infer.bytes_per_rank) == fwd
+        assert 0.2 * train.time_s < infer.time_s < 0.5 * train.time_s  # forward FLOPs are 2/7 of the total

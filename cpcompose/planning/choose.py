@@ -68,7 +68,7 @@ class Choice:
 
 
 def choose_strategy(call: AttentionCall, topology: Topology, calibration: Calibration, world: int,
-                    strategies: Sequence[str] = CANDIDATE_STRATEGIES) -> Choice:
+                    strategies: Sequence[str] = CANDIDATE_STRATEGIES, *, backward: bool = True) -> Choice:
     """The fastest predicted strategy for `call` on a CP group of `world` ranks.
 
     Args:
@@ -77,6 +77,7 @@ def choose_strategy(call: AttentionCall, topology: Topology, calibration: Calibr
         calibration: the machine constants (every rank must use the same: compare fingerprints).
         strategies: the strategies that may be chosen (default all; leave out
             `alltoall_ring` where it does not exist).
+        backward: rank by forward+backward time (training); False: the forward alone (inference).
 
     Raises:
         ValueError: `world` differs from the layout's, or no candidate is left.
@@ -86,6 +87,6 @@ def choose_strategy(call: AttentionCall, topology: Topology, calibration: Calibr
     pairs = candidates(world, strategies)
     if not pairs:
         raise ValueError(f"no candidate strategy among {tuple(strategies)}")
-    costs = tuple(predict(call, s, topology, calibration, a) for s, a in pairs)
+    costs = tuple(predict(call, s, topology, calibration, a, backward=backward) for s, a in pairs)
     best = min(range(len(costs)), key=lambda i: (float(f"{costs[i].time_s:.9g}"), i))
     return Choice(costs[best].strategy, costs[best].alltoall_size, costs, calibration.fingerprint())

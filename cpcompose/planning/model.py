@@ -101,14 +101,19 @@ def _ring_time(comp: Sequence[float], comm: Sequence[float], overlap: float) -> 
 
 
 def predict(call: AttentionCall, strategy: str, topology: Topology, calibration: Calibration,
-            alltoall_size: int | None = None) -> StrategyCost:
-    """The cost of one strategy on this call (see the module docstring for each term)."""
+            alltoall_size: int | None = None, *, backward: bool = True) -> StrategyCost:
+    """The cost of one strategy on this call (see the module docstring for each term).
+
+    `backward=False` predicts the forward alone (inference prefill): time, compute,
+    bytes and messages of the forward; memory stays that of training.
+    """
+    phases = ("fwd", "bwd") if backward else ("fwd",)
     P, cal = call.world, calibration
     a = block_size(strategy, P, alltoall_size)
     blocks = 1 if strategy == "allgather" else P // a
     slow = max(1.0, topology.on_node(P) / cal.compute_slots_per_node) if cal.compute_slots_per_node else 1.0
     group_level = INTER if topology.node(0) != topology.node(P - 1) else INTRA
-    sent = [transfers(call, strategy, a, r) for r in range(P)]
+    sent = [[t for t in transfers(call, strategy, a, r) if t.phase in phases] for r in range(P)]
     received: dict[tuple[int, str, int, str], list[tuple[str, int]]] = {}
     for r, ts in enumerate(sent):
         for t in ts:
@@ -126,8 +131,8 @@ def predict(call: AttentionCall, strategy: str, topology: Topology, calibration:
         for t in sent[rank]:
             level_bytes[topology.level(rank, t.peer)] += t.nbytes
             mine.setdefault((t.phase, t.round, t.what), []).append((topology.level(rank, t.peer), t.nbytes))
-        total = slow * _collective_time(call, strategy, a, sent[rank], rank, topology, group_level, cal)
-        for phase, comp in (("fwd", fwd), ("bwd", bwd)):
+        total = slow * _collective_time(call, strategy, a, sent[rank], rank, topology, group_level, cal, backward)
+        for phase, comp in (("fwd", fwd), ("bwd", bwd))[: len(phases)]:
             comm = [0.0] * blocks
             for s in range(1, blocks):
                 # the K/V of round s; in backward with them the dK/dV of round s-1 going home
@@ -139,7 +144,7 @@ def predict(call: AttentionCall, strategy: str, topology: Topology, calibration:
             if phase == "bwd" and blocks > 1:
                 total += slow * _level_time(_sum_levels(mine.get(("bwd", blocks - 1, "dkv"), [])), cal)
         times.append(total)
-        computes.append(sum(fwd) + sum(bwd))
+        computes.append(sum(fwd) + (sum(bwd) if backward else 0.0))
         for lv in LEVELS:
             by_level[lv] = max(by_level[lv], level_bytes[lv])
         totals.append(sum(level_bytes.values()))
@@ -157,7 +162,7 @@ def _sum_levels(pairs: Sequence[tuple[str, int]]) -> dict[str, float]:
 
 
 def _collective_time(call: AttentionCall, strategy: str, a: int, ts: Sequence[Transfer], rank: int,
-                     topology: Topology, group_level: str, cal: Calibration) -> float:
+                     topology: Topology, group_level: str, cal: Calibration, backward: bool = True) -> float:
     """All-gather / reduce-scatter / all-to-all time of one rank, plus the copies around them."""
     total = 0.0
     if strategy == "allgather":
@@ -165,12 +170,14 @@ def _collective_time(call: AttentionCall, strategy: str, a: int, ts: Sequence[Tr
         for t in ts:  # ring algorithm: P-1 steps, each on the group's slowest link
             total += t.messages * link.latency_s + t.nbytes / (link.bandwidth * cal.allgather_efficiency)
         full_kv = call.batch * call.kv_heads * call.seq_len * (call.head_dim + call.dv)
-        copies = 6 * full_kv * call.itemsize + 3 * full_kv * call.acc_itemsize  # cat, unbind-cat, reorder; x2 passes
+        copies = 3 * full_kv * call.itemsize  # cat, unbind-cat, reorder
+        if backward:  # the same again, and the float32 dK/dV reordered and stacked
+            copies += 3 * full_kv * call.itemsize + 3 * full_kv * call.acc_itemsize
         return total + copies / cal.copy_bandwidth
     a2a = [t for t in ts if t.op == "all_to_all"]
     if not a2a:
         return 0.0
-    calls = 4 + int(call.need_lse)
+    calls = 2 + int(call.need_lse) + (2 if backward else 0)
     by_level = _sum_levels([(topology.level(rank, t.peer), t.nbytes) for t in a2a])
     total += _level_time(by_level, cal, cal.alltoall_efficiency) * 1.0
     total += (calls - 1) * max(cal.link(lv).latency_s for lv in by_level)
