@@ -1,6 +1,7 @@
 """Measure the cost model's machine constants here and write them as a `Calibration` JSON.
 
-What it measures (one thread per process, medians of repeats; take /work/BENCH_LOCK
+What it measures (one thread per process; the fastest of repeats in one process, the
+median of repeats (max over ranks) in a group; take /work/BENCH_LOCK
 and keep the machine quiet):
 
 * kernel: forward+backward of one `attention_forward`/`attention_backward` call
@@ -51,7 +52,8 @@ BLOCKS = (32, 128, 256, 512, 1024, 2048, 4096)
 P2P_SIZES = (4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20)
 
 
-def median_time(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> float:
+def best_time(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> float:
+    """The fastest of `repeats` runs: on a shared machine, interference only ever adds time."""
     for _ in range(warmup):
         fn()
     samples = []
@@ -59,7 +61,7 @@ def median_time(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> float:
         start = time.perf_counter()
         fn()
         samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+    return min(samples)
 
 
 def block_time(n: int, repeats: int) -> float:
@@ -73,7 +75,7 @@ def block_time(n: int, repeats: int) -> float:
         out, lse = attention_forward(q, k, v, causal=False, scale=scale, backend="cpu_flash")
         attention_backward(dout, q, k, v, out, lse, causal=False, scale=scale, backend="cpu_flash")
 
-    return median_time(once, repeats)
+    return best_time(once, repeats)
 
 
 def task_overhead(repeats: int, n_tasks: int = 64, n: int = 16) -> float:
@@ -96,7 +98,7 @@ def task_overhead(repeats: int, n_tasks: int = 64, n: int = 16) -> float:
         grads = (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v))
         backward_blocks(grads, dout, q, k, v, out, lse, tasks, kernel)
 
-    return median_time(once, repeats) / n_tasks
+    return best_time(once, repeats) / n_tasks
 
 
 def measure_local(repeats: int) -> dict[str, Any]:
@@ -107,10 +109,10 @@ def measure_local(repeats: int) -> dict[str, Any]:
     like = torch.randn(1, H, 4096, D)
     acc = SoftmaxAccumulator(like, D)
     block_out, block_lse = torch.randn(1, H, 4096, D), torch.randn(1, H, 4096)
-    merge = median_time(lambda: acc.merge(slice(0, 4096), block_out, block_lse), repeats) / like.numel()
+    merge = best_time(lambda: acc.merge(slice(0, 4096), block_out, block_lse), repeats) / like.numel()
     big = torch.randn(1, H, 16384, D)
     index = torch.randperm(16384)
-    copy = big.numel() * 4 / median_time(lambda: big.index_select(2, index), repeats)
+    copy = big.numel() * 4 / best_time(lambda: big.index_select(2, index), repeats)
     return {"block_times": times, "kernel_call_s": call_s, "flops": flops, "merge_s_per_elem": merge,
             "copy_bandwidth": copy}
 

@@ -185,11 +185,25 @@ H100_CLUSTER = Calibration(
     compute_slots_per_node=None,
 )
 
-# Defaults measured on this project's machine by `scripts/calibrate_cost_model.py`
-# (2-core AMD EPYC VM, torch 2.13 CPU, gloo loopback, one thread per rank).
-CPU_DEFAULT = Calibration.from_dict(json.loads("""
-{"name": "placeholder", "kernel_flops": [[64, 1e9], [4096, 2e10]], "kernel_call_s": 1e-4,
- "merge_s_per_elem": 2e-9, "copy_bandwidth": 2e9,
- "links": {"intra": {"bandwidth": 1e9, "latency_s": 1e-4}, "inter": {"bandwidth": 1e9, "latency_s": 1e-4}},
- "allgather_efficiency": 1.0, "alltoall_efficiency": 1.0, "overlap": 0.0, "compute_slots_per_node": 2}
-"""))
+# Defaults measured on this project's machine by `scripts/calibrate_cost_model.py` (2-core AMD
+# EPYC VM, torch 2.13 CPU, gloo loopback, one thread per rank; both link levels are loopback).
+CPU_DEFAULT = Calibration(
+    name="measured 2026-11-22 on the project's 2-core AMD EPYC VM, torch 2.13 CPU, gloo loopback, 1 thread/rank",
+    kernel_flops=((128, 9.087e+10), (256, 8.45e+10), (512, 7.877e+10), (1024, 8.126e+10), (2048, 8.048e+10), (4096, 7.911e+10)),
+    kernel_call_s=0.0002019,
+    merge_s_per_elem=5.045e-10,
+    copy_bandwidth=1320000000.0,
+    links=((INTRA, Link(bandwidth=1136000000.0, latency_s=0.0002375)), (INTER, Link(bandwidth=1136000000.0, latency_s=0.0002375))),
+    allgather_efficiency=0.6535,
+    alltoall_efficiency=1.0,
+    overlap=1.0,
+    compute_slots_per_node=2,
+)
+
+
+def default_calibration(device_type: str) -> Calibration:
+    """The shipped constants for a device type: `H100_CLUSTER` for "cuda", `CPU_DEFAULT` otherwise.
+
+    A job on other hardware should calibrate (`scripts/calibrate_cost_model.py`) and load its JSON.
+    """
+    return H100_CLUSTER if device_type == "cuda" else CPU_DEFAULT
