@@ -108,7 +108,7 @@ def test_ties_go_to_the_earlier_candidate(monkeypatch) -> None:
     """Equal predictions: the fixed candidate order decides, whatever order the caller lists them in."""
     from cpcompose.planning import choose
 
-    def same(call, strategy, topology, calibration, alltoall_size=None):
+    def same(call, strategy, topology, calibration, alltoall_size=None, backward=True):
         return StrategyCost(strategy, alltoall_size, 1.0, 1.0, (), (), 0, 0)
 
     monkeypatch.setattr(choose, "predict", same)
