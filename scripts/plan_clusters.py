@@ -9,7 +9,10 @@ factorisation, and the efficiency (ideal time at the kernel's peak / predicted) 
 the achieved TFLOP/s per GPU. Pure arithmetic; it waits between configurations while
 /work/BENCH_LOCK exists so it never disturbs a benchmark.
 
-Usage: `python scripts/plan_clusters.py [--quick] [--out docs/strategy_choice_tables.md]`.
+Usage: `python scripts/plan_clusters.py [--kinds dense packed] [--worlds 8 16 ...] [--lengths 131072 ...]
+[--out docs/strategy_choice_tables.md]`. The whole grid takes over half an hour on a 2-core
+machine (P = 256 and packed documents at large P are the slow part: every rank's plan
+against every other's).
 """
 
 from __future__ import annotations
@@ -96,11 +99,13 @@ def anchors() -> list[str]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="P up to 64 and two lengths")
+    p.add_argument("--kinds", nargs="+", choices=("dense", "packed"), default=["dense", "packed"])
+    p.add_argument("--worlds", type=int, nargs="+", default=[8, 16, 32, 64, 128, 256])
+    p.add_argument("--lengths", type=int, nargs="+", default=[128 * 1024, 256 * 1024, 512 * 1024, 1024 * 1024])
+    p.add_argument("--no-anchors", action="store_true", help="leave out the anchors section")
     p.add_argument("--out", type=Path, default=Path("docs/strategy_choice_tables.md"))
     args = p.parse_args()
-    worlds = (8, 16, 32, 64) if args.quick else (8, 16, 32, 64, 128, 256)
-    lengths = (128 * 1024, 1024 * 1024) if args.quick else (128 * 1024, 256 * 1024, 512 * 1024, 1024 * 1024)
+    worlds, lengths = args.worlds, args.lengths
     topology = Topology(ranks_per_node=8)
     header = ("| model | data | L | P | chosen | ring (ms) | allgather (ms) | alltoall (ms) | best 2-D a: ms | "
               "efficiency | TFLOP/s/GPU | inter-node MiB/rank | extra mem GiB |")
@@ -116,7 +121,7 @@ def main() -> None:
         "|" + "|".join(["---"] * (header.count("|") - 1)) + "|",
     ]
     start = time.time()
-    for kind, seq_len, world, model in itertools.product(("dense", "packed"), lengths, worlds, MODELS):
+    for kind, seq_len, world, model in itertools.product(args.kinds, lengths, worlds, MODELS):
         while LOCK.exists():
             time.sleep(20)
         h, hkv, d = MODELS[model]
@@ -126,7 +131,8 @@ def main() -> None:
         choice = choose_strategy(call, topology, H100_CLUSTER, world)
         lines.append(row(model, kind, seq_len, world, choice, call))
         print(lines[-1], f"({time.time() - start:.0f} s)", flush=True)
-    lines += anchors()
+    if not args.no_anchors:
+        lines += anchors()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(lines) + "\n")
     print(f"wrote {args.out} in {time.time() - start:.0f} s (pid {os.getpid()})")
