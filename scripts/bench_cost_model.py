@@ -177,7 +177,8 @@ def main() -> None:
     for r in rows:
         label = r["strategy"] + ("" if r["alltoall_size"] is None else f"(a={r['alltoall_size']})")
         print(f"| {r['world']} | {r['call']} | {label} | {r['predicted_s'] * 1e3:.0f} | {r['measured_s'] * 1e3:.0f} | "
-              f"{r['rel_error']:+.0%} | {r['best_s'] * 1e3:.0f} | {r['rel_error_best']:+.0%} | {max(r['bytes_per_rank']) / 2**20:.1f} | {'yes' if r['bytes_exact'] else 'NO'} |")
+              f"{r['rel_error']:+.0%} | {r['best_s'] * 1e3:.0f} | {r['rel_error_best']:+.0%} | "
+              f"{max(r['bytes_per_rank']) / 2**20:.1f} | {'yes' if r['bytes_exact'] else 'NO'} |")
     for key, what in (("rel_error", "median"), ("rel_error_best", "best")):
         errors = [abs(r[key]) for r in rows]
         print(f"\nagainst the {what}: median |error| {statistics.median(errors):.0%}, max {max(errors):.0%}")

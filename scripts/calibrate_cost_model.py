@@ -245,7 +245,8 @@ def main() -> None:
             print(f"| {world} | {n} | {g[f'p2p_{n}'] * 1e3:.3f} | {g[f'a2a_{n}'] * 1e3:.3f} | {g[f'ag_{n}'] * 1e3:.3f} |")
     link = cal.link(INTRA)
     print(f"\nkernel call {cal.kernel_call_s * 1e6:.1f} us, merge {cal.merge_s_per_elem * 1e9:.2f} ns/elem, "
-          f"copy {cal.copy_bandwidth / 1e9:.2f} GB/s, link {link.bandwidth / 1e9:.3f} GB/s + {link.latency_s * 1e6:.0f} us, "
+          f"copy {cal.copy_bandwidth / 1e9:.2f} GB/s, "
+          f"link {link.bandwidth / 1e9:.3f} GB/s + {link.latency_s * 1e6:.0f} us, "
           f"all_gather eff {cal.allgather_efficiency:.2f}, all_to_all eff {cal.alltoall_efficiency:.2f}, "
           f"overlap {cal.overlap:.2f}, compute slots {cal.compute_slots_per_node}")
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -5,7 +5,14 @@ communication, the same answer on every rank.
 """
 
 from cpcompose.planning.calibration import (
-    CPU_DEFAULT, H100_CLUSTER, INTER, INTRA, Calibration, Link, Topology, default_calibration,
+    CPU_DEFAULT,
+    H100_CLUSTER,
+    INTER,
+    INTRA,
+    Calibration,
+    Link,
+    Topology,
+    default_calibration,
 )
 from cpcompose.planning.call import AttentionCall
 from cpcompose.planning.choose import CANDIDATE_STRATEGIES, Choice, candidates, choose_strategy
@@ -14,6 +21,6 @@ from cpcompose.planning.traffic import Transfer, bytes_sent, transfers
 
 __all__ = [
     "CANDIDATE_STRATEGIES", "CPU_DEFAULT", "H100_CLUSTER", "INTER", "INTRA", "AttentionCall", "Calibration", "Choice",
-    "Link", "StrategyCost", "Topology", "Transfer", "bytes_sent", "candidates", "choose_strategy", "default_calibration",
-    "predict", "transfers",
+    "Link", "StrategyCost", "Topology", "Transfer", "bytes_sent", "candidates", "choose_strategy",
+    "default_calibration", "predict", "transfers",
 ]

@@ -178,7 +178,8 @@ H100_CLUSTER = Calibration(
     kernel_call_s=2 * 8e-6,
     merge_s_per_elem=12 / 3.0e12,  # read out + lse, write out: ~12 B/elem at ~3 TB/s HBM
     copy_bandwidth=1.5e12,  # a copy reads and writes: half of HBM's ~3 TB/s
-    links=((INTRA, Link(bandwidth=450e9 * 0.8, latency_s=10e-6)), (INTER, Link(bandwidth=50e9 * 0.85, latency_s=20e-6))),
+    links=((INTRA, Link(bandwidth=450e9 * 0.8, latency_s=10e-6)),
+           (INTER, Link(bandwidth=50e9 * 0.85, latency_s=20e-6))),
     allgather_efficiency=1.0,
     alltoall_efficiency=0.9,
     overlap=1.0,
@@ -189,11 +190,13 @@ H100_CLUSTER = Calibration(
 # EPYC VM, torch 2.13 CPU, gloo loopback, one thread per rank; both link levels are loopback).
 CPU_DEFAULT = Calibration(
     name="measured 2026-11-22 on the project's 2-core AMD EPYC VM, torch 2.13 CPU, gloo loopback, 1 thread/rank",
-    kernel_flops=((128, 9.087e+10), (256, 8.45e+10), (512, 7.877e+10), (1024, 8.126e+10), (2048, 8.048e+10), (4096, 7.911e+10)),
+    kernel_flops=((128, 9.087e+10), (256, 8.45e+10), (512, 7.877e+10), (1024, 8.126e+10), (2048, 8.048e+10),
+                  (4096, 7.911e+10)),
     kernel_call_s=0.0002019,
     merge_s_per_elem=5.045e-10,
     copy_bandwidth=1320000000.0,
-    links=((INTRA, Link(bandwidth=1136000000.0, latency_s=0.0002375)), (INTER, Link(bandwidth=1136000000.0, latency_s=0.0002375))),
+    links=((INTRA, Link(bandwidth=1136000000.0, latency_s=0.0002375)),
+           (INTER, Link(bandwidth=1136000000.0, latency_s=0.0002375))),
     allgather_efficiency=0.6535,
     alltoall_efficiency=1.0,
     overlap=1.0,

@@ -50,7 +50,8 @@ class Choice:
 
     @property
     def predicted_s(self) -> float:
-        return next(c.time_s for c in self.costs if (c.strategy, c.alltoall_size) == (self.strategy, self.alltoall_size))
+        mine = (self.strategy, self.alltoall_size)
+        return next(c.time_s for c in self.costs if (c.strategy, c.alltoall_size) == mine)
 
     def options(self) -> dict[str, object]:
         """The `CPOptions` fields to set (`alltoall_size` only for the 2-D strategy)."""
@@ -60,7 +61,8 @@ class Choice:
         """One line for the first call of a signature: the choice, then every candidate's time."""
         chosen = f"{self.strategy}" + (f"(a={self.alltoall_size})" if self.alltoall_size else "")
         rest = ", ".join(f"{c.label} {c.time_s * 1e3:.3g} ms" for c in self.costs)
-        return f"cp strategy auto -> {chosen} (predicted {self.predicted_s * 1e3:.3g} ms; {rest}; calibration {self.calibration})"
+        return (f"cp strategy auto -> {chosen} (predicted {self.predicted_s * 1e3:.3g} ms; {rest}; "
+                f"calibration {self.calibration})")
 
     def scalars(self) -> dict[str, float]:
         """Predicted seconds per candidate, keyed for TensorBoard (`cp/predicted_s/<label>`)."""

@@ -179,7 +179,7 @@ def _collective_time(call: AttentionCall, strategy: str, a: int, ts: Sequence[Tr
         return 0.0
     calls = 2 + int(call.need_lse) + (2 if backward else 0)
     by_level = _sum_levels([(topology.level(rank, t.peer), t.nbytes) for t in a2a])
-    total += _level_time(by_level, cal, cal.alltoall_efficiency) * 1.0
+    total += _level_time(by_level, cal, cal.alltoall_efficiency)
     total += (calls - 1) * max(cal.link(lv).latency_s for lv in by_level)
     exchanged = sum(t.nbytes for t in a2a) * a / max(a - 1, 1)  # own piece is copied too
     return total + 3 * exchanged / cal.copy_bandwidth  # flatten, concatenate, reorder

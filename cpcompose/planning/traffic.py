@@ -133,7 +133,8 @@ def _alltoall(a: int, rank: int, phase: str, what: str, per_peer: Sequence[int],
     b, i = divmod(rank, a)
     for j in range(a):
         if j != i and per_peer[j]:
-            out.append(Transfer(phase, COLLECTIVE, "all_to_all", what, b * a + j, per_peer[j] * itemsize, 1))  # type: ignore[arg-type]
+            nbytes = per_peer[j] * itemsize
+            out.append(Transfer(phase, COLLECTIVE, "all_to_all", what, b * a + j, nbytes, 1))  # type: ignore[arg-type]
 
 
 def transfers(call: AttentionCall, strategy: str, a: int, rank: int) -> list[Transfer]:
@@ -145,7 +146,8 @@ def transfers(call: AttentionCall, strategy: str, a: int, rank: int) -> list[Tra
         shard = B * call.kv_heads * S * (dk + dv)
         nxt = (rank + 1) % P
         for phase in ("fwd", "bwd"):
-            out.append(Transfer(phase, COLLECTIVE, "all_gather", "kv", nxt, (P - 1) * shard * es, P - 1))  # type: ignore[arg-type]
+            nbytes = (P - 1) * shard * es
+            out.append(Transfer(phase, COLLECTIVE, "all_gather", "kv", nxt, nbytes, P - 1))  # type: ignore[arg-type]
         out.append(Transfer("bwd", COLLECTIVE, "reduce_scatter", "dkv", nxt, (P - 1) * shard * acc, P - 1))
         return out
     blocks, (b, i) = P // a, divmod(rank, a)
