@@ -154,21 +154,28 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--out", type=Path, default=Path("bench_results/cost_model.json"))
+    p.add_argument("--repredict", type=Path, help="measure nothing: predict the rows of an earlier --out again")
     args = p.parse_args()
     cal = Calibration.load(args.calibration) if args.calibration.exists() else CPU_DEFAULT
     torch.set_num_threads(1)
     rows = []
-    for world in args.worlds:
-        for res in measure(world, {"repeats": args.repeats, "warmup": args.warmup}):
-            case = next(c for c in CALLS if c["name"] == res["call"])
-            cost = predict(model_call(case, layout_of(case, world)), res["strategy"], Topology(), cal,
-                           res["alltoall_size"])
-            measured, best = statistics.median(res["times"]), min(res["times"])
-            rows.append({**res, "world": world, "measured_s": measured, "best_s": best, "predicted_s": cost.time_s,
-                         "compute_s": cost.compute_s, "rel_error": cost.time_s / measured - 1,
-                         "rel_error_best": cost.time_s / best - 1,
-                         "predicted_bytes_per_rank": list(cost.bytes_per_rank),
-                         "bytes_exact": [int(b) for b in res["bytes_per_rank"]] == list(cost.bytes_per_rank)})
+    if args.repredict:
+        saved = json.loads(args.repredict.read_text())["rows"]
+        measured_rows = [(r["world"], {k: r[k] for k in ("call", "strategy", "alltoall_size", "times",
+                                                         "bytes_per_rank")}) for r in saved]
+    else:
+        measured_rows = [(world, res) for world in args.worlds
+                         for res in measure(world, {"repeats": args.repeats, "warmup": args.warmup})]
+    for world, res in measured_rows:
+        case = next(c for c in CALLS if c["name"] == res["call"])
+        cost = predict(model_call(case, layout_of(case, world)), res["strategy"], Topology(), cal,
+                       res["alltoall_size"])
+        measured, best = statistics.median(res["times"]), min(res["times"])
+        rows.append({**res, "world": world, "measured_s": measured, "best_s": best, "predicted_s": cost.time_s,
+                     "compute_s": cost.compute_s, "rel_error": cost.time_s / measured - 1,
+                     "rel_error_best": cost.time_s / best - 1,
+                     "predicted_bytes_per_rank": list(cost.bytes_per_rank),
+                     "bytes_exact": [int(b) for b in res["bytes_per_rank"]] == list(cost.bytes_per_rank)})
     print(f"\nCost model vs measurement, B={B} D={D} fp32 causal, gloo, 1 thread/rank, {args.repeats} repeats; "
           f"calibration {cal.fingerprint()} ({cal.name})\n")
     print("| P | call | strategy | predicted (ms) | median (ms) | error | best (ms) | error vs best | sent/rank (MiB) "

@@ -9,7 +9,8 @@ and keep the machine quiet):
   to 4096 (B=1, H=8, Hkv=2, D=64, float32: the benchmark's heads): the throughput
   table (FLOPs of the block over its time beyond a 32-block's). The fixed cost per
   block task (`kernel_call_s`) is timed through `forward_blocks`/`backward_blocks`
-  on 64 tiny blocks: the kernel calls plus slicing, merge and accumulation.
+  on 64 tiny blocks: the kernel calls plus slicing, merge and accumulation. A causal
+  2048-block against a full one gives the causal tile (diagonal tiles computed whole).
 * merge: `SoftmaxAccumulator.merge` per output element; copy: `index_select`
   bytes per second (the reorders around the collectives).
 * gloo point-to-point (P=2): both ranks exchange n bytes at once, as a ring round
@@ -64,16 +65,16 @@ def best_time(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> float:
     return min(samples)
 
 
-def block_time(n: int, repeats: int) -> float:
-    """Seconds of one full (unmasked) block's forward+backward on n queries x n keys."""
+def block_time(n: int, repeats: int, causal: bool = False) -> float:
+    """Seconds of one full (or causal) block's forward+backward on n queries x n keys."""
     g = torch.Generator().manual_seed(n)
     q, dout = (torch.randn(1, H, n, D, generator=g) for _ in range(2))
     k, v = (torch.randn(1, HKV, n, D, generator=g) for _ in range(2))
     scale = D**-0.5
 
     def once() -> None:
-        out, lse = attention_forward(q, k, v, causal=False, scale=scale, backend="cpu_flash")
-        attention_backward(dout, q, k, v, out, lse, causal=False, scale=scale, backend="cpu_flash")
+        out, lse = attention_forward(q, k, v, causal=causal, scale=scale, backend="cpu_flash")
+        attention_backward(dout, q, k, v, out, lse, causal=causal, scale=scale, backend="cpu_flash")
 
     return best_time(once, repeats)
 
@@ -104,6 +105,9 @@ def task_overhead(repeats: int, n_tasks: int = 64, n: int = 16) -> float:
 def measure_local(repeats: int) -> dict[str, Any]:
     torch.set_num_threads(1)
     times = {n: block_time(n, repeats if n <= 1024 else max(2, repeats // 3)) for n in BLOCKS}
+    n = 2048  # causal against full: the share of the upper triangle the kernel still computes
+    ratio = block_time(n, max(2, repeats // 3), causal=True) / times[n]
+    causal_tile = int(min(n, max(1, (2 * ratio - 1) * n)))
     call_s = task_overhead(repeats)
     flops = {n: 7 * 2 * D * n * n * H / max(t - times[BLOCKS[0]], 1e-9) for n, t in times.items() if n > BLOCKS[0]}
     like = torch.randn(1, H, 4096, D)
@@ -114,7 +118,7 @@ def measure_local(repeats: int) -> dict[str, Any]:
     index = torch.randperm(16384)
     copy = big.numel() * 4 / best_time(lambda: big.index_select(2, index), repeats)
     return {"block_times": times, "kernel_call_s": call_s, "flops": flops, "merge_s_per_elem": merge,
-            "copy_bandwidth": copy}
+            "copy_bandwidth": copy, "causal_tile": causal_tile}
 
 
 def _group_worker(rank: int, world: int, store: str, repeats: int, out: str) -> None:
@@ -225,6 +229,7 @@ def calibrate(repeats: int) -> tuple[Calibration, dict[str, Any]]:
         copy_bandwidth=local["copy_bandwidth"], links=((INTRA, link), (INTER, link)),
         allgather_efficiency=min(1.0, statistics.median(effs["ag"])),
         alltoall_efficiency=min(1.0, statistics.median(effs["a2a"])), overlap=overlap, compute_slots_per_node=cores,
+        causal_tile=local["causal_tile"],
     )
     return cal, {"local": local, "groups": groups}
 
@@ -248,7 +253,7 @@ def main() -> None:
           f"copy {cal.copy_bandwidth / 1e9:.2f} GB/s, "
           f"link {link.bandwidth / 1e9:.3f} GB/s + {link.latency_s * 1e6:.0f} us, "
           f"all_gather eff {cal.allgather_efficiency:.2f}, all_to_all eff {cal.alltoall_efficiency:.2f}, "
-          f"overlap {cal.overlap:.2f}, compute slots {cal.compute_slots_per_node}")
+          f"overlap {cal.overlap:.2f}, compute slots {cal.compute_slots_per_node}, causal tile {cal.causal_tile}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     cal.save(args.out)
     print(f"fingerprint {cal.fingerprint()}; wrote {args.out}")

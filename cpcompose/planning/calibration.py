@@ -66,6 +66,9 @@ class Calibration:
         alltoall_efficiency: the same for an all-to-all.
         overlap: fraction of a ring round's transfer hidden under its compute (1: a
             round takes max(compute, comm); 0: compute + comm).
+        causal_tile: key tile of the kernel's causal skipping: a causal block computes its
+            diagonal tiles whole, so n(n+1)/2 + n * min(tile, n) / 2 pairs (PyTorch's CPU
+            flash kernel splits keys by 512; flash-attn 3 on H100 by ~128).
         compute_slots_per_node: ranks of one node that compute at full speed at once
             (CPU cores here); None: every rank has its own device.
     """
@@ -80,6 +83,7 @@ class Calibration:
     alltoall_efficiency: float = 1.0
     overlap: float = 1.0
     compute_slots_per_node: int | None = None
+    causal_tile: int = 1
 
     def __post_init__(self) -> None:
         blocks = [b for b, _ in self.kernel_flops]
@@ -184,6 +188,7 @@ H100_CLUSTER = Calibration(
     alltoall_efficiency=0.9,
     overlap=1.0,
     compute_slots_per_node=None,
+    causal_tile=128,
 )
 
 # Defaults measured on this project's machine by `scripts/calibrate_cost_model.py` (2-core AMD
@@ -201,6 +206,7 @@ CPU_DEFAULT = Calibration(
     alltoall_efficiency=1.0,
     overlap=1.0,
     compute_slots_per_node=2,
+    causal_tile=512,
 )
 
 

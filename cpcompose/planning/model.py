@@ -7,10 +7,11 @@ at the next collective or ring round):
   its FLOPs at the kernel's throughput for a block that size (small blocks run
   slower: that is what makes packed short documents and narrow windows expensive),
   plus the float32 LSE merge of its rows (forward) and the float32 accumulation of
-  its dQ/dK/dV (backward). FLOPs: 7 * (Dk + Dv) * visible pairs * B * heads (forward
+  its dQ/dK/dV (backward). FLOPs: 7 * (Dk + Dv) * computed pairs * B * heads (forward
   2 (Dk + Dv), backward 2.5x that); a band block pays for all its pairs (the masked
-  kernel computes them), a causal one for the lower triangle. When more ranks share
-  a node than it has compute slots (CPU cores here), compute slows by that ratio,
+  kernel computes them), a causal one for the lower triangle plus the upper half of
+  its diagonal tiles (`causal_tile`: the kernel skips whole tiles only). When more
+  ranks share a node than it has compute slots (CPU cores here), compute slows by that ratio,
   and so does communication (gloo's loopback transport runs on the same cores).
 * ring rounds overlap: the K/V of round s is posted before round s-1 computes, so a
   round costs max(compute, transfer) when `overlap` = 1 and compute + transfer when 0
@@ -76,7 +77,7 @@ class StrategyCost:
 def task_costs(task: BlockTask, rw: RankWork, call: AttentionCall, cal: Calibration) -> tuple[float, float]:
     """(forward, backward) seconds of one kernel call on all of this rank's heads."""
     nq, nk = task.q.stop - task.q.start, task.kv.stop - task.kv.start
-    pairs = nq * (nq + 1) / 2 if task.kind == "causal" else float(nq * nk)
+    pairs = nq * (nq + 1) / 2 + nq * min(cal.causal_tile, nq) / 2 if task.kind == "causal" else float(nq * nk)
     flops = 7 * (call.head_dim + call.dv) * pairs * call.batch * rw.heads
     seconds = flops / cal.throughput(min(nq, nk))
     merge = call.batch * rw.heads * nq * call.dv
