@@ -10,9 +10,9 @@ the achieved TFLOP/s per GPU. Pure arithmetic; it waits between configurations w
 /work/BENCH_LOCK exists so it never disturbs a benchmark.
 
 Usage: `python scripts/plan_clusters.py [--kinds dense packed] [--worlds 8 16 ...] [--lengths 131072 ...]
-[--out docs/strategy_choice_tables.md]`. The whole grid takes over half an hour on a 2-core
-machine (P = 256 and packed documents at large P are the slow part: every rank's plan
-against every other's).
+[--out docs/strategy_choice_tables.md]`. On a 2-core machine the dense grid takes ~4
+minutes; packed documents at P = 128-256 are the slow part (every rank's document pieces
+planned against every other's).
 """
 
 from __future__ import annotations
