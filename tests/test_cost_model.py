@@ -165,8 +165,11 @@ def test_more_ranks_per_node_favour_the_all_to_all_inside() -> None:
     assert one_node.time_s < split.time_s
     assert dict(one_node.bytes_by_level)["inter"] < dict(split.bytes_by_level)["inter"]
     assert sum(one_node.bytes_per_rank) == sum(split.bytes_per_rank)  # same bytes, other links
-    # On one big node, plain all-to-all beats the rings it would otherwise need.
-    assert choose_strategy(_call(8, seq=1 << 17), Topology(8), H100_CLUSTER, 8).strategy == "alltoall"
+    # All-to-all gains on the ring when its peers move from InfiniBand to NVLink.
+    call8 = _call(8, seq=1 << 15)
+    ratio = [predict(call8, "alltoall", t, H100_CLUSTER).time_s / predict(call8, "ring", t, H100_CLUSTER).time_s
+             for t in (Topology(1), Topology(8))]
+    assert ratio[1] < ratio[0]
 
 
 def test_windows_favour_the_ring() -> None:
