@@ -36,8 +36,11 @@ two calculations, with Kb = bytes of the global K (= V) and Qb = of Q (= out):
     K and V it does not hold; backward the same again, since K/V are not kept between
     passes and activations stay at 1/P; plus dK and dV). For alltoall
     (P-1)/P**2 * 2 * (2*Qb + 2*Kb): a rank sends the (P-1)/P of its q, k, v shard that
-    other ranks' heads need and the output back, then dout out and dq, dk, dv back.
-  The ring sends less than dense under masks. Causal zigzag: rank r reads all of a
+    other ranks' heads need and the output back, then dout out and dq, dk, dv back
+    (when the K/V heads split evenly; with fewer K/V heads than ranks, a K/V head goes
+    to every rank whose query heads read it, so more: Hkv=2 at P=4 sends 20% more).
+  Both come from `cpcompose.planning` (the cost model owns the volumes; its tests
+  check them against the meter on every rank). The ring sends less than dense under masks. Causal zigzag: rank r reads all of a
   later rank's shard but only the early chunk of an earlier rank's, so rank P-1 (the
   busiest sender) sends 4*(P-1)/P*Kb of K/V plus (P-1)/P*Kb of gradients = 5/6 of
   dense, rank 0 sends 4/6 of it, and all ranks together 3/4 of dense. Causal
@@ -101,10 +104,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from cpcompose import CommMeter, cp_attention, cp_shard  # noqa: E402
 from cpcompose.attention import STRATEGIES  # noqa: E402
 from cpcompose.attention.alltoall import query_head_ranges  # noqa: E402
-from cpcompose.attention.blocks import BlockTask, MaskSpec, needed_rows, plan  # noqa: E402
+from cpcompose.attention.blocks import BlockTask, MaskSpec, plan  # noqa: E402
 from cpcompose.data import long_tailed_lengths  # noqa: E402
 from cpcompose.layouts import LAYOUTS, Layout, PackedLayout, resolve_layout  # noqa: E402
 from cpcompose.packing import pad_pack  # noqa: E402
+from cpcompose.planning import AttentionCall, bytes_sent  # noqa: E402
 
 B, H, HKV, D = 1, 8, 2, 64
 DTYPE = torch.float32
@@ -209,33 +213,21 @@ def flop_imbalance(strategy: str, layout: Layout, seq_len: int) -> float:
     return max(work) / statistics.mean(work)
 
 
+def _busiest_sender(strategy: str, layout: Layout, seq_len: int, mask: MaskSpec) -> float:
+    """Bytes the busiest rank sends per forward+backward, from the cost model's exact volumes."""
+    call = AttentionCall(B, H, HKV, D, seq_len, layout, mask, dtype=DTYPE)
+    a = 1 if strategy == "ring" else layout.world
+    return float(max(sum(bytes_sent(call, strategy, a, rank).values()) for rank in range(layout.world)))
+
+
 def dense_bytes(strategy: str, seq_len: int, world: int) -> float:
     """Bytes a rank sends per forward+backward under the mask-oblivious algorithm (module docstring)."""
-    esize = torch.tensor([], dtype=DTYPE).element_size()
-    kb, qb = B * HKV * seq_len * D * esize, B * H * seq_len * D * esize
-    frac = (world - 1) / world
-    return frac / world * 2 * (2 * qb + 2 * kb) if strategy == "alltoall" else frac * 6 * kb
+    return _busiest_sender(strategy, resolve_layout("zigzag", world), seq_len, MaskSpec(causal=False))
 
 
 def plan_bytes(strategy: str, layout: Layout, seq_len: int) -> float:
     """Bytes the busiest rank should send per forward+backward given the mask (module docstring)."""
-    if strategy != "ring":
-        return dense_bytes(strategy, seq_len, layout.world)
-    kv_row = B * HKV * D * torch.tensor([], dtype=DTYPE).element_size()
-    grad_row = B * HKV * D * torch.tensor([], dtype=torch.promote_types(DTYPE, torch.float32)).element_size()
-
-    def rows(q_rank: int, kv_rank: int) -> int:  # K/V rows of kv_rank that q_rank's blocks read
-        tasks = plan(layout.runs(q_rank, seq_len), layout.runs(kv_rank, seq_len), CAUSAL)
-        return sum(r.stop - r.start for r in needed_rows(tasks))
-
-    world, sent = layout.world, []
-    for rank in range(world):
-        total = 0
-        for s in range(1, world):
-            total += 2 * 2 * rows((rank + s) % world, rank) * kv_row  # K and V, forward and backward
-            total += 2 * rows(rank, (rank - s) % world) * grad_row  # dK and dV of what I read, going home
-        sent.append(total)
-    return float(max(sent))
+    return _busiest_sender(strategy, layout, seq_len, CAUSAL)
 
 
 def run_case(mesh: DeviceMesh, case: dict[str, Any], warmup: int, repeats: int) -> dict[str, Any]:

@@ -1,0 +1,194 @@
+"""What each rank sends and computes under each strategy: exact, from cpcompose's own plans.
+
+The one owner of the communication volumes (the benchmark's `plan_bytes` and the
+comm-volume tests read them from here). Every count mirrors the code that moves the
+bytes, as `cpcompose.comm.CommMeter` counts them:
+
+* all-to-all family, with `a` ranks per all-to-all block and the ring across the
+  `R = P / a` blocks (`a = P`: `alltoall`, `a = 1`: `ring`, else `alltoall_ring`):
+  - forward: one all-to-all inside the block sends the q heads of each peer's range
+    and the K/V heads they read (`alltoall.query_head_ranges` / `kv_head_ranges`:
+    GQA K/V are never expanded), for this rank's L/P tokens; the ring then sends, in
+    round s, to the same-index rank of block b+s exactly the K/V rows of this block
+    that block b+s's plans read (`needed_rows`); the output (and the float32 LSE when
+    asked for) comes back by a second all-to-all.
+  - backward: dout goes out by all-to-all; the ring sends the same K/V rows again
+    and returns float32 (accumulation dtype) dK/dV of every row it read to its
+    owner; dq, dk, dv come back by a final all-to-all in the input dtype.
+* all-gather: K and V concatenated, one all-gather forward, another backward (K/V
+  are not kept: activation memory stays 1/P), then a reduce-scatter of the whole
+  sequence's float32 dK/dV: each sends (P-1) shards.
+
+A `Transfer` is one piece of that: which pass, which ring round (or a collective),
+to which peer, how many bytes and messages.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from cpcompose.attention.alltoall import kv_head_ranges, query_head_ranges
+from cpcompose.attention.blocks import BlockTask, MaskSpec, needed_rows, plan
+from cpcompose.layouts import Layout, Run
+from cpcompose.planning.call import AttentionCall
+
+COLLECTIVE = -1  # `Transfer.round` of a collective (not part of a ring round)
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """Bytes one rank sends to `peer` (a collective's bytes: to its ring neighbour or each peer).
+
+    `op` is the `CommMeter` key ("p2p", "all_gather", "reduce_scatter", "all_to_all").
+    """
+
+    phase: Literal["fwd", "bwd"]
+    round: int
+    op: str
+    what: str  # "qkv", "kv", "dkv", "out", "lse", "dout", "dqkv"
+    peer: int
+    nbytes: int
+    messages: int
+
+
+@dataclass(frozen=True)
+class RankWork:
+    """One rank's kernel calls per ring round (round 0: local), with the query heads they run on."""
+
+    rounds: tuple[tuple[BlockTask, ...], ...]
+    heads: int
+    kv_heads: int
+
+
+@functools.lru_cache(maxsize=4096)
+def block_runs(layout: Layout, seq_len: int, first: int, count: int) -> tuple[Run, ...]:
+    """The tokens of ranks `first .. first+count-1` as one block, in global order.
+
+    After the all-to-all a rank holds its heads for its whole block's tokens, in
+    global order; runs of one document that touch are joined (as `global_runs`).
+    """
+    pieces = sorted((r.pos, r.length, r.doc) for rank in range(first, first + count)
+                    for r in layout.runs(rank, seq_len))
+    runs: list[Run] = []
+    row = 0
+    for pos, length, doc in pieces:
+        last = runs[-1] if runs else None
+        if last is not None and last.doc == doc and last.pos + last.length == pos:
+            runs[-1] = Run(last.row, last.pos, last.length + length, doc)
+        else:
+            runs.append(Run(row, pos, length, doc))
+        row += length
+    return tuple(runs)
+
+
+@functools.lru_cache(maxsize=65536)
+def block_plan(layout: Layout, mask: MaskSpec, seq_len: int, a: int, q_block: int, kv_block: int
+               ) -> tuple[BlockTask, ...]:
+    """Kernel calls of block `q_block`'s queries against block `kv_block`'s keys (blocks of `a` ranks)."""
+    return tuple(plan(block_runs(layout, seq_len, q_block * a, a), block_runs(layout, seq_len, kv_block * a, a), mask))
+
+
+@functools.lru_cache(maxsize=65536)
+def rows_read(layout: Layout, mask: MaskSpec, seq_len: int, a: int, q_block: int, kv_block: int) -> int:
+    """K/V rows of block `kv_block` that block `q_block`'s plans read."""
+    return sum(r.stop - r.start for r in needed_rows(block_plan(layout, mask, seq_len, a, q_block, kv_block)))
+
+
+@functools.lru_cache(maxsize=65536)
+def global_plan(layout: Layout, mask: MaskSpec, seq_len: int, rank: int) -> tuple[BlockTask, ...]:
+    """All-gather: `rank`'s queries against the whole sequence in global order."""
+    return tuple(plan(layout.runs(rank, seq_len), layout.global_runs(seq_len), mask))
+
+
+@functools.lru_cache(maxsize=1024)
+def head_splits(heads: int, kv_heads: int, a: int) -> tuple[tuple[int, int], ...]:
+    """(query heads, K/V heads) of each rank of an all-to-all block of `a` ranks (as `alltoall` splits them)."""
+    q_ranges = query_head_ranges(heads, a)
+    kv_ranges = kv_head_ranges(q_ranges, heads // kv_heads)
+    return tuple((hi - lo, khi - klo) for (lo, hi), (klo, khi) in zip(q_ranges, kv_ranges))
+
+
+def head_split(call: AttentionCall, a: int, index: int) -> tuple[int, int]:
+    """(query heads, K/V heads) of the rank at `index` in an all-to-all block of `a` ranks."""
+    return head_splits(call.heads, call.kv_heads, a)[index]
+
+
+def work(call: AttentionCall, strategy: str, a: int, rank: int) -> RankWork:
+    """`rank`'s kernel calls (see `Transfer` for `a`)."""
+    layout, mask, n = call.layout, call.mask, call.seq_len
+    if strategy == "allgather":
+        return RankWork((global_plan(layout, mask, n, rank),), call.heads, call.kv_heads)
+    blocks, (b, i) = call.world // a, divmod(rank, a)
+    heads, kv = head_split(call, a, i)
+    rounds = tuple(block_plan(layout, mask, n, a, b, (b - s) % blocks) for s in range(blocks))
+    return RankWork(rounds, heads, kv)
+
+
+def _alltoall(a: int, rank: int, phase: str, what: str, per_peer: Sequence[int], itemsize: int,
+              out: list[Transfer]) -> None:
+    """One all-to-all inside `rank`'s block: `per_peer[j]` elements to block index j (own piece not sent)."""
+    b, i = divmod(rank, a)
+    for j in range(a):
+        if j != i and per_peer[j]:
+            nbytes = per_peer[j] * itemsize
+            out.append(Transfer(phase, COLLECTIVE, "all_to_all", what, b * a + j, nbytes, 1))  # type: ignore[arg-type]
+
+
+def transfers(call: AttentionCall, strategy: str, a: int, rank: int) -> list[Transfer]:
+    """Everything `rank` sends in one forward+backward (see the module docstring)."""
+    P, S, B = call.world, call.local_len, call.batch
+    dk, dv, es, acc = call.head_dim, call.dv, call.itemsize, call.acc_itemsize
+    out: list[Transfer] = []
+    if strategy == "allgather":
+        shard = B * call.kv_heads * S * (dk + dv)
+        nxt = (rank + 1) % P
+        for phase in ("fwd", "bwd"):
+            nbytes = (P - 1) * shard * es
+            out.append(Transfer(phase, COLLECTIVE, "all_gather", "kv", nxt, nbytes, P - 1))  # type: ignore[arg-type]
+        out.append(Transfer("bwd", COLLECTIVE, "reduce_scatter", "dkv", nxt, (P - 1) * shard * acc, P - 1))
+        return out
+    blocks, (b, i) = P // a, divmod(rank, a)
+    splits = head_splits(call.heads, call.kv_heads, a)
+    hq, hk = splits[i]
+    # Forward all-to-all: q heads and K/V heads of each peer, for my S tokens.
+    _alltoall(a, rank, "fwd", "qkv", [B * S * (h * dk + k * (dk + dv)) for h, k in splits], es, out)
+    ring_kv = B * hk * (dk + dv)  # elements per K/V row of my heads
+    layout, mask, n = call.layout, call.mask, call.seq_len
+    for phase in ("fwd", "bwd"):
+        for s in range(1, blocks):
+            dst, src = ((b + s) % blocks) * a + i, ((b - s) % blocks) * a + i
+            send = rows_read(layout, mask, n, a, (b + s) % blocks, b)
+            if send:
+                out.append(Transfer(phase, s, "p2p", "kv", dst, send * ring_kv * es, 2))  # type: ignore[arg-type]
+            got = rows_read(layout, mask, n, a, b, (b - s) % blocks)
+            if phase == "bwd" and got:  # dK/dV of the rows I read from src, going home
+                out.append(Transfer("bwd", s, "p2p", "dkv", src, got * ring_kv * acc, 2))
+        if phase == "fwd":  # output home (and the LSE when the caller wants it)
+            _alltoall(a, rank, "fwd", "out", [B * S * hq * dv] * a, es, out)
+            if call.need_lse:
+                _alltoall(a, rank, "fwd", "lse", [B * S * hq] * a, acc, out)
+    _alltoall(a, rank, "bwd", "dout", [B * S * h * dv for h, _ in splits], es, out)  # dout out
+    _alltoall(a, rank, "bwd", "dqkv", [B * S * (hq * dk + hk * (dk + dv))] * a, es, out)  # dq, dk, dv home
+    return out
+
+
+def bytes_sent(call: AttentionCall, strategy: str, a: int, rank: int) -> dict[str, int]:
+    """Bytes `rank` sends per forward+backward, by `CommMeter` key (what a meter would count)."""
+    totals: dict[str, int] = {}
+    for t in transfers(call, strategy, a, rank):
+        totals[t.op] = totals.get(t.op, 0) + t.nbytes
+    return totals
+
+
+def block_size(strategy: str, world: int, alltoall_size: int | None = None) -> int:
+    """The all-to-all block size `a` a strategy name stands for."""
+    if strategy == "ring":
+        return 1
+    if strategy in ("alltoall", "allgather"):
+        return world
+    if alltoall_size is None or alltoall_size < 1 or world % alltoall_size:
+        raise ValueError(f"{strategy} needs an alltoall_size dividing the CP group size {world}, got {alltoall_size}")
+    return alltoall_size
