@@ -34,9 +34,16 @@ class CommMeter:
     """Bytes sent by this rank, by operation ("p2p", "all_gather", ...)."""
 
     bytes_sent: Counter[str] = field(default_factory=Counter)
+    strategies: Counter[str] = field(default_factory=Counter)  # calls per strategy `auto` chose
+    predicted_s: float = 0.0  # the cost model's predicted seconds of those calls
 
     def add(self, op: str, nbytes: int) -> None:
         self.bytes_sent[op] += int(nbytes)
+
+    def note_choice(self, label: str, predicted_s: float) -> None:
+        """One call whose strategy `strategy="auto"` chose (`label`, e.g. "alltoall_ring(a=2)")."""
+        self.strategies[label] += 1
+        self.predicted_s += predicted_s
 
     @property
     def total(self) -> int:
@@ -44,6 +51,8 @@ class CommMeter:
 
     def reset(self) -> None:
         self.bytes_sent.clear()
+        self.strategies.clear()
+        self.predicted_s = 0.0
 
 
 def _nbytes(tensors: Sequence[Tensor]) -> int:

@@ -17,7 +17,8 @@ from cpcompose.attention.alltoall import AllToAllAttention
 from cpcompose.attention.blocks import KernelArgs, MaskSpec
 from cpcompose.attention.kernels import select_backend
 from cpcompose.attention.op import CPContext, compiled_attention
-from cpcompose.attention.options import STRATEGY_NAMES, VALIDATE_MODES, CPOptions
+from cpcompose.attention import auto
+from cpcompose.attention.options import AUTO, CHOICES, STRATEGY_NAMES, VALIDATE_MODES, CPOptions
 from cpcompose.attention.ring import RingAttention
 from cpcompose.attention.setup import AttentionSetup
 from cpcompose.attention.twod import AllToAllRingAttention
@@ -117,10 +118,10 @@ def attend(
     The caller's complaint joins this rank's verdict in the one cross-rank agreement,
     so every rank raises it, or none does.
     """
-    strategy = STRATEGIES.get(options.strategy)
     out, lse = checked_call(
         q, k, v, mesh=mesh, is_causal=is_causal, scale=scale, options=options, softcap=softcap,
-        return_lse=return_lse, caller_error=caller_error, run=lambda setup: strategy.apply(q, k, v, setup),
+        return_lse=return_lse, caller_error=caller_error,
+        run=lambda setup: STRATEGIES[setup.strategy].apply(q, k, v, setup),
     )
     return (out, lse) if return_lse else out
 
@@ -164,6 +165,9 @@ def checked_call(
         except ValueError as e:
             error = str(e)
     signature = _signature(q, k, v, is_causal, scale, softcap, window, options, layout, return_lse)
+    if options.strategy == AUTO:
+        options, error = _resolve_auto(options, q, k, v, layout, is_causal, window, return_lse, cp, error)
+        signature += _auto_fields(options, q)
     strategy = STRATEGIES.get(options.strategy)
 
     def setup(meter: CommMeter | None) -> AttentionSetup:
@@ -181,6 +185,32 @@ def checked_call(
     )
 
 
+def _resolve_auto(
+    options: CPOptions, q: Tensor, k: Tensor, v: Tensor, layout: Layout | None, is_causal: bool,
+    window: tuple[int | None, int | None], return_lse: bool, cp: CPGroup, error: str | None,
+) -> tuple[CPOptions, str | None]:
+    """`strategy="auto"` replaced by the cost model's choice (kept as "auto" where this rank has an error).
+
+    The choice is a function of the agreed signature, so ranks that agree chose alike;
+    a failure to choose is this rank's error, raised on every rank by the agreement.
+    """
+    if error is not None or layout is None:
+        return options, error
+    try:
+        resolved, _ = auto.resolve(options, q, k, v, layout=layout, mask=MaskSpec(is_causal, *window),
+                                   need_lse=return_lse, rank=cp.rank)
+    except ValueError as e:
+        return options, f"strategy='auto' could not choose: {e}"
+    return resolved, None
+
+
+def _auto_fields(options: CPOptions, q: Tensor) -> list[Field]:
+    """What `auto` chooses from beyond the call itself: every rank must use the same machine model."""
+    calibration, topology = auto.machine_model(options, q.device if isinstance(q, Tensor) else torch.device("cpu"))
+    return [("strategy='auto' calibration", int(calibration.fingerprint(), 16) & (2**62 - 1)),
+            ("strategy='auto' ranks_per_node", -1 if topology.ranks_per_node is None else topology.ranks_per_node)]
+
+
 def setup_for(
     q: Tensor, *, mesh: DeviceMesh, is_causal: bool, scale: float | None, softcap: float | None,
     options: CPOptions, return_lse: bool,
@@ -193,7 +223,8 @@ def setup_for(
     )
     mask = MaskSpec(is_causal, *window_pair(options.window_size, is_causal)[0])
     return AttentionSetup(
-        cp, resolve_layout(options.layout, cp.world), mask, kernel, options.meter, return_lse, options.alltoall_size
+        cp, resolve_layout(options.layout, cp.world), mask, kernel, options.meter, return_lse, options.alltoall_size,
+        options.strategy,
     )
 
 
@@ -214,7 +245,7 @@ def _signature(
 ) -> list[Field]:
     """What must be equal on every rank: shapes, dtype, mask, options and the whole split."""
     shapes = [(n, t.shape if isinstance(t, Tensor) else ()) for n, t in (("q", q), ("k", k), ("v", v))]
-    strategy = STRATEGY_NAMES.index(options.strategy) if options.strategy in STRATEGY_NAMES else -1
+    strategy = CHOICES.index(options.strategy) if options.strategy in CHOICES else -1
     return [
         *(f for name, shape in shapes for f in shape_fields(name, shape)),
         ("dtype", dtype_code(getattr(q, "dtype", None))),

@@ -36,7 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from cpcompose._compat import MemberType, OpaqueBase, register_opaque_type
 from cpcompose.attention.alltoall import head_plan, kv_head_ranges, query_head_ranges
-from cpcompose.attention.options import CPOptions
+from cpcompose.attention.options import AUTO, CPOptions
 from cpcompose.comm import CPGroup
 from cpcompose.precision import accumulation_dtype
 
@@ -248,6 +248,11 @@ def compiled_attention(
         caller_error: the route's own complaint, joined to the agreement inside the op.
     """
     strategy, alltoall_size = context.strategy, _size_code(context.alltoall_size)  # trace time: residual shapes
+    if strategy == AUTO:  # the same options on every rank, so every rank raises this while tracing
+        raise ValueError(
+            "strategy='auto' is not supported inside torch.compile yet (the choice is made per call in eager "
+            "code): run a step eagerly, read the 'cp strategy auto ->' log line, and compile with that strategy"
+        )
     out, lse, _ = _attention(
         q, k, v, context, strategy, alltoall_size, is_causal, scale, softcap, return_lse, caller_error
     )

@@ -16,8 +16,10 @@ from typing import Any, Literal
 from cpcompose.comm import CommMeter
 from cpcompose.layouts import LayoutSpec, layout_error
 
-Strategy = Literal["ring", "allgather", "alltoall", "alltoall_ring"]
-STRATEGY_NAMES: tuple[str, ...] = ("ring", "allgather", "alltoall", "alltoall_ring")
+Strategy = Literal["ring", "allgather", "alltoall", "alltoall_ring", "auto"]
+STRATEGY_NAMES: tuple[str, ...] = ("ring", "allgather", "alltoall", "alltoall_ring")  # the ones that run
+AUTO = "auto"  # the cost model picks one of STRATEGY_NAMES per call (`cpcompose.attention.auto`)
+CHOICES: tuple[str, ...] = (*STRATEGY_NAMES, AUTO)
 Validate = Literal["first_call", "every_call"]
 VALIDATE_MODES: tuple[str, ...] = ("first_call", "every_call")
 
@@ -29,7 +31,9 @@ class CPOptions:
     Attributes:
         strategy: "ring" (K/V point-to-point), "allgather" (gather K/V),
             "alltoall" (Ulysses: heads for sequence) or "alltoall_ring" (2-D: Ulysses
-            inside blocks of `alltoall_size` consecutive ranks, a ring across the blocks).
+            inside blocks of `alltoall_size` consecutive ranks, a ring across the blocks),
+            or "auto": the cost model (`cpcompose.planning`) picks one of those, and the
+            2-D block size, for each call signature, the same on every rank.
         layout: how the shards were cut: a registered name ("zigzag", the default,
             or "contiguous") or a `Layout` object such as a `PackedLayout`.
         window_size: sliding window: an int W (causal: each query sees W positions to
@@ -47,6 +51,12 @@ class CPOptions:
             blocks. Consecutive ranks form a block, so under torchrun a block that fits
             in a node keeps the all-to-all on the node's fast links. alltoall_size=P is
             Ulysses, 1 is the ring.
+        calibration: "auto" only: the machine constants of the cost model (a
+            `cpcompose.planning.Calibration`, e.g. loaded from the JSON of
+            `scripts/calibrate_cost_model.py`); None = the shipped defaults for the
+            device type. Its fingerprint joins the agreement: every rank must use the same.
+        topology: "auto" only: which CP ranks share a node (`cpcompose.planning.Topology`);
+            None = LOCAL_WORLD_SIZE ranks per node when torchrun sets it, else one node.
     """
 
     strategy: Strategy = "ring"
@@ -56,6 +66,8 @@ class CPOptions:
     meter: CommMeter | None = None
     validate: Validate = "first_call"
     alltoall_size: int | None = None
+    calibration: Any = None  # cpcompose.planning.Calibration (not imported here: planning imports attention)
+    topology: Any = None  # cpcompose.planning.Topology
 
     def replace(self, **changes: Any) -> "CPOptions":
         """A copy with `changes` (TypeError names an unknown option, as a function call would)."""
@@ -63,21 +75,34 @@ class CPOptions:
 
     def error(self, world: int) -> str | None:
         """Why these options cannot run on a CP group of `world` ranks, or None."""
-        if self.strategy not in STRATEGY_NAMES:
-            return f"strategy={self.strategy!r} is unknown; choose one of {STRATEGY_NAMES}"
+        if self.strategy not in CHOICES:
+            return f"strategy={self.strategy!r} is unknown; choose one of {CHOICES}"
         if self.meter is not None and not isinstance(self.meter, CommMeter):
             return f"meter must be a cpcompose.CommMeter, got {type(self.meter).__name__}"
         if self.validate not in VALIDATE_MODES:
             return f"validate={self.validate!r} is unknown; choose one of {VALIDATE_MODES}"
-        return self._alltoall_size_error(world) or layout_error(self.layout, world)
+        return self._alltoall_size_error(world) or self._auto_error() or layout_error(self.layout, world)
+
+    def _auto_error(self) -> str | None:
+        from cpcompose.planning import Calibration, Topology
+
+        if self.calibration is not None and not isinstance(self.calibration, Calibration):
+            return f"calibration must be a cpcompose.planning.Calibration, got {type(self.calibration).__name__}"
+        if self.topology is not None and not isinstance(self.topology, Topology):
+            return f"topology must be a cpcompose.planning.Topology, got {type(self.topology).__name__}"
+        if (self.calibration is not None or self.topology is not None) and self.strategy != AUTO:
+            return (f"calibration and topology are only used by strategy='auto' (got strategy={self.strategy!r}): "
+                    "drop them or set strategy='auto'")
+        return None
 
     def _alltoall_size_error(self, world: int) -> str | None:
         a = self.alltoall_size
         if self.strategy != "alltoall_ring":
             if a is None:
                 return None
+            also = " ('auto' chooses it)" if self.strategy == AUTO else ""
             return (
-                f"alltoall_size={a!r} is only used by strategy='alltoall_ring' (got strategy={self.strategy!r}): "
+                f"alltoall_size={a!r} is only used by strategy='alltoall_ring' (got strategy={self.strategy!r}{also}): "
                 "drop alltoall_size or set strategy='alltoall_ring'"
             )
         if a is None:

@@ -26,6 +26,7 @@ class AttentionSetup:
     meter: CommMeter | None = None
     need_lse: bool = True  # the caller wants the LSE back (all-to-all must then send it home)
     alltoall_size: int | None = None  # ranks per all-to-all block ("alltoall_ring" only)
+    strategy: str = "ring"  # the strategy that runs (what "auto" chose, for an "auto" call)
 
     def seq_len(self, local_seq: int) -> int:
         return local_seq * self.cp.world

@@ -49,6 +49,12 @@ class Choice:
     calibration: str
 
     @property
+    def costs_label(self) -> str:
+        """The chosen candidate's label (as in `log_line` and `scalars`)."""
+        mine = (self.strategy, self.alltoall_size)
+        return next(c.label for c in self.costs if (c.strategy, c.alltoall_size) == mine)
+
+    @property
     def predicted_s(self) -> float:
         mine = (self.strategy, self.alltoall_size)
         return next(c.time_s for c in self.costs if (c.strategy, c.alltoall_size) == mine)
