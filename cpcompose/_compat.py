@@ -90,7 +90,7 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-# Opaque objects (torch 2.13, private): a Python object a custom op takes by reference,
+# Opaque objects (private; present in torch 2.11 and 2.13 alike): a Python object a custom op takes by reference,
 # passed through torch.compile as a graph input instead of being traced. The compiled
 # CP attention op (`cpcompose.attention.op`) carries its process group and options this way.
 from torch._library.opaque_object import MemberType, register_opaque_type  # noqa: F401

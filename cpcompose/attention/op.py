@@ -134,6 +134,26 @@ def _strategy(name: str) -> Any:
     return STRATEGIES[name]
 
 
+def _unaliased(outputs: list[Tensor], inputs: tuple[Tensor, ...]) -> list[Tensor]:
+    """`outputs`, each copied only if it shares memory with an input or an earlier output.
+
+    A custom op's outputs may not alias its inputs or each other (torch checks at run
+    time), but the strategies return views: all-gather's dK and dV are two halves of one
+    reduce-scatter buffer, and a dtype cast to the same dtype returns its input. Empty
+    tensors are always copied (free): their storages all report address 0.
+    """
+    seen = {t.untyped_storage().data_ptr() for t in inputs if t.numel()}
+    fresh = []
+    for t in outputs:
+        address = t.untyped_storage().data_ptr()
+        if not t.numel() or address in seen:
+            t = t.clone()
+            address = t.untyped_storage().data_ptr()
+        seen.add(address)
+        fresh.append(t)
+    return fresh
+
+
 @torch.library.custom_op("cpcompose::attention", mutates_args=())
 def _attention(
     q: Tensor, k: Tensor, v: Tensor, context: CPContext, strategy: str, alltoall_size: int | None, is_causal: bool,
@@ -145,7 +165,8 @@ def _attention(
         saved = _SavedContext()
         out, lse = _strategy(strategy).forward(saved, q, k, v, setup)
         residuals = [t.contiguous() for t in saved.saved_tensors] if strategy in _HEAD_SHARDED else []
-        return out.contiguous(), lse.contiguous(), residuals  # contiguous: the strides the fake promises
+        fresh = _unaliased([out.contiguous(), lse.contiguous(), *residuals], (q, k, v))  # contiguous: as the fake
+        return fresh[0], fresh[1], fresh[2:]
 
     return checked_call(
         q, k, v, mesh=context.mesh, is_causal=is_causal, scale=scale,
@@ -209,7 +230,8 @@ def _attention_backward(
     else:
         ctx.saved_tensors = (q, k.contiguous(), v.contiguous(), out, lse)
     dq, dk, dv, _ = _strategy(strategy).backward(ctx, dout, None)
-    return dq.contiguous(), dk.contiguous(), dv.contiguous()
+    dq, dk, dv = _unaliased([dq.contiguous(), dk.contiguous(), dv.contiguous()], (dout, q, k, v, out, lse, *residuals))
+    return dq, dk, dv
 
 
 @_attention_backward.register_fake
