@@ -2,8 +2,9 @@
 
 Three machine models steer the choice on this CPU (the calibration is only constants,
 so a GPU cluster's can be used here): this machine's (the ring wins), one node of
-H100s (all-to-all wins at P=4) and two-GPU nodes (the 2-D strategy with the
-all-to-all inside a node wins under GQA). Each case runs through the parity rule of
+H100s (all-to-all wins at P=4) and two-GPU nodes on a slow network (the 2-D strategy
+with the all-to-all inside a node wins; a causal sliding window there goes back to
+the ring, so two layers of one model get different strategies). Each case runs through the parity rule of
 tests/test_attention_parity.py against the float64 reference, and every rank reports
 what its `CommMeter` recorded `auto` choosing. The agreement covers the machine
 model: one rank with another calibration raises on every rank.
@@ -19,12 +20,15 @@ import torch
 from cpcompose import CommMeter, cp_attention, cp_shard
 from cpcompose.attention.blocks import MaskSpec
 from cpcompose.layouts import resolve_layout
-from cpcompose.planning import CPU_DEFAULT, H100_CLUSTER, AttentionCall, Topology, choose_strategy
+import dataclasses
+
+from cpcompose.planning import CPU_DEFAULT, H100_CLUSTER, INTER, INTRA, AttentionCall, Link, Topology, choose_strategy
 from tests.attention_cases import Case, make_inputs
 from tests.test_attention_parity import assert_matches_single_process
 
+SLOW_NETWORK = dataclasses.replace(H100_CLUSTER, links=((INTRA, Link(450e9, 2e-6)), (INTER, Link(5e9, 1e-4))))
 MODELS = {"this-cpu": (CPU_DEFAULT, Topology()), "h100-node": (H100_CLUSTER, Topology()),
-          "h100-2-per-node": (H100_CLUSTER, Topology(2))}
+          "2-per-node-slow-network": (SLOW_NETWORK, Topology(2))}
 
 
 def run_auto(mesh, case: Case, model: str, calibration=None) -> dict:
@@ -58,9 +62,9 @@ def _window(case: Case) -> tuple:
 CASES = [
     (Case("auto", "zigzag", True, 8, 2, 2, seq=96), "this-cpu", "ring"),
     (Case("auto", "zigzag", True, 4, 4, 4, seq=96), "h100-node", "alltoall"),
-    (Case("auto", "zigzag", True, 8, 2, 4, seq=96), "h100-2-per-node", "alltoall_ring(a=2)"),
-    (Case("auto", "contiguous", True, 8, 2, 4, seq=96, window=7), "h100-node", None),  # a sliding-window layer
-    (Case("auto", "zigzag", False, 8, 2, 4, seq=96, window=(5, 3)), "h100-2-per-node", None),
+    (Case("auto", "zigzag", True, 8, 2, 4, seq=96), "2-per-node-slow-network", "alltoall_ring(a=2)"),
+    (Case("auto", "zigzag", False, 8, 2, 4, seq=96, window=(5, 3)), "2-per-node-slow-network", "alltoall_ring(a=2)"),
+    (Case("auto", "contiguous", True, 8, 2, 4, seq=96, window=7), "2-per-node-slow-network", "ring"),
 ]
 
 
@@ -74,8 +78,6 @@ def test_auto_is_exact_and_chosen_alike(pools, case: Case, model: str, want: str
 
 
 def run_one_rank_other_calibration(mesh, case: Case) -> str:
-    import dataclasses
-
     other = dataclasses.replace(CPU_DEFAULT, kernel_call_s=CPU_DEFAULT.kernel_call_s * 2)
     try:
         run_auto(mesh, case, "this-cpu", calibration=other if mesh.get_local_rank() == 1 else None)

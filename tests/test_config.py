@@ -194,7 +194,7 @@ def test_help_lists_every_field_with_its_docstring(capsys: pytest.CaptureFixture
             assert "default: " in lines[option]
             assert docs[f.name], f"{section.name}.{f.name} has no docstring"
             assert lines[option + 1].startswith("      ") and docs[f.name].startswith(lines[option + 1].strip())
-    assert '  --parallelism.cp_strategy  (ring|allgather|alltoall|alltoall_ring, default: "ring")' in lines
+    assert '  --parallelism.cp_strategy  (ring|allgather|alltoall|alltoall_ring|auto, default: "ring")' in lines
     assert "  --parallelism.cp_alltoall_size  (int | none, default: none)" in lines
     assert "  --data.path  (str | none, default: none)" in lines
 
@@ -233,3 +233,18 @@ def test_validate_mode_reaches_the_attention_options() -> None:
     assert config.parallelism.cp_options().validate == "every_call"
     with pytest.raises(ConfigError, match="cp_validate"):
         load_config(["--parallelism.cp_validate=sometimes"])
+
+
+def test_auto_calibration_file(tmp_path) -> None:
+    """`parallelism.cp_calibration`: a calibration JSON for `auto`, checked when the config is read."""
+    from cpcompose.planning import CPU_DEFAULT
+
+    path = tmp_path / "machine.json"
+    CPU_DEFAULT.save(path)
+    options = load_config(["--parallelism.cp_strategy=auto", f"--parallelism.cp_calibration={path}"]
+                          ).parallelism.cp_options()
+    assert options.strategy == "auto" and options.calibration.fingerprint() == CPU_DEFAULT.fingerprint()
+    with pytest.raises(ConfigError, match=r"cp_calibration: .* is not a file"):
+        load_config(["--parallelism.cp_strategy=auto", f"--parallelism.cp_calibration={tmp_path / 'no.json'}"])
+    with pytest.raises(ConfigError, match=r"cp_calibration: is only used by cp_strategy = \"auto\""):
+        load_config([f"--parallelism.cp_calibration={path}"])

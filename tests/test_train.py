@@ -67,6 +67,34 @@ LAYOUTS = {
 }
 
 
+def run_trainer_capturing(mesh, args: list[str]) -> tuple[list[float], str]:
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        losses = Trainer(load_config(TINY + args)).run()
+    return losses, out.getvalue()
+
+
+def test_auto_strategy_trains_exactly_and_reports_its_choice(pools, baseline, tmp_path) -> None:
+    """`cp_strategy = "auto"`: the cp=1 losses, one log line per call signature, the choice in TensorBoard."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    args = ["--parallelism.cp=2", "--parallelism.cp_strategy=auto", "--metrics.enable_tensorboard=true",
+            f"--job.dump_folder={tmp_path}"]
+    results = pools.get(2).run(run_trainer_capturing, args)
+    torch.testing.assert_close(torch.tensor(results[0][0]), torch.tensor(baseline), rtol=1e-5, atol=0)
+    lines = [line for line in results[0][1].splitlines() if "cp strategy auto -> " in line]
+    assert len(lines) == 1, results[0][1][-2000:]  # one signature: every layer and step make the same call
+    assert not any("cp strategy auto" in r[1] for r in results[1:]), "printed on rank 0 only"
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    calls = [t for t in events.Tags()["scalars"] if t.startswith("cp/auto_calls/")]
+    assert len(calls) == 1 and calls[0].removeprefix("cp/auto_calls/") in lines[0], (calls, lines)
+    assert all(e.value == 2 for e in events.Scalars(calls[0])), "two attention layers a step"  # TINY: 2 layers
+
+
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
 def test_losses_agree_across_layouts(pools, baseline, tmp_path, name: str) -> None:
     world, args = LAYOUTS[name]

@@ -8,6 +8,7 @@ starts with the key to change.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 from cpcompose.attention.options import CPOptions, Strategy, Validate
@@ -103,13 +104,17 @@ class Parallelism:
     """ring: K/V blocks circulate, overlapped with compute; allgather: gather all K/V once
     (simple, more memory); alltoall: Ulysses head/sequence transpose (any head count);
     alltoall_ring: 2-D, Ulysses inside blocks of cp_alltoall_size consecutive ranks (keep a
-    block inside a node) and a ring across the cp / cp_alltoall_size blocks."""
+    block inside a node) and a ring across the cp / cp_alltoall_size blocks; auto: the cost model
+    picks one of these (and the block size) per attention call, the same on every rank."""
     cp_alltoall_size: int | None = None
     """Ranks per all-to-all block of cp_strategy = "alltoall_ring" (required there, unset otherwise);
     must divide cp. cp_alltoall_size = cp is Ulysses, 1 is the ring."""
     cp_layout: str = DEFAULT_LAYOUT
     """A registered layout (zigzag, contiguous): zigzag gives rank r chunks r and 2cp-1-r so causal
     work is balanced; contiguous gives chunk r. Packed documents (data.pack) are split per batch."""
+    cp_calibration: str | None = None
+    """cp_strategy = "auto" only: a JSON of machine constants written by scripts/calibrate_cost_model.py
+    (unset: the shipped defaults for the device type; see docs/strategy_choice.md)."""
     cp_validate: Validate = "first_call"
     """first_call: the blocking cross-rank check of each attention call's shapes and options runs
     for a new call signature only (no host sync at steady state); every_call: on every call, a
@@ -121,6 +126,11 @@ class Parallelism:
                 f"{self.cp_layout!r} is not a registered layout; choose one of {', '.join(LAYOUTS)}")
         require(self.dp_shard == -1 or self.dp_shard >= 1, "parallelism.dp_shard",
                 f"must be >= 1 or -1, got {self.dp_shard}")
+        if self.cp_calibration is not None:
+            require(self.cp_strategy == "auto", "parallelism.cp_calibration",
+                    f"is only used by cp_strategy = \"auto\" (got {self.cp_strategy!r})")
+            require(Path(self.cp_calibration).is_file(), "parallelism.cp_calibration",
+                    f"{self.cp_calibration!r} is not a file; write one with scripts/calibrate_cost_model.py")
         a = self.cp_alltoall_size
         if self.cp_strategy != "alltoall_ring":
             require(a is None, "parallelism.cp_alltoall_size",
@@ -135,9 +145,14 @@ class Parallelism:
 
     def cp_options(self, *, meter: CommMeter | None = None) -> CPOptions:
         """The CP attention options these settings describe: one object, from here to every attention call."""
+        calibration = None
+        if self.cp_calibration is not None:
+            from cpcompose.planning import Calibration
+
+            calibration = Calibration.load(self.cp_calibration)
         return CPOptions(
             strategy=self.cp_strategy, layout=self.cp_layout, meter=meter, alltoall_size=self.cp_alltoall_size,
-            validate=self.cp_validate,
+            validate=self.cp_validate, calibration=calibration,
         )
 
 

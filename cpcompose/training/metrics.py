@@ -34,6 +34,8 @@ class StepMetrics:
     step_time_s: float
     peak_memory_mib: list[float]
     cp_bytes_sent: int
+    cp_strategies: dict[str, int] = field(default_factory=dict)  # calls per strategy `auto` chose this step
+    cp_predicted_s: float = 0.0  # the cost model's prediction for those calls
 
 
 def stamp() -> str:
@@ -93,6 +95,10 @@ class MetricsLogger:
                 w.add_scalar(f"train/{name}", value, m.step)
             for rank, mib in enumerate(m.peak_memory_mib):
                 w.add_scalar(f"memory/peak_mib_rank{rank}", mib, m.step)
+            for label, calls in m.cp_strategies.items():  # strategy="auto": what it chose, per attention call
+                w.add_scalar(f"cp/auto_calls/{label}", calls, m.step)
+            if m.cp_strategies:
+                w.add_scalar("cp/auto_predicted_s", m.cp_predicted_s, m.step)
 
     def close(self, title: str, checkpoint: Path | None = None) -> None:
         """Flush TensorBoard, draw the plot over the whole run, and name every output in one line."""

@@ -10,6 +10,7 @@ schedule), clipping, the update, logging and checkpoints.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import signal
@@ -37,6 +38,28 @@ from cpcompose.training.grad_norm import clip_grad_norm
 from cpcompose.training.lr_schedule import build_lr_scheduler
 from cpcompose.training.metrics import MetricsLogger, StepMetrics, peak_memory_mib, stamp
 from cpcompose.training.run_lock import FolderLocked, RunLock
+
+
+@contextlib.contextmanager
+def _auto_choices_in_log(logger: MetricsLogger, *, enabled: bool):
+    """Print `strategy="auto"`'s line for each new call signature in the run's log (rank 0), for the run only."""
+    if not enabled:
+        yield
+        return
+
+    class Note(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            logger.note(record.getMessage())
+
+    source, handler = logging.getLogger("cpcompose.auto"), Note(logging.INFO)
+    level = source.level
+    source.addHandler(handler)
+    source.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        source.removeHandler(handler)
+        source.setLevel(level)
 
 
 class Trainer:
@@ -209,7 +232,8 @@ class Trainer:
         """
         previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
         try:
-            return self._run()
+            with _auto_choices_in_log(self.logger, enabled=self.config.parallelism.cp_strategy == "auto"):
+                return self._run()
         except RuntimeError as e:
             cause = is_comm_failure(e) if not isinstance(e, TrainingError) else None
             if cause is None:
@@ -278,6 +302,7 @@ class Trainer:
                     step=self.step, loss=loss, lr=self.scheduler.get_last_lr()[0], grad_norm=float(self.grad_norm),
                     tokens_per_s=tokens_per_step / elapsed, step_time_s=elapsed,
                     peak_memory_mib=[float(x) for x in everyone], cp_bytes_sent=self.meter.total,
+                    cp_strategies=dict(self.meter.strategies), cp_predicted_s=self.meter.predicted_s,
                 ),
                 first_step=first,
             )
