@@ -165,9 +165,9 @@ def checked_call(
         except ValueError as e:
             error = str(e)
     signature = _signature(q, k, v, is_causal, scale, softcap, window, options, layout, return_lse)
+    signature += _auto_fields(options, q)  # on every rank, auto or not: the agreement's size is fixed
     if options.strategy == AUTO:
         options, error = _resolve_auto(options, q, k, v, layout, is_causal, window, return_lse, cp, error)
-        signature += _auto_fields(options, q)
     strategy = STRATEGIES.get(options.strategy)
 
     def setup(meter: CommMeter | None) -> AttentionSetup:
@@ -205,7 +205,13 @@ def _resolve_auto(
 
 
 def _auto_fields(options: CPOptions, q: Tensor) -> list[Field]:
-    """What `auto` chooses from beyond the call itself: every rank must use the same machine model."""
+    """What `auto` chooses from beyond the call itself: every rank must use the same machine model.
+
+    Present in every signature (-1 unless the strategy is "auto"), so a rank asking for
+    "auto" alone sends as many fields as its peers and the agreement can name the difference.
+    """
+    if options.strategy != AUTO or options.auto_error() is not None:  # a bad machine model is reported anyway
+        return [("strategy='auto' calibration", -1), ("strategy='auto' ranks_per_node", -1)]
     calibration, topology = auto.machine_model(options, q.device if isinstance(q, Tensor) else torch.device("cpu"))
     return [("strategy='auto' calibration", int(calibration.fingerprint(), 16) & (2**62 - 1)),
             ("strategy='auto' ranks_per_node", -1 if topology.ranks_per_node is None else topology.ranks_per_node)]

@@ -81,9 +81,10 @@ class CPOptions:
             return f"meter must be a cpcompose.CommMeter, got {type(self.meter).__name__}"
         if self.validate not in VALIDATE_MODES:
             return f"validate={self.validate!r} is unknown; choose one of {VALIDATE_MODES}"
-        return self._alltoall_size_error(world) or self._auto_error() or layout_error(self.layout, world)
+        return self._alltoall_size_error(world) or self.auto_error() or layout_error(self.layout, world)
 
-    def _auto_error(self) -> str | None:
+    def auto_error(self) -> str | None:
+        """What is wrong with the machine model `auto` would use (or its presence without `auto`), or None."""
         from cpcompose.planning import Calibration, Topology
 
         if self.calibration is not None and not isinstance(self.calibration, Calibration):
