@@ -85,7 +85,9 @@ class CPOptions:
 
     def auto_error(self) -> str | None:
         """What is wrong with the machine model `auto` would use (or its presence without `auto`), or None."""
-        from cpcompose.planning import Calibration, Topology
+        if self.calibration is None and self.topology is None:
+            return None
+        from cpcompose.planning import Calibration, Topology  # planning imports attention: not at module level
 
         if self.calibration is not None and not isinstance(self.calibration, Calibration):
             return f"calibration must be a cpcompose.planning.Calibration, got {type(self.calibration).__name__}"
