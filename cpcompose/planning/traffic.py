@@ -33,6 +33,7 @@ from typing import Literal
 from cpcompose.attention.alltoall import kv_head_ranges, query_head_ranges
 from cpcompose.attention.blocks import BlockTask, MaskSpec, needed_rows, plan
 from cpcompose.layouts import Layout, Run
+from cpcompose.layouts.grouped import grouped
 from cpcompose.planning.call import AttentionCall
 
 COLLECTIVE = -1  # `Transfer.round` of a collective (not part of a ring round)
@@ -63,25 +64,10 @@ class RankWork:
     kv_heads: int
 
 
-@functools.lru_cache(maxsize=4096)
 def block_runs(layout: Layout, seq_len: int, first: int, count: int) -> tuple[Run, ...]:
-    """The tokens of ranks `first .. first+count-1` as one block, in global order.
-
-    After the all-to-all a rank holds its heads for its whole block's tokens, in
-    global order; runs of one document that touch are joined (as `global_runs`).
-    """
-    pieces = sorted((r.pos, r.length, r.doc) for rank in range(first, first + count)
-                    for r in layout.runs(rank, seq_len))
-    runs: list[Run] = []
-    row = 0
-    for pos, length, doc in pieces:
-        last = runs[-1] if runs else None
-        if last is not None and last.doc == doc and last.pos + last.length == pos:
-            runs[-1] = Run(last.row, last.pos, last.length + length, doc)
-        else:
-            runs.append(Run(row, pos, length, doc))
-        row += length
-    return tuple(runs)
+    """The tokens of ranks `first .. first+count-1` as one block, in global order: the 2-D
+    strategy's own view (`cpcompose.layouts.grouped`), so the model reads what the code runs."""
+    return tuple(grouped(layout, count).runs(first // count, seq_len))
 
 
 @functools.lru_cache(maxsize=65536)
