@@ -62,7 +62,8 @@ def cp_attention(
         options: a `CPOptions` (strategy, layout, window_size, backend, meter, validate).
         return_lse: also return the float32 log-sum-exp `(batch, heads, seq_local)`.
         **overrides: any `CPOptions` field by name, e.g. `strategy="alltoall"`,
-            `strategy="alltoall_ring", alltoall_size=2` (2-D),
+            `strategy="alltoall_ring", alltoall_size=2` (2-D), `strategy="auto"` (the
+            cost model picks per call signature, `cpcompose.attention.auto`),
             `layout=shard.layout` (a `PackedLayout` for packed documents: the very
             object the shards were cut by), `window_size=512` (causal) or
             `window_size=(left, right)` (bidirectional local attention).
