@@ -202,6 +202,7 @@ PACKED = ["--data.source=text", "--data.pack=true", "--model.vocab_size=260", "-
 @pytest.mark.parametrize("name,world,args", [
     ("cp2-ring", 2, ["--parallelism.cp=2"]),
     ("cp2-alltoall", 2, ["--parallelism.cp=2", "--parallelism.cp_strategy=alltoall"]),
+    ("cp2-auto", 2, ["--parallelism.cp=2", "--parallelism.cp_strategy=auto"]),  # a choice per batch's pack
     ("dp2-cp2", 4, ["--parallelism.cp=2", "--parallelism.dp_shard=2"]),
 ])
 def test_packed_text_losses_match_one_rank(pools, tmp_path: Path, name: str, world: int, args: list[str]) -> None:
