@@ -154,7 +154,7 @@ def test_refusal_raises_on_every_rank(pools, case: str, message: str) -> None:
 
 
 @pytest.mark.parametrize("key,value", [("strategy", "bogus"), ("balance", "even"), ("layout", "packed"),
-                                       ("window", -1)])
+                                       ("window", -1), ("alltoall_size", 2)])
 def test_bad_setting_names_its_key(key: str, value: object) -> None:
     with pytest.raises(ValueError, match=f"cpcompose.{key}"):
         cases.CPComposeConfig(**{key: value})
@@ -183,3 +183,14 @@ def test_parallelize_refuses_torchtitan_attention() -> None:
     model = cases.model_config("llama3").build()  # flex attention, not cpcompose's
     with pytest.raises(ValueError, match="use_cpcompose_attention"):
         cases.cpcompose_parallelize(lambda model, **kwargs: model)(model, parallel_dims=None)
+
+
+@pytest.mark.parametrize("name", ["llama3", "deepseek_v3"])
+@pytest.mark.parametrize("kind", ["dense", "packed"])
+def test_2d_and_auto_steps_are_exact(pools, name: str, kind: str) -> None:
+    """`cpcompose.strategy = "alltoall_ring"` (2x2) and `"auto"` at P=4: the single-process step."""
+    want, state = cases.reference(name, kind)
+    twod = pools.get(4).run(cases.cp_steps, name, state, kind, {"alltoall_size": 2}, ("alltoall_ring",))
+    assert_matches(want, twod, f"{name} P=4 {kind} 2x2")
+    chosen = pools.get(4).run(cases.cp_steps, name, state, kind, None, ("auto",))
+    assert_matches(want, chosen, f"{name} P=4 {kind} auto")

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
-from cpcompose.attention.options import STRATEGY_NAMES, CPOptions
+from cpcompose.attention.options import CHOICES, CPOptions
 from cpcompose.comm import CPGroup
 from cpcompose.layouts import Layout, PackedLayout, resolve_layout
 from cpcompose.layouts.packed import BALANCES
@@ -42,8 +42,13 @@ DENSE_LAYOUTS = ("zigzag", "contiguous")
 class CPComposeConfig:
     """The `cpcompose` section of `CPComposeTrainer.Config` (CLI: `--cpcompose.<key>`)."""
 
-    strategy: Literal["ring", "allgather", "alltoall"] = "ring"
-    """CP attention: "ring" (K/V passed round the ranks), "allgather" or "alltoall" (Ulysses: heads for sequence)."""
+    strategy: Literal["ring", "allgather", "alltoall", "alltoall_ring", "auto"] = "ring"
+    """CP attention: "ring" (K/V passed round the ranks), "allgather", "alltoall" (Ulysses: heads for
+    sequence), "alltoall_ring" (2-D: Ulysses inside blocks of `alltoall_size` ranks, a ring across them)
+    or "auto" (cpcompose's cost model picks one per call signature)."""
+
+    alltoall_size: int | None = None
+    """"alltoall_ring" only: ranks per all-to-all block, a divisor of the CP degree (keep a block in a node)."""
 
     documents: bool = True
     """Attend within packed documents (positions restarting at 0, as torchtitan's flex/varlen masks do);
@@ -66,8 +71,11 @@ class CPComposeConfig:
 
     def error(self) -> str | None:
         """What is wrong with these settings, naming the key to change, or None."""
-        if self.strategy not in STRATEGY_NAMES:
-            return f"cpcompose.strategy={self.strategy!r} is unknown; choose one of {STRATEGY_NAMES}"
+        if self.strategy not in CHOICES:
+            return f"cpcompose.strategy={self.strategy!r} is unknown; choose one of {CHOICES}"
+        if (self.alltoall_size is None) != (self.strategy != "alltoall_ring"):
+            return ("cpcompose.alltoall_size: set it (ranks per all-to-all block) with cpcompose.strategy="
+                    "alltoall_ring, and only then")
         if self.balance not in BALANCES:
             return f"cpcompose.balance={self.balance!r} is unknown; choose one of {BALANCES}"
         if self.layout not in DENSE_LAYOUTS:
@@ -167,7 +175,8 @@ def shard_batch(
         pads = [pad_token, IGNORE_INDEX, None]
         tensors = [_pack(t, layout, value) for t, value in zip(tensors, pads)]
     local = [layout.shard(t, 1, cp.rank) for t in tensors]
-    options = CPOptions(strategy=config.strategy, layout=layout, window_size=config.window)
+    options = CPOptions(strategy=config.strategy, layout=layout, window_size=config.window,
+                        alltoall_size=config.alltoall_size)
     mask = CPAttentionMask(CPAttentionMode(mesh, options), None, config.window)
     return TitanBatch(local[0], local[1], local[2], mask, layout)
 
