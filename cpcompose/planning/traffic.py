@@ -83,12 +83,6 @@ def rows_read(layout: Layout, mask: MaskSpec, seq_len: int, a: int, q_block: int
     return sum(r.stop - r.start for r in needed_rows(block_plan(layout, mask, seq_len, a, q_block, kv_block)))
 
 
-@functools.lru_cache(maxsize=65536)
-def global_plan(layout: Layout, mask: MaskSpec, seq_len: int, rank: int) -> tuple[BlockTask, ...]:
-    """All-gather: `rank`'s queries against the whole sequence in global order."""
-    return tuple(plan(layout.runs(rank, seq_len), layout.global_runs(seq_len), mask))
-
-
 @functools.lru_cache(maxsize=1024)
 def head_splits(heads: int, kv_heads: int, a: int) -> tuple[tuple[int, int], ...]:
     """(query heads, K/V heads) of each rank of an all-to-all block of `a` ranks (as `alltoall` splits them)."""
@@ -105,8 +99,9 @@ def head_split(call: AttentionCall, a: int, index: int) -> tuple[int, int]:
 def work(call: AttentionCall, strategy: str, a: int, rank: int) -> RankWork:
     """`rank`'s kernel calls (see `Transfer` for `a`)."""
     layout, mask, n = call.layout, call.mask, call.seq_len
-    if strategy == "allgather":
-        return RankWork((global_plan(layout, mask, n, rank),), call.heads, call.kv_heads)
+    if strategy == "allgather":  # one round: the queries against each rank's gathered shard, as the code runs it
+        tasks = tuple(t for src in range(call.world) for t in block_plan(layout, mask, n, 1, rank, src))
+        return RankWork((tasks,), call.heads, call.kv_heads)
     blocks, (b, i) = call.world // a, divmod(rank, a)
     heads, kv = head_split(call, a, i)
     rounds = tuple(block_plan(layout, mask, n, a, b, (b - s) % blocks) for s in range(blocks))
