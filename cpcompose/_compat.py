@@ -52,14 +52,19 @@ _reduce_scatter_flat = (getattr(torch.distributed, "reduce_scatter_single", None
                         or torch.distributed.reduce_scatter_tensor)
 
 
-def all_gather_flat(out: torch.Tensor, flat: torch.Tensor, group: Any) -> None:
-    """Every rank's `flat` concatenated into `out` (1-D buffers), in rank order."""
-    _all_gather_flat(out, flat, group=group)
+def all_gather_flat(out: torch.Tensor, flat: torch.Tensor, group: Any, *, async_op: bool = False) -> Any:
+    """Every rank's `flat` concatenated into `out` (1-D buffers), in rank order; the work if `async_op`."""
+    return _all_gather_flat(out, flat, group=group, async_op=async_op)
 
 
-def reduce_scatter_flat(out: torch.Tensor, flat: torch.Tensor, group: Any) -> None:
-    """The sum over ranks of this rank's slice of `flat` (1-D buffers) into `out`."""
-    _reduce_scatter_flat(out, flat, op=torch.distributed.ReduceOp.SUM, group=group)
+def reduce_scatter_flat(out: torch.Tensor, flat: torch.Tensor, group: Any, *, async_op: bool = False) -> Any:
+    """The sum over ranks of this rank's slice of `flat` (1-D buffers) into `out`; the work if `async_op`."""
+    return _reduce_scatter_flat(out, flat, op=torch.distributed.ReduceOp.SUM, group=group, async_op=async_op)
+
+
+def all_to_all_flat(out: torch.Tensor, flat: torch.Tensor, group: Any, *, async_op: bool = False) -> Any:
+    """Equal slices of `flat` to every rank; theirs for this rank into `out`, in rank order (1-D buffers)."""
+    return torch.distributed.all_to_all_single(out, flat, group=group, async_op=async_op)
 
 
 def flatten_mesh(mesh: Any, name: str) -> Any:

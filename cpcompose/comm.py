@@ -19,7 +19,7 @@ import functools
 from collections import Counter
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -191,33 +191,93 @@ class RingComm:
         return PendingRecv(works, recv, self.timeout, device=device, keep=wire)
 
 
-def all_gather(x: Tensor, cp: CPGroup, meter: CommMeter | None = None) -> Tensor:
-    """Stack every rank's `x` along a new leading dim, in rank order."""
+class PendingCollective:
+    """A collective in flight; `wait()` returns its result once it is done.
+
+    Like `PendingRecv`, the wait is bounded: by the CP group's timeout, read when the
+    collective starts (gloo's works otherwise wait for the timeout the group was
+    created with, not the one `set_timeout` gave it).
+    """
+
+    def __init__(self, work: dist.Work | None, finish: Callable[[], Tensor], cp: CPGroup) -> None:
+        self._work, self._finish = work, finish
+        self._timeout = cp.timeout if cp.timeout is not None else _compat.group_timeout(cp.group)
+
+    def wait(self) -> Tensor:
+        """Raises RuntimeError (from the backend) when a peer does not answer within the timeout."""
+        if self._work is not None:
+            self._work.wait(self._timeout)
+        return self._finish()
+
+
+def start_all_gather(x: Tensor, cp: CPGroup, meter: CommMeter | None = None) -> PendingCollective:
+    """Start stacking every rank's `x` along a new leading dim, in rank order; compute while it travels."""
     # Flat buffers: gloo wants the output as the inputs concatenated along dim 0.
     device = _staging(x, cp.group)
     flat = x.contiguous().view(-1)
     if device is not None:
         flat = _to_host(flat)
     out = flat.new_empty(cp.world * x.numel())
-    _compat.all_gather_flat(out, flat, cp.group)
+    work = _compat.all_gather_flat(out, flat, cp.group, async_op=True)
     if meter is not None:
         meter.add("all_gather", (cp.world - 1) * _nbytes([x]))
-    if device is not None:
-        out = out.to(device, copy=True)
-    return out.view(cp.world, *x.shape)
+
+    def finish() -> Tensor:
+        result = out if device is None else out.to(device, copy=True)
+        return result.view(cp.world, *x.shape)
+
+    return PendingCollective(work, finish, cp)
 
 
-def reduce_scatter(x: Tensor, cp: CPGroup, meter: CommMeter | None = None) -> Tensor:
-    """Sum `x` (leading dim = world, one slice per rank) over ranks; keep this rank's slice."""
+def all_gather(x: Tensor, cp: CPGroup, meter: CommMeter | None = None) -> Tensor:
+    """Stack every rank's `x` along a new leading dim, in rank order."""
+    return start_all_gather(x, cp, meter).wait()
+
+
+@functools.cache
+def _reduces_by_all_to_all(group: dist.ProcessGroup, device_type: str) -> bool:
+    """Whether gloo runs this group's collectives for `device_type` tensors (decided once, cached)."""
+    return backend_for(str(dist.get_backend(group)), device_type) == "gloo"
+
+
+def start_reduce_scatter(x: Tensor, cp: CPGroup, meter: CommMeter | None = None) -> PendingCollective:
+    """Start summing `x` (leading dim = world, one slice per rank) over ranks, keeping this rank's slice.
+
+    On gloo the sum is an all-to-all (every rank receives the P slices meant for
+    it) and a local float sum in rank order: the same bytes as a reduce-scatter,
+    and about 3x faster than gloo's own reduce-scatter on 8 MB here (17 vs 6 ms at
+    P=2), at the cost of a (P, ...) receive buffer. NCCL keeps its reduce-scatter.
+    """
     device = _staging(x, cp.group)
     flat = x.contiguous().view(-1)
     if device is not None:
         flat = _to_host(flat)
-    out = flat.new_empty(x.shape[1:])
-    _compat.reduce_scatter_flat(out.view(-1), flat, cp.group)
+    if _reduces_by_all_to_all(cp.group, flat.device.type):
+        received = torch.empty_like(flat)
+        work = _compat.all_to_all_flat(received, flat, cp.group, async_op=True)
+        out = received.view(cp.world, -1)
+
+        def reduced() -> Tensor:
+            return out.sum(0)
+    else:
+        single = flat.new_empty(x[0].numel())
+        work = _compat.reduce_scatter_flat(single, flat, cp.group, async_op=True)
+
+        def reduced() -> Tensor:
+            return single
     if meter is not None:
         meter.add("reduce_scatter", _nbytes([x]) * (cp.world - 1) // cp.world)
-    return out if device is None else out.to(device, copy=True)
+
+    def finish() -> Tensor:
+        result = reduced().view(x.shape[1:])
+        return result if device is None else result.to(device, copy=True)
+
+    return PendingCollective(work, finish, cp)
+
+
+def reduce_scatter(x: Tensor, cp: CPGroup, meter: CommMeter | None = None) -> Tensor:
+    """Sum `x` (leading dim = world, one slice per rank) over ranks; keep this rank's slice."""
+    return start_reduce_scatter(x, cp, meter).wait()
 
 
 def all_to_all_pieces(

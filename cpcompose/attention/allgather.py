@@ -2,10 +2,13 @@
 
 Forward all-gathers K and V in one collective (GQA K/V travel with their own head
 count; each rank sends its K and V flattened end to end, so V may have its own head
-dim, as in MLA, and every gathered shard is a contiguous view) and runs the local queries against each rank's gathered shard in place, with
-the block plans the ring uses for that pair of ranks. Nothing is reordered into
-global order: a full-sequence copy (and, in backward, a second one for the
-gradients) cost as much as the kernels on packed batches of short documents.
+dim, as in MLA, and every gathered shard is a contiguous view) and runs the local
+queries against each rank's gathered shard in place, with the block plans the ring
+uses for that pair of ranks. Nothing is reordered into global order: a
+full-sequence copy (and, in backward, a second one for the gradients) cost as much
+as the kernels on packed batches of short documents. The collectives run while the
+rank computes on its own K/V: the gather behind the local blocks (forward) or their
+first half (backward), the gradients' reduce-scatter behind the second half.
 Backward gathers K/V again instead of keeping the full copy alive between forward
 and backward (activation memory stays 1/P), accumulates dK/dV for every rank's rows
 in float32, already laid out rank by rank, and reduce-scatters them to their owners.
@@ -21,14 +24,13 @@ from torch import Tensor
 from cpcompose.attention.blocks import backward_blocks, forward_blocks
 from cpcompose.attention.merge import SoftmaxAccumulator
 from cpcompose.attention.setup import AttentionSetup, finish_forward
-from cpcompose.comm import all_gather, reduce_scatter
+from cpcompose.comm import PendingCollective, start_all_gather, start_reduce_scatter
 from cpcompose.precision import accumulation_dtype
 
 
-def _gather_kv(k: Tensor, v: Tensor, setup: AttentionSetup) -> list[tuple[Tensor, Tensor]]:
-    """Every rank's `(K, V)` shards, in rank order, as contiguous views of one gathered buffer."""
-    flat = all_gather(torch.cat([k.reshape(-1), v.reshape(-1)]), setup.cp, setup.meter)  # (P, |K| + |V|)
-    return _split_kv(flat, k, v)
+def _start_gather_kv(k: Tensor, v: Tensor, setup: AttentionSetup) -> PendingCollective:
+    """Start gathering every rank's K and V, flattened end to end into one buffer `(P, |K| + |V|)`."""
+    return start_all_gather(torch.cat([k.reshape(-1), v.reshape(-1)]), setup.cp, setup.meter)
 
 
 def _split_kv(flat: Tensor, k: Tensor, v: Tensor) -> list[tuple[Tensor, Tensor]]:
@@ -44,21 +46,35 @@ class AllGatherAttention(torch.autograd.Function):
     def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, setup: AttentionSetup) -> tuple[Tensor, Tensor]:
         seq, rank = q.shape[2], setup.cp.rank
         acc = SoftmaxAccumulator(q, v.shape[-1])
-        for src, (k_src, v_src) in enumerate(_gather_kv(k, v, setup)):
-            forward_blocks(acc, q, k_src, v_src, setup.tasks_between(rank, src, seq), setup.kernel)
+        gathering = _start_gather_kv(k, v, setup)
+        forward_blocks(acc, q, k, v, setup.tasks_between(rank, rank, seq), setup.kernel)  # own K/V meanwhile
+        for src, (k_src, v_src) in enumerate(_split_kv(gathering.wait(), k, v)):
+            if src != rank:
+                forward_blocks(acc, q, k_src, v_src, setup.tasks_between(rank, src, seq), setup.kernel)
         return finish_forward(ctx, q, k, v, acc, setup)
 
     @staticmethod
     def backward(ctx: Any, dout: Tensor, _dlse: Tensor | None) -> tuple[Tensor, Tensor, Tensor, None]:
         q, k, v, out, lse = ctx.saved_tensors
         setup: AttentionSetup = ctx.setup
-        seq, rank, world = q.shape[2], setup.cp.rank, setup.cp.world
+        seq, rank, kernel = q.shape[2], setup.cp.rank, setup.kernel
         acc_dtype = accumulation_dtype(q.dtype)
-        dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
-        dkv = torch.zeros((world, k.numel() + v.numel()), dtype=acc_dtype, device=q.device)  # one collective
         dout = dout.contiguous()
-        for src, ((k_src, v_src), (dk_src, dv_src)) in enumerate(zip(_gather_kv(k, v, setup), _split_kv(dkv, k, v))):
-            tasks = setup.tasks_between(rank, src, seq)
-            backward_blocks((dq, dk_src, dv_src), dout, q, k_src, v_src, out, lse, tasks, setup.kernel)
-        (dk, dv), = _split_kv(reduce_scatter(dkv, setup.cp, setup.meter)[None], k, v)
+        gathering = _start_gather_kv(k, v, setup)
+        dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
+        dkv = torch.zeros((setup.cp.world, k.numel() + v.numel()), dtype=acc_dtype, device=q.device)  # one collective
+        grads = _split_kv(dkv, k, v)
+        early, late = setup.local_halves(rank, seq)
+        backward_blocks((dq, *grads[rank]), dout, q, k, v, out, lse, early, kernel)  # while K/V travel
+        for src, (k_src, v_src) in enumerate(_split_kv(gathering.wait(), k, v)):
+            if src != rank:
+                tasks = setup.tasks_between(rank, src, seq)
+                backward_blocks((dq, *grads[src]), dout, q, k_src, v_src, out, lse, tasks, kernel)
+        reducing = start_reduce_scatter(dkv, setup.cp, setup.meter)
+        late_grads = [torch.zeros(t.shape, dtype=acc_dtype, device=q.device) for t in (k, v)] if late else []
+        if late:  # while dK/dV travel
+            backward_blocks((dq, *late_grads), dout, q, k, v, out, lse, late, kernel)
+        dk, dv = _split_kv(reducing.wait()[None], k, v)[0]
+        if late:
+            dk, dv = dk + late_grads[0], dv + late_grads[1]
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None

@@ -225,6 +225,22 @@ def needed_rows(tasks: Sequence[BlockTask]) -> list[slice]:
     return [slice(a, b) for a, b in out]
 
 
+def split_work(tasks: Sequence[BlockTask]) -> tuple[tuple[BlockTask, ...], tuple[BlockTask, ...]]:
+    """The tasks, in order, as two parts of about equal work (the first part takes a lone task).
+
+    A strategy computes the first part while one transfer travels and the second
+    while another does (the K/V arriving, the gradients leaving): a transfer at the
+    very start or end of a pass has no other computation to hide behind.
+    """
+    weights = [t.flops_weight() for t in tasks]
+    total, done = sum(weights), 0.0
+    for i, w in enumerate(weights):
+        if done + w / 2 >= total / 2 and i > 0:
+            return tuple(tasks[:i]), tuple(tasks[i:])
+        done += w
+    return tuple(tasks), ()
+
+
 @dataclass(frozen=True)
 class KernelArgs:
     """What every kernel call of one attention shares."""

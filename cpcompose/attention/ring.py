@@ -30,7 +30,9 @@ from torch import Tensor
 
 from cpcompose.attention.blocks import BlockTask, KernelArgs, MaskSpec, backward_blocks, forward_blocks, needed_rows
 from cpcompose.attention.merge import SoftmaxAccumulator
-from cpcompose.attention.setup import PLAN_CACHE_SIZE, AttentionSetup, cached_plan, finish_forward, float_zeros
+from cpcompose.attention.setup import (
+    PLAN_CACHE_SIZE, AttentionSetup, cached_halves, cached_plan, finish_forward, float_zeros,
+)
 from cpcompose.comm import PendingRecv, RingComm
 from cpcompose.layouts import Layout
 
@@ -123,6 +125,10 @@ class Rounds:
     def local_tasks(self) -> Sequence[BlockTask]:
         return cached_plan(self.layout, self.mask, self.seq_len, self.rank, self.rank)
 
+    def local_halves(self) -> tuple[Sequence[BlockTask], Sequence[BlockTask]]:
+        """`local_tasks` as two parts of about equal work (`split_work`)."""
+        return cached_halves(self.layout, self.mask, self.seq_len, self.rank)
+
     def _plan(self, s: int) -> RoundPlan:
         return ring_round(self.layout, self.mask, self.seq_len, self.rank, self.world, s)
 
@@ -196,10 +202,16 @@ def ring_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, rounds: Rounds, comm: RingComm,
     kernel: KernelArgs, heads: KVHeads = _SameHeads(),
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Float32 `(dq, dk, dv)` of the local shards: K/V exchanged again, each block's dK/dV sent home."""
+    """Float32 `(dq, dk, dv)` of the local shards: K/V exchanged again, each block's dK/dV sent home.
+
+    The local blocks are split in two halves of about equal work: the first runs
+    while round 1's K/V arrive, the second while the last round's dK/dV go home
+    (otherwise a wait at the end of every backward).
+    """
     dq = float_zeros(q)
     pending = rounds.post_kv(comm, k, v, 1) if rounds.world > 1 else None
-    dk, dv = _kv_block_backward(dq, dout, q, k, v, out, lse, rounds.local_tasks(), kernel, heads)
+    early, late = rounds.local_halves() if rounds.world > 1 else (rounds.local_tasks(), ())
+    dk, dv = _kv_block_backward(dq, dout, q, k, v, out, lse, early, kernel, heads)
     returning: tuple[PendingRecv, Sequence[slice]] | None = None  # dK/dV of my rows, coming home
     for s in range(1, rounds.world):
         following = rounds.post_kv(comm, k, v, s + 1) if s + 1 < rounds.world else None
@@ -215,6 +227,10 @@ def ring_backward(
         if returning is not None:
             _add_rows((dk, dv), *returning)
         returning, pending = (home, mine), following
+    if late:
+        dk_late, dv_late = _kv_block_backward(dq, dout, q, k, v, out, lse, late, kernel, heads)
+        dk += dk_late
+        dv += dv_late
     if returning is not None:
         _add_rows((dk, dv), *returning)
     return dq, dk, dv

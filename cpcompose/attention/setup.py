@@ -8,7 +8,7 @@ from typing import Any
 
 from torch import Tensor
 
-from cpcompose.attention.blocks import BlockTask, KernelArgs, MaskSpec, plan
+from cpcompose.attention.blocks import BlockTask, KernelArgs, MaskSpec, plan, split_work
 from cpcompose.attention.merge import SoftmaxAccumulator
 from cpcompose.comm import CommMeter, CPGroup
 from cpcompose.layouts import Layout
@@ -35,6 +35,10 @@ class AttentionSetup:
         """Kernel calls for rank `q_rank`'s queries against rank `kv_rank`'s keys."""
         return cached_plan(self.layout, self.mask, self.seq_len(local_seq), q_rank, kv_rank)
 
+    def local_halves(self, rank: int, local_seq: int) -> tuple[tuple[BlockTask, ...], tuple[BlockTask, ...]]:
+        """`rank`'s kernel calls on its own keys, as two parts of about equal work (`split_work`)."""
+        return cached_halves(self.layout, self.mask, self.seq_len(local_seq), rank)
+
     def tasks_full_sequence(self, seq_len: int) -> tuple[BlockTask, ...]:
         """Kernel calls for the whole sequence against itself, both in global order (all-to-all)."""
         return cached_plan(self.layout, self.mask, seq_len, GLOBAL, GLOBAL)
@@ -56,6 +60,14 @@ def cached_plan(layout: Layout, mask: MaskSpec, seq_len: int, q_rank: int, kv_ra
         return layout.global_runs(seq_len) if rank == GLOBAL else layout.runs(rank, seq_len)
 
     return tuple(plan(runs(q_rank), runs(kv_rank), mask))
+
+
+@functools.lru_cache(maxsize=PLAN_CACHE_SIZE)
+def cached_halves(
+    layout: Layout, mask: MaskSpec, seq_len: int, rank: int
+) -> tuple[tuple[BlockTask, ...], tuple[BlockTask, ...]]:
+    """`split_work` of `rank`'s plan against its own keys, computed once (weighing a band builds its mask)."""
+    return split_work(cached_plan(layout, mask, seq_len, rank, rank))
 
 
 def float_zeros(like: Tensor) -> Tensor:
