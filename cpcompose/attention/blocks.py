@@ -29,7 +29,7 @@ from typing import Literal, Sequence
 import torch
 from torch import Tensor
 
-from cpcompose.attention import varlen
+from cpcompose.attention import cpu_tiles, varlen
 from cpcompose.attention.kernels import (
     UNBOUNDED, Backend, Band, attention_backward, attention_forward, supports_varlen,
 )
@@ -258,6 +258,8 @@ def forward_blocks(
         grouped, tasks = varlen.groups(tasks, q.shape[0], q.device)
         for group in grouped:
             varlen.forward(acc, q, k, v, group, kernel)
+    elif kernel.backend == "cpu_flash":
+        tasks = cpu_tiles.cpu_tasks(tasks)
     for t in tasks:
         out, lse = attention_forward(
             q[:, :, t.q], k[:, :, t.kv], v[:, :, t.kv], causal=t.kind == "causal", scale=kernel.scale,
@@ -283,6 +285,8 @@ def backward_blocks(
         grouped, tasks = varlen.groups(tasks, q.shape[0], q.device)
         for group in grouped:
             varlen.backward(grads, dout, q, k, v, out, lse, group, kernel)
+    elif kernel.backend == "cpu_flash":
+        tasks = cpu_tiles.cpu_tasks(tasks)
     for t in tasks:
         dq, dk, dv = attention_backward(
             dout[:, :, t.q], q[:, :, t.q], k[:, :, t.kv], v[:, :, t.kv], out[:, :, t.q], lse[:, :, t.q],
