@@ -9,10 +9,11 @@ such blocks: every short document is one, and every piece of a long one.
 Here a causal block runs as diagonal causal tiles of `b` rows, each followed by
 one full block on all the keys before it: exactly the same visible pairs, with at
 most b²/2 of them wasted per tile instead of up to n²/2. Each tile's rows get two
-partial results, merged through their LSE like any other blocks. The rule for `b`
-(64 rows up to 2048, then 128; blocks of at most `b` rows stay whole) comes from
-`scripts/bench_causal_tiles.py`: fwd+bwd of one causal block 17-23% faster at
-400-1300 rows, 7% at 2000, 3% at 4000.
+partial results, merged through their LSE like any other blocks. The rule (blocks
+of at most 256 rows stay whole, where the extra calls and merges cost what they
+save; tiles of 64 rows up to 2048, then 128) comes from `scripts/bench_causal_tiles.py`
+(README): fwd+bwd of one causal block 14-40% faster at 384-1024 rows, 5-9% at
+1536-2048, 3% at 3072, within noise at 128-256.
 
 Only the CPU kernel needs this: the CUDA kernels skip masked work at a fine grain,
 and the plans themselves (what every strategy sends and computes) stay the same.
@@ -26,8 +27,13 @@ if TYPE_CHECKING:
     from cpcompose.attention.blocks import BlockTask
 
 
+WHOLE_UP_TO = 256  # causal blocks of at most this many rows run as one call
+
+
 def tile_rows(rows: int) -> int:
     """Rows per diagonal tile for a causal block of `rows` rows (the measured rule above)."""
+    if rows <= WHOLE_UP_TO:
+        return rows
     return 64 if rows <= 2048 else 128
 
 
