@@ -255,10 +255,10 @@ def start_reduce_scatter(x: Tensor, cp: CPGroup, meter: CommMeter | None = None)
     if _reduces_by_all_to_all(cp.group, flat.device.type):
         received = torch.empty_like(flat)
         work = _compat.all_to_all_flat(received, flat, cp.group, async_op=True)
-        out = received.view(cp.world, -1)
+        parts = received.view(cp.world, -1)
 
-        def reduced() -> Tensor:
-            return out.sum(0)
+        def reduced() -> Tensor:  # a new buffer: views of `received` would keep all P parts alive
+            return parts.sum(0)
     else:
         single = flat.new_empty(x[0].numel())
         work = _compat.reduce_scatter_flat(single, flat, cp.group, async_op=True)

@@ -6,9 +6,14 @@ enable_gqa=True)` forward+backward on the full sequence. T_P: `cp_attention`
 forward+backward on P processes of one thread each (gloo, a 1-D "cp" mesh), each on
 its shard; a barrier before every repeat, and a repeat's time is the MAX over ranks.
 Both are medians over `--repeats` after a warm-up; the workers start once. T1 is
-measured by rank 0 inside each repeat, just before the CP call, while the other
-ranks wait: on a shared VM the machine's speed drifts by 10-15% over minutes, and
-measuring T1 once up front let that drift into the efficiency.
+measured by rank 0 inside each repeat, just before the CP call: on a shared VM the
+machine's speed drifts by 10-15% over minutes, and measuring T1 once up front let
+that drift into the efficiency. On the CPU every other rank runs the same baseline
+at the same time (its time is discarded): the P processes stand in for P devices,
+and a rank left idle in a barrier during T1 started the CP call from idle, a few ms
+late, which its peers then waited for (~8% of T_P on the 8192-token packs); T1
+itself moves by ~1% when the other core is busy. On CUDA only rank 0 runs it (ranks
+may share one GPU).
 
 Efficiency = T1 / (P * T_P) of the medians; 1.0 is perfect scaling. "best-of-N eff." uses
 the fastest of the N repeats of each instead (as `timeit` advises: slower repeats
@@ -233,8 +238,9 @@ def plan_bytes(strategy: str, layout: Layout, seq_len: int) -> float:
 def run_case(mesh: DeviceMesh, case: dict[str, Any], warmup: int, repeats: int) -> dict[str, Any]:
     """Time one CP case on every rank, and its T1 baseline on rank 0, interleaved.
 
-    Each repeat first runs the single-process baseline on rank 0 while the other ranks
-    wait, then the CP call on every rank: T1 and T_P see the same machine state, so a
+    Each repeat first runs the single-process baseline on rank 0 (on the CPU every
+    rank runs it, so none starts the CP call from idle; only rank 0's time counts),
+    then the CP call on every rank: T1 and T_P see the same machine state, so a
     neighbour's load or a clock change moves both instead of the efficiency.
     Per repeat: the max over ranks of wall time, CPU time and bytes.
     """
@@ -249,11 +255,14 @@ def run_case(mesh: DeviceMesh, case: dict[str, Any], warmup: int, repeats: int) 
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
     group = mesh.get_group()
     meter = CommMeter()
-    baseline = baseline_once(seq_len, case["seed"] if case["packed"] else None, device) if rank == 0 else None
+    paired = rank == 0 or device == "cpu"  # see the module docstring
+    baseline = baseline_once(seq_len, case["seed"] if case["packed"] else None, device) if paired else None
 
     def once() -> list[float]:
         dist.barrier(group=group)
         t1 = baseline() if baseline is not None else (0.0, 0.0)
+        if rank != 0:
+            t1 = (0.0, 0.0)  # the reduction below takes the max: only rank 0's T1 counts
         q.grad = k.grad = v.grad = None
         meter.reset()
         dist.barrier(group=group)

@@ -75,6 +75,7 @@ class AllGatherAttention(torch.autograd.Function):
         if late:  # while dK/dV travel
             backward_blocks((dq, *late_grads), dout, q, k, v, out, lse, late, kernel)
         dk, dv = _split_kv(reducing.wait()[None], k, v)[0]
-        if late:
-            dk, dv = dk + late_grads[0], dv + late_grads[1]
+        if late:  # the reduced dK/dV are this call's own buffer: add in place
+            dk += late_grads[0]
+            dv += late_grads[1]
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
