@@ -251,6 +251,21 @@ def test_the_model_plans_and_halves_what_the_code_runs() -> None:
         assert split_work(block_plan(layout, mask, n, 1, r, r)) == cached_halves(layout, mask, n, r)
 
 
+def test_band_weights_count_the_visible_pairs() -> None:
+    """`Band.count` (the closed form `split_work` weighs bands with) equals the mask's count, windows of either
+    side bounded or not, bands that miss the block included."""
+    import random
+
+    from cpcompose.attention.kernels import UNBOUNDED, Band
+
+    rng = random.Random(0)
+    for _ in range(2000):
+        nq, nk = rng.randint(1, 40), rng.randint(1, 40)
+        band = Band(rng.randint(-60, 60), rng.choice([UNBOUNDED, rng.randint(0, 50)]),
+                    rng.choice([UNBOUNDED, 0, rng.randint(0, 50)]))
+        assert band.count(nq, nk) == int(band.visible(nq, nk).sum()), (band, nq, nk)
+
+
 def test_cpu_calibration_costs_causal_blocks_as_their_tiles() -> None:
     """On the CPU kernel a causal block of more than 256 rows is its `cpu_tiles` tiles; one call elsewhere."""
     assert CPU_DEFAULT.executor == "cpu_gloo" and H100_CLUSTER.executor == "cuda_nccl"

@@ -129,14 +129,36 @@ def kernel_calls(tasks: Sequence[BlockTask], cal: Calibration) -> Sequence[Block
     return cpu_tiles.cpu_tasks(list(tasks))  # a list: the runtime's tiling cache keeps only the code's own plans
 
 
-def _pass_costs(tasks: Sequence[BlockTask], rw: RankWork, call: AttentionCall, cal: Calibration,
-                *, one_call: bool = False) -> tuple[float, float]:
-    """(forward, backward) seconds of `tasks` as the executor runs them (`one_call`: untiled, as it is)."""
-    fwd = bwd = 0.0
-    for t in tasks if one_call else kernel_calls(tasks, cal):
-        f, b = task_costs(t, rw, call, cal)
-        fwd, bwd = fwd + f, bwd + b
-    return fwd, bwd
+Memo = dict[tuple[int, int, bool, int, int, str, int], tuple[float, float]]
+
+
+class _Passes:
+    """(forward, backward) seconds of task lists on one rank, as the executor runs them.
+
+    Memoised by block shape (in `memo`, shared by one prediction's ranks): a task's
+    kernel calls and their costs depend only on its sizes, kind and window and on the
+    rank's heads, and a long sequence's plans repeat a few shapes many times (a causal
+    block of n rows is ~n/64 tiles on the CPU kernel).
+    """
+
+    def __init__(self, rw: RankWork, call: AttentionCall, cal: Calibration, memo: Memo, *,
+                 one_call: bool = False) -> None:
+        self.rw, self.call, self.cal, self.memo, self.one_call = rw, call, cal, memo, one_call  # one_call: untiled
+
+    def __call__(self, tasks: Sequence[BlockTask]) -> tuple[float, float]:
+        fwd = bwd = 0.0
+        for t in tasks:
+            key = (self.rw.heads, self.rw.kv_heads, self.one_call, t.q.stop - t.q.start, t.kv.stop - t.kv.start,
+                   t.kind, t.window)
+            cost = self.memo.get(key)
+            if cost is None:
+                f = b = 0.0
+                for c in (t,) if self.one_call else kernel_calls((t,), self.cal):
+                    cf, cb = task_costs(c, self.rw, self.call, self.cal)
+                    f, b = f + cf, b + cb
+                cost = self.memo[key] = (f, b)
+            fwd, bwd = fwd + cost[0], bwd + cost[1]
+        return fwd, bwd
 
 
 def _hidden(comp: float, comm: float, overlap: float) -> float:
@@ -175,13 +197,14 @@ def predict(call: AttentionCall, strategy: str, topology: Topology, calibration:
                 key = (t.peer, t.phase, t.round, t.what)
                 received.setdefault(key, []).append((topology.level(r, t.peer), t.nbytes))
     times, computes, by_level, totals, messages, memory = [], [], {lv: 0 for lv in LEVELS}, [], 0, 0
+    memo: Memo = {}
     for rank in range(P):
         rw = work(call, strategy, a, rank)
         if strategy == "allgather":
-            total, compute = _allgather_time(call, rw, sent[rank], rank, topology, group_level, cal, backward)
+            total, compute = _allgather_time(call, rw, sent[rank], rank, topology, group_level, cal, memo, backward)
         else:
             total, compute = _ring_family_time(call, strategy, a, rw, sent[rank], received, rank, topology, cal,
-                                               backward)
+                                               memo, backward)
         times.append(slow * total)
         computes.append(slow * compute)
         level_bytes = {lv: 0 for lv in LEVELS}
@@ -205,11 +228,12 @@ def _sum_levels(pairs: Sequence[tuple[str, float]]) -> dict[str, float]:
 
 def _ring_family_time(call: AttentionCall, strategy: str, a: int, rw: RankWork, ts: Sequence[Transfer],
                       received: dict[tuple[int, str, int, str], list[tuple[str, int]]], rank: int,
-                      topology: Topology, cal: Calibration, backward: bool) -> tuple[float, float]:
+                      topology: Topology, cal: Calibration, memo: Memo, backward: bool) -> tuple[float, float]:
     """(time, compute) of one rank under ring, all-to-all or the 2-D strategy, before the node's slow-down."""
     blocks = len(rw.rounds)
     one_call = strategy == "alltoall" and one_kernel_call(rw.rounds[0], call.seq_len)
-    costs = [_pass_costs(r, rw, call, cal, one_call=one_call) for r in rw.rounds]
+    passes = _Passes(rw, call, cal, memo, one_call=one_call)
+    costs = [passes(r) for r in rw.rounds]
     fwd = [c[0] for c in costs]
     mine: dict[tuple[str, int, str], list[tuple[str, int]]] = {}
     for t in ts:
@@ -228,8 +252,8 @@ def _ring_family_time(call: AttentionCall, strategy: str, a: int, rw: RankWork, 
     compute = sum(fwd)
     if backward:
         early, late = split_work(rw.rounds[0]) if blocks > 1 else (rw.rounds[0], ())
-        bwd = [_pass_costs(early, rw, call, cal, one_call=one_call)[1]] + [c[1] for c in costs[1:]]
-        late_bwd = _pass_costs(late, rw, call, cal)[1]
+        bwd = [passes(early)[1]] + [c[1] for c in costs[1:]]
+        late_bwd = passes(late)[1]
         last_dkv = _level_time(_sum_levels(mine.get(("bwd", blocks - 1, "dkv"), [])), cal) if blocks > 1 else 0.0
         total += _ring_time(bwd, comm("bwd"), cal.overlap) + _hidden(late_bwd, last_dkv, cal.overlap)
         compute += sum(bwd) + late_bwd
@@ -237,11 +261,12 @@ def _ring_family_time(call: AttentionCall, strategy: str, a: int, rw: RankWork, 
 
 
 def _allgather_time(call: AttentionCall, rw: RankWork, ts: Sequence[Transfer], rank: int, topology: Topology,
-                    group_level: str, cal: Calibration, backward: bool) -> tuple[float, float]:
+                    group_level: str, cal: Calibration, memo: Memo, backward: bool) -> tuple[float, float]:
     """(time, compute) of one rank under all-gather (see the module docstring), before the node's slow-down."""
     local, others = rw.rounds
-    fwd_local, _ = _pass_costs(local, rw, call, cal)
-    fwd_others, bwd_others = _pass_costs(others, rw, call, cal)
+    passes = _Passes(rw, call, cal, memo)
+    fwd_local, _ = passes(local)
+    fwd_others, bwd_others = passes(others)
     link = cal.link(group_level)
     gather = {t.phase: t.messages * link.latency_s + t.nbytes / (link.bandwidth * cal.allgather_efficiency)
               for t in ts if t.op == "all_gather"}
@@ -251,7 +276,7 @@ def _allgather_time(call: AttentionCall, rw: RankWork, ts: Sequence[Transfer], r
     compute = fwd_local + fwd_others
     if backward:
         early, late = split_work(local)
-        bwd_early, bwd_late = (_pass_costs(half, rw, call, cal)[1] for half in (early, late))
+        bwd_early, bwd_late = (passes(half)[1] for half in (early, late))
         grads = call.world * shard_kv * call.acc_itemsize / cal.copy_bandwidth  # the zeroed rank-major dK/dV
         own = shard_kv * call.acc_itemsize / cal.copy_bandwidth if late else 0.0  # second half's dK/dV: zeroed, added
         reduce, summing = _reduction_time(next(t for t in ts if t.op == "reduce_scatter"), call, rank, topology,
