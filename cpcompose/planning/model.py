@@ -129,7 +129,7 @@ def kernel_calls(tasks: Sequence[BlockTask], cal: Calibration) -> Sequence[Block
     return cpu_tiles.cpu_tasks(list(tasks))  # a list: the runtime's tiling cache keeps only the code's own plans
 
 
-Memo = dict[tuple[int, int, bool, int, int, str, int], tuple[float, float]]
+_Memo = dict[tuple[int, int, bool, int, int, str, int], tuple[float, float]]
 
 
 class _Passes:
@@ -141,7 +141,7 @@ class _Passes:
     block of n rows is ~n/64 tiles on the CPU kernel).
     """
 
-    def __init__(self, rw: RankWork, call: AttentionCall, cal: Calibration, memo: Memo, *,
+    def __init__(self, rw: RankWork, call: AttentionCall, cal: Calibration, memo: _Memo, *,
                  one_call: bool = False) -> None:
         self.rw, self.call, self.cal, self.memo, self.one_call = rw, call, cal, memo, one_call  # one_call: untiled
 
@@ -197,7 +197,7 @@ def predict(call: AttentionCall, strategy: str, topology: Topology, calibration:
                 key = (t.peer, t.phase, t.round, t.what)
                 received.setdefault(key, []).append((topology.level(r, t.peer), t.nbytes))
     times, computes, by_level, totals, messages, memory = [], [], {lv: 0 for lv in LEVELS}, [], 0, 0
-    memo: Memo = {}
+    memo: _Memo = {}
     for rank in range(P):
         rw = work(call, strategy, a, rank)
         if strategy == "allgather":
@@ -228,7 +228,7 @@ def _sum_levels(pairs: Sequence[tuple[str, float]]) -> dict[str, float]:
 
 def _ring_family_time(call: AttentionCall, strategy: str, a: int, rw: RankWork, ts: Sequence[Transfer],
                       received: dict[tuple[int, str, int, str], list[tuple[str, int]]], rank: int,
-                      topology: Topology, cal: Calibration, memo: Memo, backward: bool) -> tuple[float, float]:
+                      topology: Topology, cal: Calibration, memo: _Memo, backward: bool) -> tuple[float, float]:
     """(time, compute) of one rank under ring, all-to-all or the 2-D strategy, before the node's slow-down."""
     blocks = len(rw.rounds)
     one_call = strategy == "alltoall" and one_kernel_call(rw.rounds[0], call.seq_len)
@@ -261,7 +261,7 @@ def _ring_family_time(call: AttentionCall, strategy: str, a: int, rw: RankWork, 
 
 
 def _allgather_time(call: AttentionCall, rw: RankWork, ts: Sequence[Transfer], rank: int, topology: Topology,
-                    group_level: str, cal: Calibration, memo: Memo, backward: bool) -> tuple[float, float]:
+                    group_level: str, cal: Calibration, memo: _Memo, backward: bool) -> tuple[float, float]:
     """(time, compute) of one rank under all-gather (see the module docstring), before the node's slow-down."""
     local, others = rw.rounds
     passes = _Passes(rw, call, cal, memo)
