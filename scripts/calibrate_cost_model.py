@@ -20,6 +20,10 @@ and keep the machine quiet):
 * overlap (P=2): compute alone, exchange alone, and the exchange posted before the
   compute and waited after: the share of the shorter one that was hidden.
 
+The JSON says `executor="cpu_gloo"`: what was measured is PyTorch's CPU kernel over
+gloo, so the model costs causal blocks as the row tiles cpcompose runs there and the
+gradients' reduce-scatter as gloo's all-to-all and local sum.
+
 Usage: `python scripts/calibrate_cost_model.py [--out bench_results/calibration.json]`.
 The printed table and the JSON are what `cpcompose.planning.CPU_DEFAULT` ships.
 """
@@ -230,6 +234,7 @@ def calibrate(repeats: int) -> tuple[Calibration, dict[str, Any]]:
         allgather_efficiency=min(1.0, statistics.median(effs["ag"])),
         alltoall_efficiency=min(1.0, statistics.median(effs["a2a"])), overlap=overlap, compute_slots_per_node=cores,
         causal_tile=local["causal_tile"],
+        executor="cpu_gloo",  # measured here: PyTorch's CPU kernel (cpcompose tiles its causal blocks) over gloo
     )
     return cal, {"local": local, "groups": groups}
 
@@ -253,7 +258,8 @@ def main() -> None:
           f"copy {cal.copy_bandwidth / 1e9:.2f} GB/s, "
           f"link {link.bandwidth / 1e9:.3f} GB/s + {link.latency_s * 1e6:.0f} us, "
           f"all_gather eff {cal.allgather_efficiency:.2f}, all_to_all eff {cal.alltoall_efficiency:.2f}, "
-          f"overlap {cal.overlap:.2f}, compute slots {cal.compute_slots_per_node}, causal tile {cal.causal_tile}")
+          f"overlap {cal.overlap:.2f}, compute slots {cal.compute_slots_per_node}, causal tile {cal.causal_tile}, "
+          f"executor {cal.executor}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     cal.save(args.out)
     print(f"fingerprint {cal.fingerprint()}; wrote {args.out}")

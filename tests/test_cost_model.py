@@ -2,12 +2,17 @@
 
 The byte counts are checked against the `CommMeter` of real gloo runs, on every
 rank, forward and forward+backward separately; everything else is pure arithmetic
-(no process group): the choice is the same across processes and hash seeds, and
-the predictions move the way the physics says they must.
+(no process group): the choice is the same across processes and hash seeds, the
+predictions move the way the physics says they must, and the model runs what the
+code runs (the plans and halves of the attention code, the CPU kernel's row tiles,
+the all-gather's and the ring's overlapped transfers, the reduction each backend
+does). Times are compared at rel 1e-9: sums of the same float terms in another
+order, far below any term the tests tell apart.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -16,7 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from cpcompose.attention.blocks import MaskSpec
+from cpcompose.attention import cpu_tiles
+from cpcompose.attention.blocks import BlockTask, MaskSpec, split_work
+from cpcompose.attention.setup import cached_halves, cached_plan
 from cpcompose.layouts import PackedLayout, resolve_layout
 from cpcompose.planning import (
     CPU_DEFAULT,
@@ -30,7 +37,9 @@ from cpcompose.planning import (
     predict,
     transfers,
 )
-from cpcompose.planning.traffic import block_size
+from cpcompose.planning.calibration import INTER, INTRA, Link
+from cpcompose.planning.model import kernel_calls, task_costs
+from cpcompose.planning.traffic import block_plan, block_size, work
 from tests.attention_cases import Case, run_cp
 from tests.packed_cases import PackedCase, run_packed
 
@@ -215,3 +224,154 @@ def test_forward_only_is_the_forward_share() -> None:
                for r in range(16)]
         assert list(infer.bytes_per_rank) == fwd
         assert 0.2 * train.time_s < infer.time_s < 0.5 * train.time_s  # forward FLOPs are 2/7 of the total
+
+
+# --- The model runs what the code runs -------------------------------------------------------------------------------
+
+def _links(bandwidth: float, latency: float) -> tuple:
+    return ((INTRA, Link(bandwidth, latency)), (INTER, Link(bandwidth, latency)))
+
+
+# CPU_DEFAULT's kernel; copies free, one compute slot per rank: only the terms under test move the time.
+BARE = dataclasses.replace(CPU_DEFAULT, copy_bandwidth=float("inf"), compute_slots_per_node=None)
+
+
+def _cost(tasks, rw, call, cal, i: int) -> float:
+    """Forward (i=0) or backward (i=1) seconds of `tasks` as `cal`'s executor runs them."""
+    return sum(task_costs(t, rw, call, cal)[i] for t in kernel_calls(tasks, cal))
+
+
+def test_the_model_plans_and_halves_what_the_code_runs() -> None:
+    """Ring and all-gather plan on each rank's own runs (a windowed zigzag rank holds two adjacent chunks that
+    the grouped view would merge), and the backward's halves are the code's `split_work` halves."""
+    layout, mask, n = resolve_layout("zigzag", 4), MaskSpec(True, 24), 1024
+    for r in range(4):
+        for src in range(4):
+            assert block_plan(layout, mask, n, 1, r, src) == cached_plan(layout, mask, n, r, src)
+        assert split_work(block_plan(layout, mask, n, 1, r, r)) == cached_halves(layout, mask, n, r)
+
+
+def test_band_weights_count_the_visible_pairs() -> None:
+    """`Band.count` (the closed form `split_work` weighs bands with) equals the mask's count, windows of either
+    side bounded or not, bands that miss the block included."""
+    import random
+
+    from cpcompose.attention.kernels import UNBOUNDED, Band
+
+    rng = random.Random(0)
+    for _ in range(2000):
+        nq, nk = rng.randint(1, 40), rng.randint(1, 40)
+        band = Band(rng.randint(-60, 60), rng.choice([UNBOUNDED, rng.randint(0, 50)]),
+                    rng.choice([UNBOUNDED, 0, rng.randint(0, 50)]))
+        assert band.count(nq, nk) == int(band.visible(nq, nk).sum()), (band, nq, nk)
+
+
+def test_cpu_calibration_costs_causal_blocks_as_their_tiles() -> None:
+    """On the CPU kernel a causal block of more than 256 rows is its `cpu_tiles` tiles; one call elsewhere."""
+    assert CPU_DEFAULT.executor == "cpu_gloo" and H100_CLUSTER.executor == "cuda_nccl"
+    cuda = dataclasses.replace(BARE, executor="cuda_nccl")
+    call = AttentionCall(1, 8, 2, 64, 2048, resolve_layout("contiguous", 2), MaskSpec(True))
+    rw = work(call, "ring", 1, 1)  # rank 1: its causal 1024-block, then rank 0's keys in full
+    causal, full = rw.rounds[0][0], rw.rounds[1][0]
+    assert (causal.kind, causal.q.stop - causal.q.start, full.kind) == ("causal", 1024, "full")
+    tiles = cpu_tiles.tile_causal(causal)
+    assert len(tiles) == 31 and list(kernel_calls([causal, full], BARE)) == [*tiles, full]
+    assert list(kernel_calls([causal, full], cuda)) == [causal, full]
+    small = BlockTask(slice(0, 256), slice(0, 256), "causal")
+    assert list(kernel_calls([small], BARE)) == [small]  # at most 256 rows: one call, as the code runs it
+    expected = {}
+    for name, cal, calls in (("cpu", BARE, tiles), ("cuda", cuda, [causal])):
+        expected[name] = sum(sum(task_costs(t, rw, call, cal)) for t in [*calls, full])
+        assert predict(call, "ring", Topology(), cal).compute_s == pytest.approx(expected[name], rel=1e-9)
+    assert expected["cpu"] < 0.9 * expected["cuda"]  # 64-row tiles waste little of the 512-key causal tile
+    # All-to-all's whole-sequence causal block is one kernel call (`alltoall.one_kernel_call`): never tiled.
+    dense = _call(2, seq=4096)
+    assert predict(dense, "alltoall", Topology(), BARE).compute_s == pytest.approx(
+        predict(dense, "alltoall", Topology(), cuda).compute_s, rel=1e-9)
+
+
+def _allgather_parts(call: AttentionCall, cal: Calibration, rank: int) -> dict[str, float]:
+    rw = work(call, "allgather", call.world, rank)
+    local, others = rw.rounds
+    early, late = split_work(local)
+    assert early and late  # both halves have work: each hides one collective
+    return {"local": _cost(local, rw, call, cal, 0), "others": _cost(others, rw, call, cal, 0),
+            "early": _cost(early, rw, call, cal, 1), "others_b": _cost(others, rw, call, cal, 1),
+            "late": _cost(late, rw, call, cal, 1)}
+
+
+def _collectives(call: AttentionCall, cal: Calibration, rank: int) -> dict[str, float]:
+    """Ring-algorithm time of each all-gather / reduce-scatter `rank` runs (cal's group link, one node)."""
+    link = cal.link(INTRA)
+    return {f"{t.op}_{t.phase}": t.messages * link.latency_s + t.nbytes / (link.bandwidth * cal.allgather_efficiency)
+            for t in transfers(call, "allgather", call.world, rank)}
+
+
+def test_allgather_hides_its_collectives_behind_the_local_blocks() -> None:
+    """A gather shorter than the own shard's blocks (and a reduction shorter than the second half) costs no time;
+    with no overlap every collective adds up; a gather longer than the local blocks is waited for.
+    (A pack: a dense zigzag rank's own keys are one causal block, whose second half is empty.)"""
+    pack = PackedLayout.build([0, 300, 700, 1200, 2048], 2)
+    call = AttentionCall(1, 4, 2, 32, pack.seq_len, pack, MaskSpec(True))
+    fast = dataclasses.replace(BARE, executor="cuda_nccl", links=_links(1e10, 1e-6))
+    for r in range(2):
+        parts, comm = _allgather_parts(call, fast, r), _collectives(call, fast, r)
+        assert comm["all_gather_bwd"] < parts["early"] and comm["reduce_scatter_bwd"] < parts["late"]
+    hidden = predict(call, "allgather", Topology(), fast)
+    assert hidden.time_s == pytest.approx(hidden.compute_s, rel=1e-9)
+    serial = predict(call, "allgather", Topology(), dataclasses.replace(fast, overlap=0.0))
+    want = max(sum(_allgather_parts(call, fast, r).values()) + sum(_collectives(call, fast, r).values())
+               for r in range(2))
+    assert serial.time_s == pytest.approx(want, rel=1e-9)
+    slow = dataclasses.replace(fast, links=_links(1e7, 1e-3))  # the gather outlasts the local blocks
+    waited = predict(call, "allgather", Topology(), slow, backward=False)
+    want = []
+    for r in range(2):
+        parts, gather = _allgather_parts(call, slow, r), _collectives(call, slow, r)["all_gather_fwd"]
+        assert gather > parts["local"]
+        want.append(gather + parts["others"])
+    assert waited.time_s == pytest.approx(max(want), rel=1e-9)
+
+
+def test_gradient_reduction_as_the_backend_runs_it() -> None:
+    """gloo ("cpu_gloo"): an all-to-all (one latency, alltoall_efficiency) and a float sum after the wait, with a
+    receive buffer of P slices; NCCL ("cuda_nccl"): the ring reduce-scatter (P-1 latencies, allgather_efficiency)."""
+    P = 4
+    call = AttentionCall(1, 4, 2, 32, 1024, resolve_layout("contiguous", P), MaskSpec(False))  # untiled either way
+    base = dataclasses.replace(BARE, overlap=0.0, links=_links(1e8, 1e-3), allgather_efficiency=0.5,
+                               alltoall_efficiency=0.9)
+    gloo, nccl = (predict(call, "allgather", Topology(), dataclasses.replace(base, executor=e))
+                  for e in ("cpu_gloo", "cuda_nccl"))
+    (reduction,) = [t for t in transfers(call, "allgather", P, 0) if t.op == "reduce_scatter"]
+    link = base.link(INTRA)
+    ring = (P - 1) * link.latency_s + reduction.nbytes / (link.bandwidth * 0.5)
+    added = (P - 1) * call.batch * call.kv_heads * call.local_len * (call.head_dim + call.dv)
+    alltoall = link.latency_s + reduction.nbytes / (link.bandwidth * 0.9) + added * base.merge_s_per_elem
+    assert gloo.compute_s == nccl.compute_s and gloo.bytes_per_rank == nccl.bytes_per_rank
+    assert gloo.time_s - nccl.time_s == pytest.approx(alltoall - ring, rel=1e-9)
+    assert gloo.time_s < nccl.time_s
+    assert gloo.peak_memory_bytes - nccl.peak_memory_bytes == reduction.nbytes  # the other P-1 received slices
+
+
+def test_ring_hides_the_last_gradients_behind_the_second_half() -> None:
+    """Transfers shorter than the compute they are posted over, the last dK/dV included, cost nothing (a pack,
+    whose own blocks split in two halves; a dense zigzag rank's are one block, and its last dK/dV is waited for)."""
+    pack = PackedLayout.build([0, 300, 700, 1200, 2048], 2)
+    call = AttentionCall(1, 4, 2, 32, pack.seq_len, pack, MaskSpec(True))
+    cal = dataclasses.replace(BARE, links=_links(1e10, 1e-5))
+    hidden = predict(call, "ring", Topology(), cal)
+    assert hidden.time_s == pytest.approx(hidden.compute_s, rel=1e-9)
+    serial = predict(call, "ring", Topology(), dataclasses.replace(cal, overlap=0.0))
+    assert serial.time_s > hidden.time_s * (1 + 1e-6)  # the transfers are there to hide
+    dense = AttentionCall(1, 4, 2, 32, 2048, resolve_layout("zigzag", 2), MaskSpec(True))
+    last = [1e-5 + t.nbytes / 1e10 for r in range(2) for t in transfers(dense, "ring", 1, r) if t.what == "dkv"]
+    exposed = predict(dense, "ring", Topology(), cal)
+    assert exposed.compute_s + min(last) * (1 - 1e-9) <= exposed.time_s <= exposed.compute_s + max(last) * (1 + 1e-9)
+
+
+def test_calibration_says_what_executes() -> None:
+    assert Calibration.from_dict({k: v for k, v in CPU_DEFAULT.to_dict().items() if k != "executor"}).executor == \
+        "cuda_nccl"  # written before the field: the CUDA path, as before
+    assert Calibration.from_dict(CPU_DEFAULT.to_dict()) == CPU_DEFAULT
+    with pytest.raises(ValueError, match="executor must be one of"):
+        dataclasses.replace(CPU_DEFAULT, executor="cpu")

@@ -17,12 +17,13 @@ the output to sequence shards. Works for any head count:
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
-from cpcompose.attention.blocks import backward_blocks, forward_blocks
+from cpcompose.attention.blocks import BlockTask, backward_blocks, forward_blocks
 from cpcompose.attention.kernels import attention_backward, attention_forward
 from cpcompose.attention.merge import SoftmaxAccumulator, keep_nan_rows
 from cpcompose.attention.setup import AttentionSetup, float_zeros
@@ -177,13 +178,22 @@ def _heads_to_seq(tensors: list[Tensor], ranges: list[list[HeadRange]], setup: A
     return heads_to_seq(rank_major, ranges, setup.cp, setup.meter, group)
 
 
+def one_kernel_call(tasks: Sequence[BlockTask], rows: int) -> bool:
+    """Whether the full-sequence plan is one block over all `rows` that the kernel masks itself.
+
+    Then it runs as one kernel call on the whole tensors (no slicing, no merge, no
+    tiling: a single document's causal mask is the kernel's own); the cost model
+    reads the same rule.
+    """
+    return len(tasks) == 1 and tasks[0].q == tasks[0].kv == slice(0, rows) and tasks[0].kind != "band"
+
+
 def _attend(q: Tensor, k: Tensor, v: Tensor, setup: AttentionSetup) -> tuple[Tensor, Tensor]:
     """Full-sequence attention of this rank's heads (global order), masked by the layout's documents."""
     if q.shape[1] == 0:  # more ranks than query heads: this rank has nothing to attend
         return q.new_empty((*q.shape[:3], v.shape[-1])), q.new_empty(q.shape[:3], dtype=float_zeros(q).dtype)
     tasks = setup.tasks_full_sequence(q.shape[2])
-    whole = slice(0, q.shape[2])
-    if len(tasks) == 1 and tasks[0].q == tasks[0].kv == whole and tasks[0].kind != "band":
+    if one_kernel_call(tasks, q.shape[2]):
         out, lse = attention_forward(
             q, k, v, causal=tasks[0].kind == "causal", scale=setup.kernel.scale, backend=setup.kernel.backend,
             softcap=setup.kernel.softcap,
@@ -202,8 +212,7 @@ def _attend_backward(
     if q.shape[1] == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     tasks = setup.tasks_full_sequence(q.shape[2])
-    whole = slice(0, q.shape[2])
-    if len(tasks) == 1 and tasks[0].q == tasks[0].kv == whole and tasks[0].kind != "band":
+    if one_kernel_call(tasks, q.shape[2]):
         return attention_backward(
             dout, q, k, v, out, lse, causal=tasks[0].kind == "causal", scale=setup.kernel.scale,
             backend=setup.kernel.backend, softcap=setup.kernel.softcap,

@@ -100,7 +100,7 @@ class BlockTask:
             return float(nq * nk)
         if self.kind == "causal" and self.window >= nq:
             return nq * (nq + 1) / 2
-        return float(self.visible().sum())
+        return float(Band(self.offset if self.kind == "band" else 0, self.window, self.right).count(nq, nk))
 
 
 def plan(q_runs: Sequence[Run], kv_runs: Sequence[Run], mask: MaskSpec) -> list[BlockTask]:

@@ -56,6 +56,23 @@ class Band(NamedTuple):
         d = (torch.arange(n_q, device=device)[:, None] + self.offset - torch.arange(n_k, device=device)[None, :])
         return (d >= -self.right) & (d <= self.left)
 
+    def count(self, n_q: int, n_k: int) -> int:
+        """`visible(n_q, n_k).sum()` in closed form (planners weigh many bands).
+
+        Pairs on the diagonal d = key - row number `min(n_q, n_k - d) - max(0, -d)`
+        for d in [1 - n_q, n_k - 1]; the band keeps d in [offset - left, offset + right].
+        """
+        lo, hi = max(self.offset - self.left, 1 - n_q), min(self.offset + self.right, n_k - 1)
+        if lo > hi:
+            return 0
+
+        def total(first: int, last: int) -> int:  # first + ... + last (0 when empty)
+            return (first + last) * (last - first + 1) // 2 if last >= first else 0
+
+        bend = n_k - n_q  # min(n_q, n_k - d) is n_q up to here, n_k - d after
+        capped = n_q * max(0, min(hi, bend) - lo + 1) + total(n_k - hi, n_k - max(lo, bend + 1))
+        return capped - total(-min(hi, -1), -lo)  # minus max(0, -d) on the diagonals below the main one
+
     def additive(self, n_q: int, n_k: int, dtype: torch.dtype, device: torch.device, align: int = 1) -> Tensor:
         """The float mask (0 visible, -inf hidden); its rows are padded to a multiple of `align`
         elements in memory (the efficient kernel's bias alignment) and sliced back."""

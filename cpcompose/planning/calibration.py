@@ -21,10 +21,12 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 INTRA, INTER = "intra", "inter"  # link levels: inside a node, between nodes
 LEVELS: tuple[str, ...] = (INTRA, INTER)
+Executor = Literal["cuda_nccl", "cpu_gloo"]
+EXECUTORS: tuple[str, ...] = get_args(Executor)
 
 
 @dataclass(frozen=True)
@@ -68,9 +70,16 @@ class Calibration:
             round takes max(compute, comm); 0: compute + comm).
         causal_tile: key tile of the kernel's causal skipping: a causal block computes its
             diagonal tiles whole, so n(n+1)/2 + n * min(tile, n) / 2 pairs (PyTorch's CPU
-            flash kernel splits keys by 512; flash-attn 3 on H100 by ~128).
+            flash kernel splits keys by 512; flash-attn 3 on H100 by ~128). It applies to
+            each kernel call, so on "cpu_gloo" to each row tile of a tiled causal block.
         compute_slots_per_node: ranks of one node that compute at full speed at once
             (CPU cores here); None: every rank has its own device.
+        executor: what runs the calls, where cpcompose runs them differently:
+            "cpu_gloo": PyTorch's CPU flash kernel, on which every causal block of more
+            than 256 rows runs as row tiles (`cpcompose.attention.cpu_tiles`), with gloo
+            collectives (the gradients' reduce-scatter runs as an all-to-all and a
+            local sum, `cpcompose.comm.start_reduce_scatter`); "cuda_nccl" (default):
+            CUDA kernels, one call per block, and NCCL's ring reduce-scatter.
     """
 
     name: str
@@ -84,8 +93,11 @@ class Calibration:
     overlap: float = 1.0
     compute_slots_per_node: int | None = None
     causal_tile: int = 1
+    executor: Executor = "cuda_nccl"
 
     def __post_init__(self) -> None:
+        if self.executor not in EXECUTORS:
+            raise ValueError(f"executor must be one of {EXECUTORS}, got {self.executor!r}")
         blocks = [b for b, _ in self.kernel_flops]
         if not blocks or blocks != sorted(set(blocks)) or any(f <= 0 for _, f in self.kernel_flops):
             raise ValueError("kernel_flops must be ((block, FLOP/s), ...) with increasing blocks and positive rates")
@@ -189,6 +201,7 @@ H100_CLUSTER = Calibration(
     overlap=1.0,
     compute_slots_per_node=None,
     causal_tile=128,
+    executor="cuda_nccl",
 )
 
 # Defaults measured on this project's machine by `scripts/calibrate_cost_model.py` (2-core AMD
@@ -207,6 +220,7 @@ CPU_DEFAULT = Calibration(
     overlap=1.0,
     compute_slots_per_node=2,
     causal_tile=512,
+    executor="cpu_gloo",
 )
 
 

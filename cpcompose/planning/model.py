@@ -10,27 +10,47 @@ at the next collective or ring round):
   its dQ/dK/dV (backward). FLOPs: 7 * (Dk + Dv) * computed pairs * B * heads (forward
   2 (Dk + Dv), backward 2.5x that); a band block pays for all its pairs (the masked
   kernel computes them), a causal one for the lower triangle plus the upper half of
-  its diagonal tiles (`causal_tile`: the kernel skips whole tiles only). When more
-  ranks share a node than it has compute slots (CPU cores here), compute slows by that ratio,
-  and so does communication (gloo's loopback transport runs on the same cores).
-* ring rounds overlap: the K/V of round s is posted before round s-1 computes, so a
-  round costs max(compute, transfer) when `overlap` = 1 and compute + transfer when 0
-  (in between: the hidden fraction). A transfer is latency + bytes / bandwidth of
-  its link level, the larger of what the rank sends and receives (full duplex).
-  Backward rounds also carry the previous round's dK/dV home; the last one is waited
-  for at the end.
-* collectives do not overlap: an all-gather / reduce-scatter is the ring algorithm,
-  (P-1) x (latency + shard / bandwidth) on the slowest link of the group; an
-  all-to-all is one latency plus, per link level, the bytes sent at that level over
-  its bandwidth (levels run in parallel). Both reach a measured fraction of the link
-  bandwidth (`*_efficiency`). The reorders and concatenations around them run at
-  `copy_bandwidth`.
+  its diagonal tiles (`causal_tile`: the kernel skips whole tiles only). The tasks
+  are the calls the executor runs (`kernel_calls`): on PyTorch's CPU kernel
+  (`Calibration.executor` "cpu_gloo") every causal block of more than 256 rows runs
+  as the row tiles of `cpcompose.attention.cpu_tiles`, each costed as a call of its
+  own, except all-to-all's single whole-sequence call (`alltoall.one_kernel_call`).
+  When more ranks share a node than it has compute slots (CPU cores here), compute
+  slows by that ratio, and so does communication (gloo's loopback transport runs on
+  the same cores).
+* a transfer posted before some compute and waited for after it costs, with that
+  compute, max(compute, transfer) when `overlap` = 1 and compute + transfer when 0
+  (in between: the hidden fraction). A point-to-point transfer is latency + bytes /
+  bandwidth of its link level, the larger of what the rank sends and receives (full
+  duplex).
+* ring rounds: the K/V of round s is posted before round s-1 computes. Backward
+  rounds also carry the previous round's dK/dV home; the local blocks are split in
+  two halves of equal work (`split_work`, as `ring_backward` runs them): the first
+  is round 0, the second runs while the last round's dK/dV go home.
+* all-gather: forward = (gather with the own shard's blocks) + the other shards'
+  blocks; backward = (gather with the first half of the own blocks) + the other
+  shards' blocks + (gradient reduction with the second half), each pair combined as
+  above. The gather is the ring algorithm, (P-1) x (latency + shard / bandwidth) on
+  the slowest link of the group at `allgather_efficiency`; so is the reduction on
+  "cuda_nccl" (NCCL's reduce-scatter), while on "cpu_gloo" it is an all-to-all (as
+  below) and a float sum of the P received slices (`merge_s_per_elem` per element
+  added) after the wait. Copies at `copy_bandwidth`, as the code makes them: K and V
+  concatenated into one buffer before each gather; in backward the rank-major
+  float32 dK/dV buffer of the whole sequence zero-filled (with the first half) and
+  the second half's own dK/dV zero-filled (with it) and added after the wait. The
+  gathered buffer is read in place.
+* all-to-all does not overlap: one latency plus, per link level, the bytes sent at
+  that level over its bandwidth (levels run in parallel), at `alltoall_efficiency`,
+  plus a latency per further all-to-all of the pass; the reorders and concatenations
+  around it run at `copy_bandwidth`.
 
 Peak extra memory per rank (beyond the q, k, v, out shards every strategy holds) is
-counted from the buffers the code allocates: all-gather holds the whole K/V (two
-copies, and the whole float32 dK/dV in backward); all-to-all keeps full-sequence
-q/k/v/out of its H/P heads from forward to backward; the ring holds two K/V blocks in
-flight and two float32 dK/dV blocks in backward, with float32 accumulators.
+counted from the buffers the code allocates: all-gather holds the whole K/V once (read
+in place) and its own concatenated shard, and in backward the whole float32 dK/dV
+(twice on "cpu_gloo": the all-to-all's receive buffer); all-to-all keeps
+full-sequence q/k/v/out of its H/P heads from forward to backward; the ring holds two
+K/V blocks in flight and two float32 dK/dV blocks in backward, with float32
+accumulators.
 """
 
 from __future__ import annotations
@@ -38,10 +58,21 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from cpcompose.attention.blocks import BlockTask
+from cpcompose.attention import cpu_tiles
+from cpcompose.attention.alltoall import one_kernel_call
+from cpcompose.attention.blocks import BlockTask, split_work
 from cpcompose.planning.calibration import INTER, INTRA, LEVELS, Calibration, Topology
 from cpcompose.planning.call import AttentionCall
-from cpcompose.planning.traffic import COLLECTIVE, RankWork, Transfer, block_size, rows_read, transfers, work
+from cpcompose.planning.traffic import (
+    COLLECTIVE,
+    RankWork,
+    Transfer,
+    block_plan,
+    block_size,
+    rows_read,
+    transfers,
+    work,
+)
 
 FWD_SHARE = 2 / 7  # forward FLOPs / forward+backward FLOPs (flash-attn's 2.5x backward)
 
@@ -87,6 +118,54 @@ def task_costs(task: BlockTask, rw: RankWork, call: AttentionCall, cal: Calibrat
             half + (1 - FWD_SHARE) * seconds + accumulate * cal.merge_s_per_elem)
 
 
+def kernel_calls(tasks: Sequence[BlockTask], cal: Calibration) -> Sequence[BlockTask]:
+    """The kernel calls the calibration's executor runs for `tasks`.
+
+    On "cpu_gloo", `forward_blocks`/`backward_blocks` run every causal block as its row
+    tiles (`cpu_tiles.cpu_tasks`, the one owner of that rule); elsewhere one call a task.
+    """
+    if cal.executor != "cpu_gloo":
+        return tasks
+    return cpu_tiles.cpu_tasks(list(tasks))  # a list: the runtime's tiling cache keeps only the code's own plans
+
+
+_Memo = dict[tuple[int, int, bool, int, int, str, int], tuple[float, float]]
+
+
+class _Passes:
+    """(forward, backward) seconds of task lists on one rank, as the executor runs them.
+
+    Memoised by block shape (in `memo`, shared by one prediction's ranks): a task's
+    kernel calls and their costs depend only on its sizes, kind and window and on the
+    rank's heads, and a long sequence's plans repeat a few shapes many times (a causal
+    block of n rows is ~n/64 tiles on the CPU kernel).
+    """
+
+    def __init__(self, rw: RankWork, call: AttentionCall, cal: Calibration, memo: _Memo, *,
+                 one_call: bool = False) -> None:
+        self.rw, self.call, self.cal, self.memo, self.one_call = rw, call, cal, memo, one_call  # one_call: untiled
+
+    def __call__(self, tasks: Sequence[BlockTask]) -> tuple[float, float]:
+        fwd = bwd = 0.0
+        for t in tasks:
+            key = (self.rw.heads, self.rw.kv_heads, self.one_call, t.q.stop - t.q.start, t.kv.stop - t.kv.start,
+                   t.kind, t.window)
+            cost = self.memo.get(key)
+            if cost is None:
+                f = b = 0.0
+                for c in (t,) if self.one_call else kernel_calls((t,), self.cal):
+                    cf, cb = task_costs(c, self.rw, self.call, self.cal)
+                    f, b = f + cf, b + cb
+                cost = self.memo[key] = (f, b)
+            fwd, bwd = fwd + cost[0], bwd + cost[1]
+        return fwd, bwd
+
+
+def _hidden(comp: float, comm: float, overlap: float) -> float:
+    """Compute with a transfer posted before it and waited for after it (`overlap` of the shorter hidden)."""
+    return comp + (1 - overlap) * comm + overlap * max(0.0, comm - comp)
+
+
 def _level_time(by_level: dict[str, float], cal: Calibration, efficiency: float = 1.0) -> float:
     """Parallel levels: the slowest one's latency + bytes / bandwidth (nothing sent: 0)."""
     times = [cal.link(lv).latency_s + b / (cal.link(lv).bandwidth * efficiency) for lv, b in by_level.items() if b]
@@ -95,10 +174,7 @@ def _level_time(by_level: dict[str, float], cal: Calibration, efficiency: float 
 
 def _ring_time(comp: Sequence[float], comm: Sequence[float], overlap: float) -> float:
     """Rounds with round s's transfer (s >= 1) posted before round s-1 computes."""
-    total = comp[0]
-    for s in range(1, len(comp)):
-        total += (1 - overlap) * comm[s] + overlap * max(0.0, comm[s] - comp[s - 1]) + comp[s]
-    return total
+    return sum(_hidden(comp[s - 1], comm[s], overlap) for s in range(1, len(comp))) + comp[-1]
 
 
 def predict(call: AttentionCall, strategy: str, topology: Topology, calibration: Calibration,
@@ -111,7 +187,6 @@ def predict(call: AttentionCall, strategy: str, topology: Topology, calibration:
     phases = ("fwd", "bwd") if backward else ("fwd",)
     P, cal = call.world, calibration
     a = block_size(strategy, P, alltoall_size)
-    blocks = 1 if strategy == "allgather" else P // a
     slow = max(1.0, topology.on_node(P) / cal.compute_slots_per_node) if cal.compute_slots_per_node else 1.0
     group_level = INTER if topology.node(0) != topology.node(P - 1) else INTRA
     sent = [[t for t in transfers(call, strategy, a, r) if t.phase in phases] for r in range(P)]
@@ -122,79 +197,142 @@ def predict(call: AttentionCall, strategy: str, topology: Topology, calibration:
                 key = (t.peer, t.phase, t.round, t.what)
                 received.setdefault(key, []).append((topology.level(r, t.peer), t.nbytes))
     times, computes, by_level, totals, messages, memory = [], [], {lv: 0 for lv in LEVELS}, [], 0, 0
+    memo: _Memo = {}
     for rank in range(P):
         rw = work(call, strategy, a, rank)
-        costs = [[task_costs(t, rw, call, cal) for t in rnd] for rnd in rw.rounds]
-        fwd = [slow * sum(c[0] for c in rnd) for rnd in costs]
-        bwd = [slow * sum(c[1] for c in rnd) for rnd in costs]
+        if strategy == "allgather":
+            total, compute = _allgather_time(call, rw, sent[rank], rank, topology, group_level, cal, memo, backward)
+        else:
+            total, compute = _ring_family_time(call, strategy, a, rw, sent[rank], received, rank, topology, cal,
+                                               memo, backward)
+        times.append(slow * total)
+        computes.append(slow * compute)
         level_bytes = {lv: 0 for lv in LEVELS}
-        mine: dict[tuple[str, int, str], list[tuple[str, int]]] = {}
         for t in sent[rank]:
             level_bytes[topology.level(rank, t.peer)] += t.nbytes
-            mine.setdefault((t.phase, t.round, t.what), []).append((topology.level(rank, t.peer), t.nbytes))
-        total = slow * _collective_time(call, strategy, a, sent[rank], rank, topology, group_level, cal, backward)
-        for phase, comp in (("fwd", fwd), ("bwd", bwd))[: len(phases)]:
-            comm = [0.0] * blocks
-            for s in range(1, blocks):
-                # the K/V of round s; in backward with them the dK/dV of round s-1 going home
-                out = _sum_levels(mine.get((phase, s, "kv"), []) + mine.get((phase, s - 1, "dkv"), []))
-                inn = _sum_levels(received.get((rank, phase, s, "kv"), [])
-                                  + received.get((rank, phase, s - 1, "dkv"), []))
-                comm[s] = slow * max(_level_time(out, cal), _level_time(inn, cal))
-            total += _ring_time(comp, comm, cal.overlap)
-            if phase == "bwd" and blocks > 1:
-                total += slow * _level_time(_sum_levels(mine.get(("bwd", blocks - 1, "dkv"), [])), cal)
-        times.append(total)
-        computes.append(sum(fwd) + (sum(bwd) if backward else 0.0))
         for lv in LEVELS:
             by_level[lv] = max(by_level[lv], level_bytes[lv])
         totals.append(sum(level_bytes.values()))
         messages = max(messages, sum(t.messages for t in sent[rank]))
-        memory = max(memory, peak_memory(call, strategy, a, rank))
+        memory = max(memory, peak_memory(call, strategy, a, rank, cal))
     return StrategyCost(strategy, alltoall_size if strategy == "alltoall_ring" else None, max(times), max(computes),
                         tuple(by_level.items()), tuple(totals), messages, memory)
 
 
-def _sum_levels(pairs: Sequence[tuple[str, int]]) -> dict[str, float]:
+def _sum_levels(pairs: Sequence[tuple[str, float]]) -> dict[str, float]:
     out: dict[str, float] = {}
     for lv, b in pairs:
         out[lv] = out.get(lv, 0) + b
     return out
 
 
-def _collective_time(call: AttentionCall, strategy: str, a: int, ts: Sequence[Transfer], rank: int,
-                     topology: Topology, group_level: str, cal: Calibration, backward: bool = True) -> float:
-    """All-gather / reduce-scatter / all-to-all time of one rank, plus the copies around them."""
-    total = 0.0
-    if strategy == "allgather":
-        link = cal.link(group_level)
-        for t in ts:  # ring algorithm: P-1 steps, each on the group's slowest link
-            total += t.messages * link.latency_s + t.nbytes / (link.bandwidth * cal.allgather_efficiency)
-        full_kv = call.batch * call.kv_heads * call.seq_len * (call.head_dim + call.dv)
-        copies = 3 * full_kv * call.itemsize  # cat, unbind-cat, reorder
-        if backward:  # the same again, and the float32 dK/dV reordered and stacked
-            copies += 3 * full_kv * call.itemsize + 3 * full_kv * call.acc_itemsize
-        return total + copies / cal.copy_bandwidth
+def _ring_family_time(call: AttentionCall, strategy: str, a: int, rw: RankWork, ts: Sequence[Transfer],
+                      received: dict[tuple[int, str, int, str], list[tuple[str, int]]], rank: int,
+                      topology: Topology, cal: Calibration, memo: _Memo, backward: bool) -> tuple[float, float]:
+    """(time, compute) of one rank under ring, all-to-all or the 2-D strategy, before the node's slow-down."""
+    blocks = len(rw.rounds)
+    one_call = strategy == "alltoall" and one_kernel_call(rw.rounds[0], call.seq_len)
+    passes = _Passes(rw, call, cal, memo, one_call=one_call)
+    costs = [passes(r) for r in rw.rounds]
+    fwd = [c[0] for c in costs]
+    mine: dict[tuple[str, int, str], list[tuple[str, int]]] = {}
+    for t in ts:
+        mine.setdefault((t.phase, t.round, t.what), []).append((topology.level(rank, t.peer), t.nbytes))
+
+    def comm(phase: str) -> list[float]:
+        """Round s's transfer: its K/V, and in backward with them round s-1's dK/dV going home."""
+        out = [0.0] * blocks
+        for s in range(1, blocks):
+            sends = _sum_levels(mine.get((phase, s, "kv"), []) + mine.get((phase, s - 1, "dkv"), []))
+            gets = _sum_levels(received.get((rank, phase, s, "kv"), []) + received.get((rank, phase, s - 1, "dkv"), []))
+            out[s] = max(_level_time(sends, cal), _level_time(gets, cal))
+        return out
+
+    total = _alltoall_time(call, a, ts, rank, topology, cal, backward) + _ring_time(fwd, comm("fwd"), cal.overlap)
+    compute = sum(fwd)
+    if backward:
+        early, late = split_work(rw.rounds[0]) if blocks > 1 else (rw.rounds[0], ())
+        bwd = [passes(early)[1]] + [c[1] for c in costs[1:]]
+        late_bwd = passes(late)[1]
+        last_dkv = _level_time(_sum_levels(mine.get(("bwd", blocks - 1, "dkv"), [])), cal) if blocks > 1 else 0.0
+        total += _ring_time(bwd, comm("bwd"), cal.overlap) + _hidden(late_bwd, last_dkv, cal.overlap)
+        compute += sum(bwd) + late_bwd
+    return total, compute
+
+
+def _allgather_time(call: AttentionCall, rw: RankWork, ts: Sequence[Transfer], rank: int, topology: Topology,
+                    group_level: str, cal: Calibration, memo: _Memo, backward: bool) -> tuple[float, float]:
+    """(time, compute) of one rank under all-gather (see the module docstring), before the node's slow-down."""
+    local, others = rw.rounds
+    passes = _Passes(rw, call, cal, memo)
+    fwd_local, _ = passes(local)
+    fwd_others, bwd_others = passes(others)
+    link = cal.link(group_level)
+    gather = {t.phase: t.messages * link.latency_s + t.nbytes / (link.bandwidth * cal.allgather_efficiency)
+              for t in ts if t.op == "all_gather"}
+    shard_kv = call.batch * call.kv_heads * call.local_len * (call.head_dim + call.dv)
+    cat = shard_kv * call.itemsize / cal.copy_bandwidth  # K and V end to end, before each gather
+    total = cat + _hidden(fwd_local, gather["fwd"], cal.overlap) + fwd_others
+    compute = fwd_local + fwd_others
+    if backward:
+        early, late = split_work(local)
+        bwd_early, bwd_late = (passes(half)[1] for half in (early, late))
+        grads = call.world * shard_kv * call.acc_itemsize / cal.copy_bandwidth  # the zeroed rank-major dK/dV
+        own = shard_kv * call.acc_itemsize / cal.copy_bandwidth if late else 0.0  # second half's dK/dV: zeroed, added
+        reduce, summing = _reduction_time(next(t for t in ts if t.op == "reduce_scatter"), call, rank, topology,
+                                          group_level, cal)
+        total += (cat + _hidden(grads + bwd_early, gather["bwd"], cal.overlap) + bwd_others
+                  + _hidden(own + bwd_late, reduce, cal.overlap) + summing + own)
+        compute += bwd_early + bwd_others + bwd_late
+    return total, compute
+
+
+def _reduction_time(t: Transfer, call: AttentionCall, rank: int, topology: Topology, group_level: str,
+                    cal: Calibration) -> tuple[float, float]:
+    """(transfer, local sum after it) of the gradients' reduce-scatter, as the executor's backend runs it.
+
+    `comm.start_reduce_scatter`: on gloo an all-to-all of the P slices and a float sum
+    of what arrives (the same bytes); on NCCL the ring reduce-scatter.
+    """
+    P = call.world
+    if P == 1 or t.nbytes == 0:
+        return 0.0, 0.0
+    if cal.executor == "cpu_gloo":
+        per_peer = t.nbytes / (P - 1)
+        by_level = _sum_levels([(topology.level(rank, p), per_peer) for p in range(P) if p != rank])
+        added = t.nbytes / call.acc_itemsize  # (P - 1) slices of the shard's elements added to one
+        return _level_time(by_level, cal, cal.alltoall_efficiency), added * cal.merge_s_per_elem
+    link = cal.link(group_level)
+    return t.messages * link.latency_s + t.nbytes / (link.bandwidth * cal.allgather_efficiency), 0.0
+
+
+def _alltoall_time(call: AttentionCall, a: int, ts: Sequence[Transfer], rank: int, topology: Topology,
+                   cal: Calibration, backward: bool = True) -> float:
+    """All-to-all time of one rank (none for the ring), plus the copies around them."""
     a2a = [t for t in ts if t.op == "all_to_all"]
     if not a2a:
         return 0.0
     calls = 2 + int(call.need_lse) + (2 if backward else 0)
     by_level = _sum_levels([(topology.level(rank, t.peer), t.nbytes) for t in a2a])
-    total += _level_time(by_level, cal, cal.alltoall_efficiency)
+    total = _level_time(by_level, cal, cal.alltoall_efficiency)
     total += (calls - 1) * max(cal.link(lv).latency_s for lv in by_level)
     exchanged = sum(t.nbytes for t in a2a) * a / max(a - 1, 1)  # own piece is copied too
     return total + 3 * exchanged / cal.copy_bandwidth  # flatten, concatenate, reorder
 
 
-def peak_memory(call: AttentionCall, strategy: str, a: int, rank: int) -> int:
+def peak_memory(call: AttentionCall, strategy: str, a: int, rank: int, cal: Calibration) -> int:
     """Peak extra bytes on `rank` (see the module docstring): saved tensors + the larger pass's buffers."""
     B, S, L, dk, dv = call.batch, call.local_len, call.seq_len, call.head_dim, call.dv
     es, acc = call.itemsize, call.acc_itemsize
     if strategy == "allgather":
         full_kv = B * call.kv_heads * L * (dk + dv)
+        shard = full_kv // call.world
         lse = B * call.heads * S * acc
-        fwd = 2 * full_kv * es + B * call.heads * S * (dv + 1) * acc
-        bwd = 2 * full_kv * es + 3 * full_kv * acc + B * call.heads * S * dk * acc
+        fwd = (full_kv + shard) * es + B * call.heads * S * (dv + 1) * acc  # gathered, sent, output accumulator
+        _, late = split_work(block_plan(call.layout, call.mask, L, 1, rank, rank))
+        received = full_kv if cal.executor == "cpu_gloo" else shard  # all-to-all's P slices / reduce-scatter's one
+        grads = full_kv + received + (shard if late else 0)
+        bwd = (full_kv + shard) * es + grads * acc + B * call.heads * S * dk * acc
         return lse + max(fwd, bwd)
     rw = work(call, strategy, a, rank)
     blocks, (b, _) = call.world // a, divmod(rank, a)

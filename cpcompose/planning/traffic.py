@@ -57,7 +57,11 @@ class Transfer:
 
 @dataclass(frozen=True)
 class RankWork:
-    """One rank's kernel calls per ring round (round 0: local), with the query heads they run on."""
+    """One rank's kernel calls per round, with the query heads they run on.
+
+    Round 0 is on the rank's own keys; ring round s on block b-s's keys; all-gather's
+    round 1 on every other rank's gathered shard, in rank order (after the gather).
+    """
 
     rounds: tuple[tuple[BlockTask, ...], ...]
     heads: int
@@ -65,8 +69,14 @@ class RankWork:
 
 
 def block_runs(layout: Layout, seq_len: int, first: int, count: int) -> tuple[Run, ...]:
-    """The tokens of ranks `first .. first+count-1` as one block, in global order: the 2-D
-    strategy's own view (`cpcompose.layouts.grouped`), so the model reads what the code runs."""
+    """The tokens of ranks `first .. first+count-1` as one block, so the model reads what the code runs.
+
+    One rank: the layout's own runs (the ring and all-gather plan on them; merging a
+    rank's adjacent chunks, as the grouped view does, would change a windowed plan's
+    blocks). More: in global order, the 2-D strategy's own view (`cpcompose.layouts.grouped`).
+    """
+    if count == 1:
+        return tuple(layout.runs(first, seq_len))
     return tuple(grouped(layout, count).runs(first // count, seq_len))
 
 
@@ -99,9 +109,9 @@ def head_split(call: AttentionCall, a: int, index: int) -> tuple[int, int]:
 def work(call: AttentionCall, strategy: str, a: int, rank: int) -> RankWork:
     """`rank`'s kernel calls (see `Transfer` for `a`)."""
     layout, mask, n = call.layout, call.mask, call.seq_len
-    if strategy == "allgather":  # one round: the queries against each rank's gathered shard, as the code runs it
-        tasks = tuple(t for src in range(call.world) for t in block_plan(layout, mask, n, 1, rank, src))
-        return RankWork((tasks,), call.heads, call.kv_heads)
+    if strategy == "allgather":  # own shard while the gather travels, then the others' gathered shards
+        others = tuple(t for src in range(call.world) if src != rank for t in block_plan(layout, mask, n, 1, rank, src))
+        return RankWork((block_plan(layout, mask, n, 1, rank, rank), others), call.heads, call.kv_heads)
     blocks, (b, i) = call.world // a, divmod(rank, a)
     heads, kv = head_split(call, a, i)
     rounds = tuple(block_plan(layout, mask, n, a, b, (b - s) % blocks) for s in range(blocks))
