@@ -6,14 +6,15 @@ its visible pairs (measured fwd+bwd, H=8, D=64, fp32: 184 vs 92 ns per visible
 pair at n=512; 134 vs 89 at 1024; 99 vs 92 at 8192). Packed batches are made of
 such blocks: every short document is one, and every piece of a long one.
 
-Here a causal block runs as diagonal causal tiles of `b` rows, each followed by
-one full block on all the keys before it: exactly the same visible pairs, with at
-most b²/2 of them wasted per tile instead of up to n²/2. Each tile's rows get two
-partial results, merged through their LSE like any other blocks. The rule (blocks
-of at most 256 rows stay whole, where the extra calls and merges cost what they
-save; tiles of 64 rows up to 2048, then 128) comes from `scripts/bench_causal_tiles.py`
-(README): fwd+bwd of one causal block 14-40% faster at 384-1024 rows, 5-9% at
-1536-2048, 3% at 3072, within noise at 128-256.
+Here a causal block runs as diagonal causal tiles of 64 rows, each followed by one
+full block on all the keys before it: exactly the same visible pairs, with at most
+64²/2 of them wasted per tile instead of up to n²/2. Each tile's rows get two
+partial results, merged through their LSE like any other blocks. The rule (tile
+blocks of 257-2048 rows; smaller ones gain nothing reliable from the extra calls
+and merges, larger ones lose: thin full blocks over thousands of keys run slower)
+comes from `scripts/bench_causal_tiles.py` (README): fwd+bwd of one causal block
+21-32% faster at 384-1024 rows, 11% at 1536-2048; at 4096 rows tiles of 64-256 are
+0-3% slower and at 8192 rows 9-31% slower, so those stay whole.
 
 Only the CPU kernel needs this: the CUDA kernels skip masked work at a fine grain,
 and the plans themselves (what every strategy sends and computes) stay the same.
@@ -28,13 +29,13 @@ if TYPE_CHECKING:
 
 
 WHOLE_UP_TO = 256  # causal blocks of at most this many rows run as one call
+TILED_UP_TO = 2048  # ... and so do blocks of more rows than this
+TILE = 64  # rows per diagonal tile
 
 
 def tile_rows(rows: int) -> int:
-    """Rows per diagonal tile for a causal block of `rows` rows (the measured rule above)."""
-    if rows <= WHOLE_UP_TO:
-        return rows
-    return 64 if rows <= 2048 else 128
+    """Rows per diagonal tile for a causal block of `rows` rows (the measured rule above; `rows`: whole)."""
+    return TILE if WHOLE_UP_TO < rows <= TILED_UP_TO else rows
 
 
 def tile_causal(task: "BlockTask", rows: int | None = None) -> list["BlockTask"]:
