@@ -72,9 +72,9 @@ def backend_for(backend: str, device_type: str) -> str:
 
 
 @functools.cache
-def _gloo_moves_cuda(group: dist.ProcessGroup) -> bool:
-    """Whether `group` hands CUDA tensors to gloo (decided once per group, cached)."""
-    return backend_for(str(dist.get_backend(group)), "cuda") == "gloo"
+def _runs_on_gloo(group: dist.ProcessGroup, device_type: str) -> bool:
+    """Whether `group` hands `device_type` tensors to gloo (decided once per group and device, cached)."""
+    return backend_for(str(dist.get_backend(group)), device_type) == "gloo"
 
 
 def _staging(t: Tensor, group: dist.ProcessGroup) -> torch.device | None:
@@ -84,7 +84,7 @@ def _staging(t: Tensor, group: dist.ProcessGroup) -> torch.device | None:
     collectives vary between versions, so cpcompose stages CUDA tensors itself: one
     explicit path, the same for every operation. CPU tensors return at the first test.
     """
-    if t.device.type != "cuda" or not _gloo_moves_cuda(group):
+    if t.device.type != "cuda" or not _runs_on_gloo(group, "cuda"):
         return None
     return t.device
 
@@ -115,6 +115,10 @@ class CPGroup:
                 "pass mesh['cp']"
             )
         return cls(mesh.get_group(), mesh.get_local_rank(), mesh.size())
+
+    def wait_timeout(self) -> timedelta:
+        """What bounds a wait on this group: `timeout`, else the group's configured one (`set_timeout`)."""
+        return self.timeout if self.timeout is not None else _compat.group_timeout(self.group)
 
 
 class PendingRecv:
@@ -161,9 +165,7 @@ class RingComm:
     def __init__(self, cp: CPGroup, meter: CommMeter | None = None, *, timeout: timedelta | None = None) -> None:
         """`timeout` bounds every receive; None takes the group's configured timeout (`set_timeout`)."""
         self.cp, self.meter = cp, meter
-        self.timeout = timeout if timeout is not None else cp.timeout if cp.timeout is not None else (
-            _compat.group_timeout(cp.group)
-        )
+        self.timeout = timeout if timeout is not None else cp.wait_timeout()
 
     def exchange_with(
         self, send: Sequence[Tensor], *, dst: int, recv_like: Sequence[Tensor], src: int, tag: int = 0
@@ -199,14 +201,12 @@ class PendingCollective:
     created with, not the one `set_timeout` gave it).
     """
 
-    def __init__(self, work: dist.Work | None, finish: Callable[[], Tensor], cp: CPGroup) -> None:
-        self._work, self._finish = work, finish
-        self._timeout = cp.timeout if cp.timeout is not None else _compat.group_timeout(cp.group)
+    def __init__(self, work: dist.Work, finish: Callable[[], Tensor], cp: CPGroup) -> None:
+        self._work, self._finish, self._timeout = work, finish, cp.wait_timeout()
 
     def wait(self) -> Tensor:
         """Raises RuntimeError (from the backend) when a peer does not answer within the timeout."""
-        if self._work is not None:
-            self._work.wait(self._timeout)
+        self._work.wait(self._timeout)
         return self._finish()
 
 
@@ -234,12 +234,6 @@ def all_gather(x: Tensor, cp: CPGroup, meter: CommMeter | None = None) -> Tensor
     return start_all_gather(x, cp, meter).wait()
 
 
-@functools.cache
-def _reduces_by_all_to_all(group: dist.ProcessGroup, device_type: str) -> bool:
-    """Whether gloo runs this group's collectives for `device_type` tensors (decided once, cached)."""
-    return backend_for(str(dist.get_backend(group)), device_type) == "gloo"
-
-
 def start_reduce_scatter(x: Tensor, cp: CPGroup, meter: CommMeter | None = None) -> PendingCollective:
     """Start summing `x` (leading dim = world, one slice per rank) over ranks, keeping this rank's slice.
 
@@ -252,7 +246,7 @@ def start_reduce_scatter(x: Tensor, cp: CPGroup, meter: CommMeter | None = None)
     flat = x.contiguous().view(-1)
     if device is not None:
         flat = _to_host(flat)
-    if _reduces_by_all_to_all(cp.group, flat.device.type):
+    if _runs_on_gloo(cp.group, flat.device.type):
         received = torch.empty_like(flat)
         work = _compat.all_to_all_flat(received, flat, cp.group, async_op=True)
         parts = received.view(cp.world, -1)
@@ -273,11 +267,6 @@ def start_reduce_scatter(x: Tensor, cp: CPGroup, meter: CommMeter | None = None)
         return result if device is None else result.to(device, copy=True)
 
     return PendingCollective(work, finish, cp)
-
-
-def reduce_scatter(x: Tensor, cp: CPGroup, meter: CommMeter | None = None) -> Tensor:
-    """Sum `x` (leading dim = world, one slice per rank) over ranks; keep this rank's slice."""
-    return start_reduce_scatter(x, cp, meter).wait()
 
 
 def all_to_all_pieces(

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from cpcompose.attention.blocks import backward_blocks, forward_blocks
 from cpcompose.attention.merge import SoftmaxAccumulator
-from cpcompose.attention.setup import AttentionSetup, finish_forward
+from cpcompose.attention.setup import AttentionSetup, finish_forward, float_zeros
 from cpcompose.comm import PendingCollective, start_all_gather, start_reduce_scatter
 from cpcompose.precision import accumulation_dtype
 
@@ -61,7 +61,7 @@ class AllGatherAttention(torch.autograd.Function):
         acc_dtype = accumulation_dtype(q.dtype)
         dout = dout.contiguous()
         gathering = _start_gather_kv(k, v, setup)
-        dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
+        dq = float_zeros(q)
         dkv = torch.zeros((setup.cp.world, k.numel() + v.numel()), dtype=acc_dtype, device=q.device)  # one collective
         grads = _split_kv(dkv, k, v)
         early, late = setup.local_halves(rank, seq)
@@ -71,11 +71,11 @@ class AllGatherAttention(torch.autograd.Function):
                 tasks = setup.tasks_between(rank, src, seq)
                 backward_blocks((dq, *grads[src]), dout, q, k_src, v_src, out, lse, tasks, kernel)
         reducing = start_reduce_scatter(dkv, setup.cp, setup.meter)
-        late_grads = [torch.zeros(t.shape, dtype=acc_dtype, device=q.device) for t in (k, v)] if late else []
-        if late:  # while dK/dV travel
+        late_grads = (float_zeros(k), float_zeros(v)) if late else None
+        if late_grads is not None:  # while dK/dV travel
             backward_blocks((dq, *late_grads), dout, q, k, v, out, lse, late, kernel)
         dk, dv = _split_kv(reducing.wait()[None], k, v)[0]
-        if late:  # the reduced dK/dV are this call's own buffer: add in place
+        if late_grads is not None:  # the reduced dK/dV are this call's own buffer: add in place
             dk += late_grads[0]
             dv += late_grads[1]
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None

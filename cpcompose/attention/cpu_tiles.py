@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Sequence
 
+from cpcompose.attention.plan_memo import PlanMemo
+
 if TYPE_CHECKING:
     from cpcompose.attention.blocks import BlockTask
 
@@ -60,18 +62,12 @@ def tile_causal(task: "BlockTask", rows: int | None = None) -> list["BlockTask"]
 
 
 def cpu_tasks(tasks: Sequence["BlockTask"]) -> Sequence["BlockTask"]:
-    """`tasks` with every causal block tiled; cached for the plans' cached tuples (looked up by identity)."""
-    key = id(tasks)
-    hit = _CACHE.get(key)
-    if hit is not None and hit[0] is tasks:
-        return hit[1]
-    tiled = tuple(t for task in tasks for t in (tile_causal(task) if task.kind == "causal" else (task,)))
-    if isinstance(tasks, tuple):  # cached plans are tuples that live as long as their cache entry
-        if len(_CACHE) >= _CACHE_SIZE:
-            _CACHE.pop(next(iter(_CACHE)))
-        _CACHE[key] = (tasks, tiled)
-    return tiled
+    """`tasks` with every causal block tiled; computed once per cached plan (`PlanMemo`)."""
+
+    def build() -> tuple["BlockTask", ...]:
+        return tuple(t for task in tasks for t in (tile_causal(task) if task.kind == "causal" else (task,)))
+
+    return _TILED.get(tasks, None, build)
 
 
-_CACHE_SIZE = 4096  # as many as the plan cache holds
-_CACHE: dict[int, tuple[Sequence["BlockTask"], tuple["BlockTask", ...]]] = {}
+_TILED = PlanMemo()

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from cpcompose.attention import kernels
+from cpcompose.attention.plan_memo import PlanMemo
 
 if TYPE_CHECKING:
     from cpcompose.attention.blocks import BlockTask, KernelArgs
@@ -69,22 +70,16 @@ class VarlenGroup:
 
 def groups(tasks: Sequence["BlockTask"], batch: int, device: torch.device) -> tuple[list[VarlenGroup], list]:
     """The varlen groups of a plan (full blocks, causal blocks: two or more of a kind) and the tasks left over."""
-    key = (id(tasks), batch, device)
-    hit = _CACHE.get(key)
-    if hit is not None and hit[0] is tasks:
-        return hit[1], hit[2]
-    by_kind = {kind: [t for t in tasks if t.kind == kind] for kind in ("full", "causal")}
-    made = [VarlenGroup.build(ts, kind == "causal", batch, device) for kind, ts in by_kind.items() if len(ts) > 1]
-    rest = [t for t in tasks if not any(t in g.tasks for g in made)]
-    if isinstance(tasks, tuple):  # cached plans are tuples that live as long as their cache entry
-        if len(_CACHE) >= _CACHE_SIZE:
-            _CACHE.pop(next(iter(_CACHE)))
-        _CACHE[key] = (tasks, made, rest)
-    return made, rest
+
+    def build() -> tuple[list[VarlenGroup], list]:
+        by_kind = {kind: [t for t in tasks if t.kind == kind] for kind in ("full", "causal")}
+        made = [VarlenGroup.build(ts, kind == "causal", batch, device) for kind, ts in by_kind.items() if len(ts) > 1]
+        return made, [t for t in tasks if not any(t in g.tasks for g in made)]
+
+    return _GROUPS.get(tasks, (batch, device), build)
 
 
-_CACHE_SIZE = 4096  # as many as the plan cache holds
-_CACHE: dict[tuple[int, int, torch.device], tuple[Sequence, list[VarlenGroup], list]] = {}
+_GROUPS = PlanMemo()
 
 
 def forward(acc: "SoftmaxAccumulator", q: Tensor, k: Tensor, v: Tensor, group: VarlenGroup,
