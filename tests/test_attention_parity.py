@@ -212,3 +212,25 @@ def test_cuda_longer_sequence(pools) -> None:
     """Many kernel tiles per block on the GPU kernels, bf16 (the flash kernel)."""
     case = Case("ring", "zigzag", True, 8, 2, 2, dtype=torch.bfloat16, batch=1, seq=1024, head_dim=64, device="cuda")
     assert_matches_single_process(case, pools.get(2, "cuda").run(run_cp, case))
+
+
+def fused_routes(mesh) -> dict:
+    """Where "cuda_fused" sends a small and a large plain block on this GPU."""
+    from cpcompose.attention import kernels
+
+    def route(heads: int, n: int, dim: int) -> str:
+        q = torch.empty(1, heads, n, dim, device="cuda", dtype=torch.bfloat16)
+        return kernels._route(kernels.select_backend(q), None, None, q, q, True)[0]
+
+    return {"capability": torch.cuda.get_device_capability(), "small": route(8, 1024, 64),
+            "large": route(32, 1024, 128)}
+
+
+@pytest.mark.gpu
+def test_cuda_large_blocks_run_on_cudnn_exactly(pools) -> None:
+    """bf16 blocks of 32 heads x 1024 rows x 128 dims go to cuDNN on Hopper (`cudnn_is_faster`); still exact."""
+    routes = pools.get(2, "cuda").run(fused_routes)[0]
+    hopper = tuple(routes["capability"]) >= (9, 0)
+    assert routes == {**routes, "small": "cuda_flash", "large": "cuda_cudnn" if hopper else "cuda_flash"}, routes
+    case = Case("ring", "zigzag", True, 32, 8, 2, dtype=torch.bfloat16, batch=1, seq=2048, head_dim=128, device="cuda")
+    assert_matches_single_process(case, pools.get(2, "cuda").run(run_cp, case))

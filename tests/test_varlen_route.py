@@ -140,21 +140,48 @@ def test_band_translates_to_flash_attn_windows_exactly() -> None:
                 seen += 1
                 n_q, n_k = t.q.stop - t.q.start, t.kv.stop - t.kv.start
                 window = t.band.flash_window(n_q, n_k)
-                route = kernels._route("flash_attn", t.band, None, n_q, n_k)
+                routed = route("flash_attn", t.band, None, n_q, n_k)
                 if window is None:
-                    assert route[0] == "cuda_efficient"
+                    assert routed[0] == "cuda_efficient"
                     continue
                 spelled += 1
-                assert route == ("flash_attn", window)
+                assert routed == ("flash_attn", window)
                 assert torch.equal(_flash_attn_visible(n_q, n_k, *window), t.visible())
     assert seen > 50 and spelled > 0.5 * seen, (seen, spelled)
 
 
+def route(backend: str, band, softcap, n_q: int, n_k: int, causal: bool = False):  # type: ignore[no-untyped-def]
+    q, k = torch.empty(1, 2, n_q, 8, device="meta"), torch.empty(1, 2, n_k, 8, device="meta")
+    return kernels._route(backend, band, softcap, q, k, causal)  # type: ignore[arg-type]
+
+
 def test_route_sends_each_block_where_it_can_run() -> None:
     band = kernels.Band(offset=3, left=4, right=0)
-    assert kernels._route("cuda_flash", band, None, 8, 8)[0] == "cuda_efficient"  # no mask in the flash kernel
-    assert kernels._route("cuda_cudnn", band, None, 8, 8)[0] == "cuda_efficient"
-    assert kernels._route("cuda_efficient", None, 2.0, 8, 8)[0] == "math"  # softcap: only flash-attn has it
-    assert kernels._route("flash_attn", None, 2.0, 8, 8)[0] == "flash_attn"
-    assert kernels._route("flash_attn", kernels.Band(0, 0, 5), 2.0, 8, 16)[0] == "math"  # no spelling + softcap
-    assert kernels._route("cpu_flash", band, None, 8, 8) == ("cpu_flash", (-1, -1))
+    assert route("cuda_flash", band, None, 8, 8)[0] == "cuda_efficient"  # no mask in the flash kernel
+    assert route("cuda_cudnn", band, None, 8, 8)[0] == "cuda_efficient"
+    assert route("cuda_efficient", None, 2.0, 8, 8)[0] == "math"  # softcap: only flash-attn has it
+    assert route("flash_attn", None, 2.0, 8, 8)[0] == "flash_attn"
+    assert route("flash_attn", kernels.Band(0, 0, 5), 2.0, 8, 16)[0] == "math"  # no spelling + softcap
+    assert route("cpu_flash", band, None, 8, 8) == ("cpu_flash", (-1, -1))
+    assert route("cuda_fused", band, None, 8, 8)[0] == "cuda_efficient"  # a band: as for flash/cuDNN
+
+
+def test_cudnn_rule_matches_the_measured_points() -> None:
+    """`cudnn_is_faster` against the H100 measurements in the README's "CUDA kernels" table (bf16, fwd + bwd)."""
+    hopper, ampere = (9, 0), (8, 0)
+    rule = kernels.cudnn_is_faster
+    assert not rule(8, 1024, 1024, 64, True, hopper)  # flash 0.22 ms, cuDNN 0.29 ms
+    assert not rule(8, 1024, 1024, 64, False, hopper)  # a tie (0.226 / 0.231 ms): flash, as before
+    assert rule(32, 1024, 1024, 128, True, hopper)  # cuDNN 0.32 ms, flash 0.40 ms
+    assert rule(8, 4096, 4096, 64, True, hopper)  # cuDNN 0.40 ms, flash 0.54 ms
+    assert rule(32, 16384, 16384, 128, False, hopper)  # cuDNN 28 ms, flash 49 ms
+    assert not rule(32, 16384, 16384, 128, False, ampere)  # not measured there: flash, as before
+    assert not rule(32, 16384, 16384, 192, False, hopper)  # head dim cuDNN does not take
+    assert not rule(32, 16384, 16384, 100, False, hopper)
+
+
+def test_half_precision_defaults_to_the_per_block_choice() -> None:
+    q = torch.empty(1, 2, 8, 8, device="meta", dtype=torch.bfloat16)
+    assert kernels.select_backend(q) == "math"  # not CUDA: the choice below is CUDA's
+    with pytest.raises(ValueError, match="needs CUDA tensors"):
+        kernels.select_backend(torch.empty(1, 2, 8, 8, dtype=torch.bfloat16), "cuda_fused")

@@ -19,13 +19,15 @@ block falls back to the explicit softmax on CUDA any more.
 V may have its own head dim (MLA); the fused kernels get zero-padded inputs.
 `softcap` blocks run flash-attn's fused softcap on CUDA and the explicit path
 (`explicit.py`) everywhere else. Which kernel runs: `select_backend`, the one
-dispatch point (bf16/fp16 to flash-attn when installed, else PyTorch's flash
-kernel; fp32 to the memory-efficient kernel; float64 to the explicit path, which
-the fused CUDA kernels do not support; cuDNN on request).
+dispatch point (bf16/fp16 to flash-attn when installed, else "cuda_fused":
+PyTorch's cuDNN or flash kernel per block, by the rule `cudnn_is_faster` measured
+with `scripts/bench_cuda_kernels.py`; fp32 to the memory-efficient kernel; float64
+to the explicit path, which the fused CUDA kernels do not support).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Literal, NamedTuple
 
 import torch
@@ -34,9 +36,16 @@ from torch import Tensor
 from cpcompose import _compat
 from cpcompose.attention.explicit import explicit_backward, explicit_forward
 
-Backend = Literal["cpu_flash", "math", "cuda_flash", "cuda_efficient", "cuda_cudnn", "flash_attn"]
-BACKENDS: tuple[str, ...] = ("cpu_flash", "math", "cuda_flash", "cuda_efficient", "cuda_cudnn", "flash_attn")
+Backend = Literal["cpu_flash", "math", "cuda_fused", "cuda_flash", "cuda_efficient", "cuda_cudnn", "flash_attn"]
+BACKENDS: tuple[str, ...] = (
+    "cpu_flash", "math", "cuda_fused", "cuda_flash", "cuda_efficient", "cuda_cudnn", "flash_attn"
+)
 UNBOUNDED = 1 << 62  # a window side with no limit (the block planner's NO_WINDOW)
+# Blocks of at least this much work (heads x visible query-key pairs x head dim) run faster on
+# cuDNN than on PyTorch's flash kernel on an H100 (torch 2.11, cuDNN 9.19, bf16, forward +
+# backward): 1.2-1.7x from 2^31 up, even at 2^29 (8 heads x 1024^2 x 64), flash 2x faster
+# below (the 1024-row causal forward). The README's "CUDA kernels" table; measured on Hopper only.
+CUDNN_MIN_WORK = 1 << 30
 
 
 class Band(NamedTuple):
@@ -112,7 +121,9 @@ def select_backend(q: Tensor, override: str | None = None) -> Backend:
         if override.startswith("cuda") or override == "flash_attn":
             if q.device.type != "cuda":
                 raise ValueError(f"backend={override!r} needs CUDA tensors, got {q.device}")
-        if override in ("cuda_flash", "cuda_cudnn", "flash_attn") and q.dtype not in (torch.float16, torch.bfloat16):
+        if override in ("cuda_fused", "cuda_flash", "cuda_cudnn", "flash_attn") and q.dtype not in (
+            torch.float16, torch.bfloat16
+        ):
             raise ValueError(f"backend={override!r} takes float16/bfloat16, got {q.dtype}")
         if override == "cuda_efficient" and q.dtype == torch.float64:
             raise ValueError("backend='cuda_efficient' does not take float64; use 'math'")
@@ -127,8 +138,24 @@ def select_backend(q: Tensor, override: str | None = None) -> Backend:
         half = q.dtype in (torch.float16, torch.bfloat16)
         if half and _compat.import_flash_attn() is not None:
             return "flash_attn"
-        return "cuda_flash" if half else "cuda_efficient"
+        return "cuda_fused" if half else "cuda_efficient"
     return "math"
+
+
+def cudnn_is_faster(heads: int, n_q: int, n_k: int, head_dim: int, causal: bool, capability: tuple[int, int]) -> bool:
+    """Whether a bf16/fp16 block runs faster on cuDNN than on PyTorch's flash kernel (measured, see CUDNN_MIN_WORK).
+
+    Only on Hopper or later (where it was measured; elsewhere flash, as before) and
+    for head dims cuDNN's kernels take (a multiple of 8, at most 128).
+    """
+    if capability < (9, 0) or head_dim % 8 or head_dim > 128:
+        return False
+    return heads * n_q * n_k * head_dim // (2 if causal else 1) >= CUDNN_MIN_WORK
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
 
 
 def attention_forward(
@@ -142,7 +169,7 @@ def attention_forward(
     caps the logits (`softcap * tanh(scores / softcap)`): only flash-attn has it
     fused, every other backend then takes the explicit path.
     """
-    backend, window = _route(backend, band, softcap, q.shape[2], k.shape[2])
+    backend, window = _route(backend, band, softcap, q, k, causal)
     if backend == "math":
         return explicit_forward(q, k, v, causal=causal, scale=scale, mask=_mask(band, q, k), softcap=softcap)
     dv = v.shape[-1]
@@ -183,7 +210,7 @@ def attention_backward(
 
     Returns `(dq, dk, dv)` in the input dtype; `dk`/`dv` have K/V's head count.
     """
-    backend, window = _route(backend, band, softcap, q.shape[2], k.shape[2])
+    backend, window = _route(backend, band, softcap, q, k, causal)
     if backend == "math":
         mask = _mask(band, q, k)
         return explicit_backward(dout, q, k, v, out, lse, causal=causal, scale=scale, mask=mask, softcap=softcap)
@@ -204,7 +231,7 @@ def attention_backward(
 
 
 def _route(
-    backend: Backend, band: Band | None, softcap: float | None, n_q: int, n_k: int
+    backend: Backend, band: Band | None, softcap: float | None, q: Tensor, k: Tensor, causal: bool
 ) -> tuple[Backend, tuple[int, int]]:
     """The backend that actually runs this block, and flash-attn's window for it.
 
@@ -212,17 +239,23 @@ def _route(
     without flash-attn goes to the explicit path; a band goes to flash-attn's
     native window when it has a spelling there, else (and for PyTorch's flash and
     cuDNN kernels, which take no mask) to the efficient kernel with an additive bias.
+    "cuda_fused" picks cuDNN or flash for each plain block (`cudnn_is_faster`).
     """
     if backend == "math" or (softcap is not None and backend != "flash_attn"):
         return "math", (-1, -1)
     if band is None:
+        if backend == "cuda_fused":
+            faster = cudnn_is_faster(
+                q.shape[1], q.shape[2], k.shape[2], q.shape[3], causal, _capability(q.get_device())
+            )
+            return ("cuda_cudnn" if faster else "cuda_flash"), (-1, -1)
         return backend, (-1, -1)
     if backend == "flash_attn":
-        window = band.flash_window(n_q, n_k)
+        window = band.flash_window(q.shape[2], k.shape[2])
         if window is not None:
             return backend, window
         return ("math" if softcap is not None else "cuda_efficient"), (-1, -1)
-    if backend in ("cuda_flash", "cuda_cudnn"):
+    if backend in ("cuda_fused", "cuda_flash", "cuda_cudnn"):
         return "cuda_efficient", (-1, -1)
     return backend, (-1, -1)
 
@@ -265,8 +298,15 @@ def _cuda_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *, causal: bool, scale: float,
     backend: Backend, band: Band | None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """The aten CUDA kernels' backward (no native GQA: K/V expanded, gradients summed back)."""
+    """The aten CUDA kernels' backward (no native GQA: K/V expanded, gradients summed back).
+
+    `lse` is made contiguous: callers pass row slices of the merged LSE (a zigzag
+    rank's late chunk, say), and the flash and cuDNN kernels read it as a dense
+    (batch, heads, rows) array without looking at its strides (the first GPU run
+    found dq wrong by O(1) on such slices with batch 2).
+    """
     ke, ve = _expand_kv(q, k), _expand_kv(q, v)
+    lse = lse.contiguous()
     zero = torch.zeros((), dtype=torch.int64, device=q.device)
     sq, sk = q.shape[2], k.shape[2]
     if backend == "cuda_flash":
@@ -327,8 +367,8 @@ def _flash_attn_backward(
     assert fa is not None
     t = [x.transpose(1, 2).contiguous() for x in (dout, q, k, v, out)]
     dq, dk, dv = (torch.empty_like(x) for x in t[1:4])
-    fa._flash_attn_backward(
-        t[0], t[1], t[2], t[3], t[4], lse, dq, dk, dv,
+    fa._flash_attn_backward(  # the LSE read as a dense array, like the aten kernels (see _cuda_backward)
+        t[0], t[1], t[2], t[3], t[4], lse.contiguous(), dq, dk, dv,
         dropout_p=0.0, softmax_scale=scale, causal=causal,
         window_size_left=window[0], window_size_right=window[1], softcap=softcap or 0.0,
         alibi_slopes=None, deterministic=True, rng_state=None,
