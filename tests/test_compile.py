@@ -37,9 +37,11 @@ from tests.test_entry_points import SEQ, TOL, make_batch, make_model, reference
 from tests.test_train import run_trainer
 
 
-def compiled_steps(mesh, strategy: str, causal: bool, backend: str, alltoall_size: int | None = None) -> dict:
+def compiled_steps(
+    mesh, strategy: str, causal: bool, backend: str, alltoall_size: int | None = None, device: str = "cpu"
+) -> dict:
     torch._dynamo.reset()  # each case compiles from scratch: no graph from an earlier case
-    model = make_model(causal)
+    model = make_model(causal).to(device)
     style = ContextParallel(strategy=strategy, alltoall_size=alltoall_size)
     parallelize_module(model, mesh, {"blocks.*": style})
     graphs: list[str] = []
@@ -49,8 +51,8 @@ def compiled_steps(mesh, strategy: str, causal: bool, backend: str, alltoall_siz
         return torch._dynamo.lookup_backend(backend)(gm, example_inputs)
 
     compiled = torch.compile(model, fullgraph=True, backend=recording)
-    tokens, labels = (cp_shard(t, mesh, seq_dim=1, layout="zigzag") for t in make_batch())
-    positions = cp_position_ids(SEQ, mesh, layout="zigzag")
+    tokens, labels = (cp_shard(t.to(device), mesh, seq_dim=1, layout="zigzag") for t in make_batch())
+    positions = cp_position_ids(SEQ, mesh, layout="zigzag", device=device)
     steps = []
     for _ in range(2):
         model.zero_grad()
@@ -90,6 +92,13 @@ def test_fullgraph_compile_is_exact(pools, strategy: str, world: int, alltoall_s
 
 def test_fullgraph_compile_inductor(pools) -> None:
     _check(pools.get(2).run(compiled_steps, "ring", False, "inductor"), False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("strategy,backend", [("ring", "inductor"), ("allgather", "aot_eager"), ("alltoall", "aot_eager")])
+def test_cuda_fullgraph_compile_is_exact(pools, strategy: str, backend: str) -> None:
+    """The same float64 model on CUDA (the explicit path; no fused CUDA kernel takes float64), inductor once."""
+    _check(pools.get(2, "cuda").run(compiled_steps, strategy, True, backend, None, "cuda"), True)
 
 
 def compiled_context_parallel(mesh, strategy: str) -> dict:
