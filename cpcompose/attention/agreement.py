@@ -10,11 +10,21 @@ Why "expected" and not "any signature seen before": a rank that skips the agreem
 posts K/V collectives whose sizes come from its own signature. If ranks could skip
 with two different cached signatures, or one rank skipped while another agreed,
 their collectives would not match (gloo aborts the process on a size mismatch,
-NCCL hangs). So every rank predicts the same next signature from shared history:
-the signature that followed the previous call's last time (the previous call's
-own, by default). History only changes on outcomes every rank sees alike (a call
-all ranks ran, an agreement all ranks joined), so the prediction is identical on
-every rank, and ranks that skip all run the same call.
+NCCL hangs). So every rank predicts the same next signature from shared history,
+and history only changes on outcomes every rank sees alike (a call all ranks ran,
+an agreement all ranks joined): the prediction is identical on every rank, and
+ranks that skip all run the same call.
+
+The prediction follows the history like a tape: after a call, find the latest
+earlier place where the same calls happened in the same order (the longest
+matching run of recent calls, up to `CONTEXT` of them), and predict what came
+next there; while predictions come true, keep reading on from there. A training
+step repeats its sequence of calls, so one step in, every call of the next is
+predicted, whatever the layer pattern: 5 sliding-window layers to 1 global one,
+a recomputed forward under activation checkpointing, microbatches. (Predicting
+"what followed this signature last time" cannot: after a sliding-window layer
+comes sometimes another and sometimes a global one, and each flip cost a full
+agreement, every step.) A signature never seen before predicts itself next.
 
 A rank whose call differs from the prediction (new shapes or options, a local
 error, `validate="every_call"`) *deviates*. Where the data lives on the host (CPU,
@@ -51,7 +61,9 @@ from cpcompose.validation import Field, agree_across_ranks
 Key = tuple[int, ...]
 R = TypeVar("R")
 _FLAG_TAG = 7  # distinct from the ring's K/V (0) and gradient (1) streams
-MAX_ENTRIES = 256
+MAX_ENTRIES = 256  # signatures kept (with what is needed to replay them)
+HISTORY = 4096  # calls kept to predict from: a step's calls must fit (layers x microbatches x recompute)
+CONTEXT = 16  # recent calls compared when looking for where the history repeats
 
 
 @dataclass(frozen=True)
@@ -83,10 +95,11 @@ class AgreementCache:
     same order, so `expected()` is common knowledge without communication.
     """
 
-    def __init__(self, max_entries: int = MAX_ENTRIES) -> None:
-        self.max_entries = max_entries
-        self.prev: Key | None = None  # the last call every rank ran (None: unknown, after an error)
-        self._next: OrderedDict[Key, Key] = OrderedDict()  # what followed a signature last time
+    def __init__(self, max_entries: int = MAX_ENTRIES, history: int = HISTORY) -> None:
+        self.max_entries, self.max_history = max_entries, history
+        self._history: list[Key] = []  # the calls every rank ran, oldest first
+        self._cursor: int | None = None  # index in _history of the predicted next call; None: repeat the last
+        self._lost = True  # after an error (and at first): no prediction, the next call agrees in full
         self._specs: OrderedDict[Key, CallSpec] = OrderedDict()
         self.agreements = 0  # full agreements run (the blocking all-gather)
         self.skipped = 0  # calls that ran without one
@@ -94,9 +107,9 @@ class AgreementCache:
 
     def expected(self) -> Key | None:
         """The signature every rank predicts for the next call, or None (then nobody skips)."""
-        if self.prev is None:
+        if self._lost:
             return None
-        key = self._next.get(self.prev, self.prev)
+        key = self._history[-1] if self._cursor is None else self._history[self._cursor]
         return key if key in self._specs else None
 
     def spec(self, key: Key) -> CallSpec:
@@ -105,19 +118,52 @@ class AgreementCache:
     def ran(self, key: Key) -> None:
         """Every rank ran the expected call `key` without an agreement."""
         self.skipped += 1
-        self.prev = key
         self._specs.move_to_end(key)
+        self._append(key)
 
     def agreed(self, key: Key, spec: CallSpec) -> None:
         """Every rank agreed on `key` through the full agreement."""
-        if self.prev is not None:
-            _put(self._next, self.prev, key, self.max_entries)
+        seen = key in self._specs  # a signature never seen has no earlier occurrence to look for
         _put(self._specs, key, spec, self.max_entries)
-        self.prev = key
+        self._lost = False
+        self._append(key, search=seen)
 
     def failed(self) -> None:
-        """Every rank raised: forget the previous call, so the next call agrees in full."""
-        self.prev = None
+        """Every rank raised: predict nothing, so the next call agrees in full."""
+        self._lost = True
+
+    def _append(self, key: Key, search: bool = True) -> None:
+        """Record a call; keep reading the history on if it was the predicted one, else find where it repeats."""
+        history = self._history
+        history.append(key)
+        if self._cursor is not None and history[self._cursor] == key:
+            self._cursor += 1
+        else:
+            self._cursor = self._repeat_point() if search else None
+        if len(history) > 2 * self.max_history:  # drop the oldest half at once: amortised O(1) per call
+            drop = len(history) - self.max_history
+            del history[:drop]
+            self._cursor = None if self._cursor is None or self._cursor < drop else self._cursor - drop
+
+    def _repeat_point(self) -> int | None:
+        """The index after the latest earlier occurrence of the longest run of recent calls (at most CONTEXT).
+
+        Runs only when a prediction failed (then a full agreement is paid anyway);
+        a linear scan of the kept history, ties going to the latest occurrence.
+        """
+        history, last = self._history, len(self._history) - 1
+        best, best_len = None, 0
+        for j in range(last - 1, -1, -1):
+            if history[j] != history[last]:
+                continue
+            length = 1
+            while length < CONTEXT and length <= j and history[j - length] == history[last - length]:
+                length += 1
+            if length > best_len:
+                best, best_len = j + 1, length
+                if length == CONTEXT:
+                    break
+        return best
 
 
 def _put(d: OrderedDict, key: Hashable, value: object, limit: int) -> None:
