@@ -146,23 +146,30 @@ class AgreementCache:
             self._cursor = None if self._cursor is None or self._cursor < drop else self._cursor - drop
 
     def _repeat_point(self) -> int | None:
-        """The index after the latest earlier occurrence of the longest run of recent calls (at most CONTEXT).
+        """Where to read on after a failed prediction: the index after the best earlier match of the recent calls.
 
-        Runs only when a prediction failed (then a full agreement is paid anyway);
-        a linear scan of the kept history, ties going to the latest occurrence.
+        A candidate j (an earlier call equal to the last one) matches `length` recent
+        calls (at most CONTEXT). When it lies within its own match (distance <= length)
+        the last length + distance calls repeat with that period, and that counts as
+        the evidence; else the `length` calls alone do. Without that bonus an older
+        run of the same signature, from other work in the process, outscores the
+        run being made now by one and is followed to its end, a failed prediction
+        each time. The best evidence wins, the latest among equals. Runs only after
+        a failed prediction (when a full agreement is paid anyway): a linear scan of
+        the kept history.
         """
         history, last = self._history, len(self._history) - 1
-        best, best_len = None, 0
+        best, best_score = None, 0
         for j in range(last - 1, -1, -1):
             if history[j] != history[last]:
                 continue
             length = 1
             while length < CONTEXT and length <= j and history[j - length] == history[last - length]:
                 length += 1
-            if length > best_len:
-                best, best_len = j + 1, length
-                if length == CONTEXT:
-                    break
+            distance = last - j
+            score = length + (distance if distance <= length else 0)
+            if score > best_score:
+                best, best_score = j + 1, score
         return best
 
 
