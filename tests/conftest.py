@@ -59,7 +59,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     count = cuda_device_count()
     config.stash[_CUDA_COUNT] = count
     if count:
-        _forbid_cuda_in_this_process()
         return
     if _asks_for_gpu(config.getoption("markexpr") or "") or len(gpu) == len(items):
         raise pytest.UsageError(
@@ -68,27 +67,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         )
     config.hook.pytest_deselected(items=gpu)
     items[:] = [item for item in items if not item.get_closest_marker("gpu")]
-
-
-def _forbid_cuda_in_this_process() -> None:
-    """Make CUDA initialization in the pytest process an error that names its caller.
-
-    Every pool forked after this process initialized CUDA would fail at its first CUDA
-    call ("CUDA error: initialization error"), far from the cause, and so would every
-    test after it. Raising here fails the one test that did it, with its traceback;
-    forked workers (another pid) initialize as usual.
-    """
-    parent, original = os.getpid(), torch.cuda._lazy_init
-
-    def guarded() -> None:
-        if os.getpid() == parent and not torch.cuda.is_initialized():
-            raise RuntimeError(
-                "the pytest process tried to initialize CUDA: the rank pools fork from it, and a child of a "
-                "process that initialized CUDA cannot use CUDA (run CUDA work in a pool worker)"
-            )
-        original()
-
-    torch.cuda._lazy_init = guarded
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:

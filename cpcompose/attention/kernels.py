@@ -170,6 +170,11 @@ def attention_forward(
     fused, every other backend then takes the explicit path.
     """
     backend, window = _route(backend, band, softcap, q, k, causal)
+    if _band_in_float32(backend, band, q):
+        out, lse = attention_forward(
+            q.float(), k.float(), v.float(), causal=causal, scale=scale, backend=backend, band=band
+        )
+        return out.to(q.dtype), lse
     if backend == "math":
         return explicit_forward(q, k, v, causal=causal, scale=scale, mask=_mask(band, q, k), softcap=softcap)
     dv = v.shape[-1]
@@ -211,6 +216,12 @@ def attention_backward(
     Returns `(dq, dk, dv)` in the input dtype; `dk`/`dv` have K/V's head count.
     """
     backend, window = _route(backend, band, softcap, q, k, causal)
+    if _band_in_float32(backend, band, q):
+        grads = attention_backward(
+            dout.float(), q.float(), k.float(), v.float(), out.float(), lse, causal=causal, scale=scale,
+            backend=backend, band=band,
+        )
+        return grads[0].to(q.dtype), grads[1].to(k.dtype), grads[2].to(v.dtype)
     if backend == "math":
         mask = _mask(band, q, k)
         return explicit_backward(dout, q, k, v, out, lse, causal=causal, scale=scale, mask=mask, softcap=softcap)
@@ -258,6 +269,18 @@ def _route(
     if backend in ("cuda_fused", "cuda_flash", "cuda_cudnn"):
         return "cuda_efficient", (-1, -1)
     return backend, (-1, -1)
+
+
+def _band_in_float32(backend: Backend, band: Band | None, q: Tensor) -> bool:
+    """Whether a half-precision window-edge block must run on the efficient kernel in float32.
+
+    On the H100 (torch 2.11) the efficient kernel's bf16 backward with an additive bias
+    returned dq and dk off by O(1) to 1e37 on the blocks CP plans make (dv right, so its
+    row statistics were wrong), while float32 was exact: found by the first GPU run,
+    pinned to those blocks by comparing each block's gradients with float64. Only the
+    few window-edge blocks pay the conversion; flash-attn's native windows are unaffected.
+    """
+    return backend == "cuda_efficient" and band is not None and q.dtype in (torch.float16, torch.bfloat16)
 
 
 def _mask(band: Band | None, q: Tensor, k: Tensor) -> Tensor | None:
