@@ -14,10 +14,10 @@ import subprocess
 import sys
 from typing import Iterator
 
-# The pools fork from this process, and a child of a process that has initialized the CUDA
-# driver cannot use CUDA. torch.cuda.is_available() initializes it (cuInit) unless told to
-# ask NVML instead, so any availability check made here (the trainer's preflight in a test,
-# a library import) stays harmless. torch reads it at each call; children inherit it.
+# CPU pools fork from this process (CUDA pools are spawned: tests/rank_pool.py). An
+# availability check made here (the trainer's preflight in a test, a library import) asks
+# NVML instead of initializing CUDA (cuInit), so this process stays cheap to fork and never
+# holds a CUDA context. torch reads it at each call; children inherit it.
 os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 
 import pytest  # noqa: E402
@@ -32,9 +32,8 @@ _CUDA_COUNT = pytest.StashKey[int]()
 def cuda_device_count() -> int:
     """GPUs visible to torch, counted without initializing CUDA in this process.
 
-    The rank pools fork from the pytest process; a child of a process that has
-    initialized CUDA (which `torch.cuda.is_available()` does, through cuInit) cannot
-    use CUDA itself. So a CUDA build asks a short-lived subprocess instead.
+    Counting through torch here could initialize CUDA in the pytest process, which the
+    forked CPU pools would then inherit; a CUDA build asks a short-lived subprocess.
     """
     if not torch.backends.cuda.is_built():
         return 0

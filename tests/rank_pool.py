@@ -11,8 +11,12 @@ group may be mid-collective) and the next case gets a fresh one.
 `device="cuda"` pools run the same cases on GPUs: each worker takes GPU
 `rank % device_count`, and the group is NCCL when there are at least P GPUs, else
 gloo (P processes sharing one GPU; cpcompose's comm helpers then stage CUDA tensors
-through host memory). The pytest process itself never touches CUDA, which would
-make every later fork unable to use it: workers return their results on the CPU.
+through host memory). Their workers are *spawned*, not forked: a child forked from
+a process whose CUDA driver is initialized cannot use CUDA, and on the first GPU
+run every CUDA pool after the first failed that way ("CUDA error: initialization
+error") although the test process never called torch's lazy CUDA init. Spawned
+workers start clean, whatever the pytest process has loaded; they cost a few
+seconds each (importing torch), once per pool. Workers return results on the CPU.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import io
 import multiprocessing as mp
 import os
+import sys
 import tempfile
 import traceback
 from datetime import timedelta
@@ -61,9 +66,14 @@ def cuda_backend(world: int) -> str:
 
 
 def _worker(rank: int, world: int, store: str, conn: Connection, device: Device) -> None:
+    import faulthandler
+
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
+    log_dir = os.environ.get("CPCOMPOSE_WORKER_LOGS")  # one stderr file per worker, where ranks interleave
+    log = open(os.path.join(log_dir, f"P{world}-{device}-rank{rank}-{os.getpid()}.log"), "w") if log_dir else None
+    faulthandler.enable(log or sys.stderr)  # a crash (segfault in a kernel or a backend) prints its Python stack
     torch.set_num_threads(1)
     backend = "gloo"
     if device == "cuda":
@@ -89,11 +99,11 @@ def _worker(rank: int, world: int, store: str, conn: Connection, device: Device)
 
 
 class RankPool:
-    """`world` forked workers in one process group; `run` executes a case on all of them."""
+    """`world` workers (forked on CPU, spawned on CUDA) in one process group; `run` executes a case on all."""
 
     def __init__(self, world: int, device: Device = "cpu") -> None:
         self.world, self.device = world, device
-        ctx = mp.get_context("fork")
+        ctx = mp.get_context("fork" if device == "cpu" else "spawn")
         fd, self._store = tempfile.mkstemp(prefix="cpcompose-store-")
         os.close(fd)
         os.unlink(self._store)
@@ -115,7 +125,18 @@ class RankPool:
             raise TimeoutError(
                 f"a rank of the {self.world}-rank {self.device} pool did not answer within {timeout:.0f} s"
             )
-        return conn.recv()
+        try:
+            return conn.recv()
+        except (EOFError, OSError) as e:
+            raise self._died() from e
+
+    def _died(self) -> RuntimeError:
+        """A worker is gone (crashed, killed): close the pool so the next case gets a fresh one."""
+        for proc in self._procs:
+            proc.join(timeout=5)
+        codes = [proc.exitcode for proc in self._procs]
+        self.close()
+        return RuntimeError(f"a worker of the {self.world}-rank {self.device} pool died (exit codes by rank: {codes})")
 
     def run(self, fn: Callable[..., Any], *args: Any, timeout: float = CASE_TIMEOUT_S) -> list[Any]:
         """Run `fn(mesh, *args)` on every rank; return the per-rank results.
@@ -124,7 +145,10 @@ class RankPool:
             AssertionError: with every failing rank's traceback.
         """
         for conn in self._conns:
-            conn.send((fn, args))
+            try:
+                conn.send((fn, args))
+            except OSError as e:  # BrokenPipeError: a worker died after the last case
+                raise self._died() from e
         replies = [self._receive(conn, timeout) for conn in self._conns]
         failures = [f"--- rank {r} ---\n{payload}" for r, (kind, payload) in enumerate(replies) if kind != "ok"]
         if failures:

@@ -125,7 +125,25 @@ def local_batch(
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
-    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+    """The whole tensor of a DTensor (every rank calls it), on the host for CUDA DTensors.
+
+    DTensor's own gather (`full_tensor`, a functional all-gather) segfaults in torch 2.11
+    on CUDA tensors over gloo (the one-GPU runs share the GPU over gloo): the first GPU
+    run crashed both workers there. So a CUDA DTensor sharded over a 1-D mesh is gathered
+    as host copies of the shards (uneven ones too), which is all the checks need.
+    """
+    if not isinstance(t, DTensor):
+        return t.detach().clone()
+    local = t.to_local().detach()
+    if local.device.type != "cuda" or t.device_mesh.ndim != 1:
+        return t.full_tensor().detach().clone()
+    (placement,) = t.placements
+    if placement.is_replicate():
+        return local.cpu()
+    assert placement.is_shard(), placement
+    parts: list[torch.Tensor | None] = [None] * t.device_mesh.size()
+    torch.distributed.all_gather_object(parts, local.cpu(), group=t.device_mesh.get_group())
+    return torch.cat(parts, dim=placement.dim)  # type: ignore[arg-type]
 
 
 def parallel_dims(world: int, **degrees: int) -> ParallelDims:
