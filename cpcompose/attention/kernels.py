@@ -43,8 +43,8 @@ BACKENDS: tuple[str, ...] = (
 UNBOUNDED = 1 << 62  # a window side with no limit (the block planner's NO_WINDOW)
 # Blocks of at least this much work (heads x visible query-key pairs x head dim) run faster on
 # cuDNN than on PyTorch's flash kernel on an H100 (torch 2.11, cuDNN 9.19, bf16, forward +
-# backward): 1.2-1.7x from 2^31 up, even at 2^29 (8 heads x 1024^2 x 64), flash 2x faster
-# below (the 1024-row causal forward). The README's "CUDA kernels" table; measured on Hopper only.
+# backward): 1.24-1.80x from 2^31 up; at 2^29 a tie (8 heads x 1024^2 x 64, full) and at 2^28
+# flash 1.3x faster (the same block causal). README "CUDA kernels" table; Hopper only.
 CUDNN_MIN_WORK = 1 << 30
 
 
