@@ -50,7 +50,9 @@ two calculations, with Kb = bytes of the global K (= V) and Qb = of Q (= out):
   busiest sender) sends 4*(P-1)/P*Kb of K/V plus (P-1)/P*Kb of gradients = 5/6 of
   dense, rank 0 sends 4/6 of it, and all ranks together 3/4 of dense. Causal
   contiguous: nobody reads a later rank, so rank 0 sends 4*(P-1)/P*Kb (2/3 of dense)
-  and the total is 1/2. Allgather and alltoall send their dense volume under any mask.
+  and the total is 1/2. Allgather sends each rank's rows that another rank reads,
+  padded to the widest rank's (the dense volume when that rank's every row is read
+  elsewhere, as under causal zigzag); alltoall its dense volume under any mask.
 CUDA (`--device cuda`). The same tables on GPUs: rank r uses GPU r % device_count,
 NCCL when there are at least P GPUs, else P processes share one GPU over gloo, with
 CUDA tensors staged through host memory (so those T_P include host copies and

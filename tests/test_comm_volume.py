@@ -51,6 +51,26 @@ def test_allgather_volume(pools, world: int) -> None:
         assert result["total_bytes"] - result["forward_bytes"] == (world - 1) * kv + (world - 1) * kv
 
 
+@pytest.mark.parametrize("world", [2, 4])
+def test_allgather_sends_only_the_rows_others_read(pools, world: int) -> None:
+    """Under a causal sliding window most of a shard is read by nobody else: the all-gather carries the
+    rows some peer reads, packed and padded to the most any rank has, both passes and the gradients."""
+    from cpcompose.attention.blocks import MaskSpec
+    from cpcompose.attention.setup import gathered_rows, gathered_width
+    from cpcompose.layouts import resolve_layout
+
+    case = Case("allgather", "zigzag", True, 8, 2, world, seq=48 * world, window=(9, 0))
+    layout = resolve_layout("zigzag", world)
+    width = gathered_width(layout, MaskSpec(True, 9, 0), case.seq, world)
+    local = case.seq // world
+    assert 0 < width < local / 2, (width, local)  # each chunk's last 9 rows, at most, are read across ranks
+    assert width == max(sum(r.stop - r.start for r in rows) for rows in gathered_rows(layout, MaskSpec(True, 9, 0), case.seq, world))
+    kv = kv_shard_bytes(case) * width // local
+    for result in pools.get(world).run(run_cp, case):
+        assert result["forward_bytes"] == (world - 1) * kv
+        assert result["total_bytes"] - result["forward_bytes"] == (world - 1) * kv + (world - 1) * kv
+
+
 @pytest.mark.parametrize("strategy", ["ring", "allgather"])
 def test_gqa_sends_a_quarter_of_mha(pools, strategy: str) -> None:
     """K/V travel with their own head count: GQA 4:1 moves 1/4 of MHA's bytes."""

@@ -159,6 +159,29 @@ def test_documents_make_the_ring_send_less(pools) -> None:
         assert b["total_bytes"] < a["total_bytes"]
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_documents_make_the_allgather_send_less(pools, causal: bool) -> None:
+    """All-gather carries only the rows another rank reads, padded to the widest rank's: on a long-tailed pack a
+    causal rank's late pieces are read by nobody else, and when every document lies within one rank nothing is
+    gathered at all. Exact in every case."""
+    from cpcompose.attention.blocks import MaskSpec
+    from cpcompose.attention.setup import gathered_width
+    from cpcompose.data import long_tailed_lengths
+
+    pack = PackedCase("allgather", tuple(long_tailed_lengths(2048, 0)), causal, None, 4, 2, 2)  # 17 documents
+    apart = PackedCase("allgather", (100,) * 4, causal, None, 4, 2, 2, balance="zigzag")  # one zigzag chunk each
+    results = {c: pools.get(2).run(run_packed, c) for c in (pack, apart)}
+    for c, per_rank in results.items():
+        assert_exact(c, per_rank)
+    layout = pack.layout()
+    width, local = gathered_width(layout, MaskSpec(causal), layout.seq_len, 2), layout.seq_len // 2
+    assert width < 0.9 * local if causal else width <= local, (width, local)
+    row = pack.batch * pack.kv_heads * 2 * pack.head_dim * 4  # K and V of one row, float32
+    for a, c in zip(results[pack], results[apart]):
+        assert a["total_bytes"] == width * row * 3  # K/V forward, again backward, float32 dK/dV (P - 1 = 1)
+        assert c["total_bytes"] == 0
+
+
 def test_documents_make_the_twod_ring_send_less(pools) -> None:
     """Across blocks too, only pieces of shared documents travel: with one document per zigzag chunk,
     no document spans two blocks and the ring dimension sends nothing; the all-to-all is unchanged."""

@@ -34,20 +34,22 @@ at the next collective or ring round):
   the slowest link of the group at `allgather_efficiency`; so is the reduction on
   "cuda_nccl" (NCCL's reduce-scatter), while on "cpu_gloo" it is an all-to-all (as
   below) and a float sum of the P received slices (`merge_s_per_elem` per element
-  added) after the wait. Copies at `copy_bandwidth`, as the code makes them: K and V
-  concatenated into one buffer before each gather; in backward the rank-major
-  float32 dK/dV buffer of the whole sequence zero-filled (with the first half) and
-  the second half's own dK/dV zero-filled (with it) and added after the wait. The
-  gathered buffer is read in place.
+  added) after the wait. What travels is each rank's needed rows (those another
+  rank reads, `attention.setup.gathered_rows`), padded to the widest rank's. Copies
+  at `copy_bandwidth`, as the code makes them: the needed K and V rows packed into
+  one buffer before each gather; in backward the float32 dK/dV of every rank's
+  gathered rows and of the own shard zero-filled (with the first half), and the
+  reduced rows added to the own after the wait. The gathered buffer is read in place.
 * all-to-all does not overlap: one latency plus, per link level, the bytes sent at
   that level over its bandwidth (levels run in parallel), at `alltoall_efficiency`,
   plus a latency per further all-to-all of the pass; the reorders and concatenations
   around it run at `copy_bandwidth`.
 
 Peak extra memory per rank (beyond the q, k, v, out shards every strategy holds) is
-counted from the buffers the code allocates: all-gather holds the whole K/V once (read
-in place) and its own concatenated shard, and in backward the whole float32 dK/dV
-(twice on "cpu_gloo": the all-to-all's receive buffer); all-to-all keeps
+counted from the buffers the code allocates: all-gather holds every rank's gathered
+rows once (read in place; the whole K/V when every row is read elsewhere) and its own
+packed rows, and in backward their float32 dK/dV (twice on "cpu_gloo": the
+all-to-all's receive buffer) and the own shard's; all-to-all keeps
 full-sequence q/k/v/out of its H/P heads from forward to backward; the ring holds two
 K/V blocks in flight and two float32 dK/dV blocks in backward, with float32
 accumulators.
@@ -61,6 +63,7 @@ from dataclasses import dataclass
 from cpcompose.attention import cpu_tiles
 from cpcompose.attention.alltoall import one_kernel_call
 from cpcompose.attention.blocks import BlockTask, split_work
+from cpcompose.attention.setup import gathered_width
 from cpcompose.planning.calibration import INTER, INTRA, LEVELS, Calibration, Topology
 from cpcompose.planning.call import AttentionCall
 from cpcompose.planning.traffic import (
@@ -265,24 +268,28 @@ def _allgather_time(call: AttentionCall, rw: RankWork, ts: Sequence[Transfer], r
     """(time, compute) of one rank under all-gather (see the module docstring), before the node's slow-down."""
     local, others = rw.rounds
     passes = _Passes(rw, call, cal, memo)
-    fwd_local, _ = passes(local)
+    fwd_local, bwd_local = passes(local)
     fwd_others, bwd_others = passes(others)
     link = cal.link(group_level)
     gather = {t.phase: t.messages * link.latency_s + t.nbytes / (link.bandwidth * cal.allgather_efficiency)
               for t in ts if t.op == "all_gather"}
-    shard_kv = call.batch * call.kv_heads * call.local_len * (call.head_dim + call.dv)
-    cat = shard_kv * call.itemsize / cal.copy_bandwidth  # K and V end to end, before each gather
+    row = call.batch * call.kv_heads * (call.head_dim + call.dv)
+    shard_kv, sent_kv = call.local_len * row, gathered_width(call.layout, call.mask, call.seq_len, call.world) * row
+    cat = sent_kv * call.itemsize / cal.copy_bandwidth  # the needed K and V rows packed end to end, before each gather
+    if not gather:  # nothing to gather (`traffic.transfers`): the own blocks alone
+        alone = fwd_local + (bwd_local if backward else 0.0)
+        return alone, alone
     total = cat + _hidden(fwd_local, gather["fwd"], cal.overlap) + fwd_others
     compute = fwd_local + fwd_others
     if backward:
         early, late = split_work(local)
         bwd_early, bwd_late = (passes(half)[1] for half in (early, late))
-        grads = call.world * shard_kv * call.acc_itemsize / cal.copy_bandwidth  # the zeroed rank-major dK/dV
-        own = shard_kv * call.acc_itemsize / cal.copy_bandwidth if late else 0.0  # second half's dK/dV: zeroed, added
+        zeroed = (call.world * sent_kv + shard_kv) * call.acc_itemsize / cal.copy_bandwidth  # gathered + own dK/dV
+        added = sent_kv * call.acc_itemsize / cal.copy_bandwidth  # the reduced rows into the own dK/dV, after the wait
         reduce, summing = _reduction_time(next(t for t in ts if t.op == "reduce_scatter"), call, rank, topology,
                                           group_level, cal)
-        total += (cat + _hidden(grads + bwd_early, gather["bwd"], cal.overlap) + bwd_others
-                  + _hidden(own + bwd_late, reduce, cal.overlap) + summing + own)
+        total += (cat + _hidden(zeroed + bwd_early, gather["bwd"], cal.overlap) + bwd_others
+                  + _hidden(bwd_late, reduce, cal.overlap) + summing + added)
         compute += bwd_early + bwd_others + bwd_late
     return total, compute
 
@@ -325,14 +332,14 @@ def peak_memory(call: AttentionCall, strategy: str, a: int, rank: int, cal: Cali
     B, S, L, dk, dv = call.batch, call.local_len, call.seq_len, call.head_dim, call.dv
     es, acc = call.itemsize, call.acc_itemsize
     if strategy == "allgather":
-        full_kv = B * call.kv_heads * L * (dk + dv)
-        shard = full_kv // call.world
+        row = B * call.kv_heads * (dk + dv)
+        sent = gathered_width(call.layout, call.mask, L, call.world) * row  # this rank's packed rows (the widest)
+        gathered, shard = call.world * sent, S * row
         lse = B * call.heads * S * acc
-        fwd = (full_kv + shard) * es + B * call.heads * S * (dv + 1) * acc  # gathered, sent, output accumulator
-        _, late = split_work(block_plan(call.layout, call.mask, L, 1, rank, rank))
-        received = full_kv if cal.executor == "cpu_gloo" else shard  # all-to-all's P slices / reduce-scatter's one
-        grads = full_kv + received + (shard if late else 0)
-        bwd = (full_kv + shard) * es + grads * acc + B * call.heads * S * dk * acc
+        fwd = (gathered + sent) * es + B * call.heads * S * (dv + 1) * acc  # gathered, sent, output accumulator
+        received = gathered if cal.executor == "cpu_gloo" else sent  # all-to-all's P slices / reduce-scatter's one
+        grads = gathered + received + shard  # the gathered rows' dK/dV, the reduction's result, the own dK/dV
+        bwd = (gathered + sent) * es + grads * acc + B * call.heads * S * dk * acc
         return lse + max(fwd, bwd)
     rw = work(call, strategy, a, rank)
     blocks, (b, _) = call.world // a, divmod(rank, a)

@@ -15,9 +15,11 @@ bytes, as `cpcompose.comm.CommMeter` counts them:
   - backward: dout goes out by all-to-all; the ring sends the same K/V rows again
     and returns float32 (accumulation dtype) dK/dV of every row it read to its
     owner; dq, dk, dv come back by a final all-to-all in the input dtype.
-* all-gather: K and V concatenated, one all-gather forward, another backward (K/V
-  are not kept: activation memory stays 1/P), then a reduce-scatter of the whole
-  sequence's float32 dK/dV: each sends (P-1) shards.
+* all-gather: each rank's needed K and V rows (those another rank's plans read,
+  `attention.setup.gathered_rows`) packed end to end and padded to the widest rank's,
+  one all-gather forward, another backward (K/V are not kept: activation memory
+  stays 1/P), then a reduce-scatter of those rows' float32 dK/dV: each sends (P-1)
+  padded parts. Without a mask that hides rows from every peer, the whole shard.
 
 A `Transfer` is one piece of that: which pass, which ring round (or a collective),
 to which peer, how many bytes and messages.
@@ -32,6 +34,7 @@ from typing import Literal
 
 from cpcompose.attention.alltoall import kv_head_ranges, query_head_ranges
 from cpcompose.attention.blocks import BlockTask, MaskSpec, needed_rows, plan
+from cpcompose.attention.setup import gathered_width
 from cpcompose.layouts import Layout, Run
 from cpcompose.layouts.grouped import grouped
 from cpcompose.planning.call import AttentionCall
@@ -133,8 +136,10 @@ def transfers(call: AttentionCall, strategy: str, a: int, rank: int) -> list[Tra
     P, S, B = call.world, call.local_len, call.batch
     dk, dv, es, acc = call.head_dim, call.dv, call.itemsize, call.acc_itemsize
     out: list[Transfer] = []
-    if strategy == "allgather":
-        shard = B * call.kv_heads * S * (dk + dv)
+    if strategy == "allgather":  # every rank sends the rows others read, padded to the most any rank has
+        shard = B * call.kv_heads * gathered_width(call.layout, call.mask, call.seq_len, P) * (dk + dv)
+        if shard == 0:  # nobody reads another rank's keys: the code gathers nothing
+            return out
         nxt = (rank + 1) % P
         for phase in ("fwd", "bwd"):
             nbytes = (P - 1) * shard * es
