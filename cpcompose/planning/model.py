@@ -70,7 +70,6 @@ from cpcompose.planning.traffic import (
     COLLECTIVE,
     RankWork,
     Transfer,
-    block_plan,
     block_size,
     rows_read,
     transfers,
