@@ -313,6 +313,11 @@ def worker(rank: int, world: int, store: str, cases: list[dict[str, Any]], opts:
             Path(out).write_text(json.dumps(results))
     finally:
         dist.destroy_process_group()
+    # Leave without interpreter teardown: after a gloo job it intermittently aborts ("terminate called
+    # without an active exception", static destructors racing the backend's threads; cpcompose.train
+    # does the same), which failed a finished run. Reached only when the rank succeeded.
+    sys.stdout.flush()
+    os._exit(0)
 
 
 def machine(device: str = "cpu") -> dict[str, Any]:
