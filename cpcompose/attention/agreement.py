@@ -134,11 +134,12 @@ class AgreementCache:
 
     def _append(self, key: Key, search: bool = True) -> None:
         """Record a call; keep reading the history on if it was the predicted one, else find where it repeats."""
-        history = self._history
-        history.append(key)
-        if self._cursor is not None and history[self._cursor] == key:
-            self._cursor += 1
+        history, cursor = self._history, self._cursor
+        if cursor is not None and history[cursor] == key:
+            history.append(history[cursor])  # the equal tuple already kept: the history shares its keys
+            self._cursor = cursor + 1
         else:
+            history.append(history[-1] if history and history[-1] == key else key)
             self._cursor = self._repeat_point() if search else None
         if len(history) > 2 * self.max_history:  # drop the oldest half at once: amortised O(1) per call
             drop = len(history) - self.max_history
