@@ -181,3 +181,21 @@ def test_twod_closed_form_equals_the_planner(layout: str) -> None:
                 assert predicted_bytes(**shape, layout=layout) == predicted_bytes(
                     **shape, layout=resolve_layout(layout, world)
                 ), (world, a, rank, causal)
+
+
+def test_allgather_carries_whole_shards_above_the_planning_limit() -> None:
+    """Finding the rows others read plans every pair of ranks; above COMPACT_GATHER_MAX_WORLD every row travels
+    (whole shards, plans unchanged), as in Llama 3's all-gather, so a new packed layout never costs P^2 plans."""
+    from cpcompose.attention import setup
+    from cpcompose.attention.blocks import MaskSpec
+    from cpcompose.layouts import resolve_layout
+
+    mask = MaskSpec(True, 9, 0)
+    for world in (setup.COMPACT_GATHER_MAX_WORLD, setup.COMPACT_GATHER_MAX_WORLD + 1):
+        layout, seq = resolve_layout("zigzag", world), 64 * world
+        width = setup.gathered_width(layout, mask, seq, world)
+        if world > setup.COMPACT_GATHER_MAX_WORLD:
+            assert width == 64 and all(rows == (slice(0, 64),) for rows in setup.gathered_rows(layout, mask, seq, world))
+            assert setup.cached_gathered_plan(layout, mask, seq, 3, 0, world) == setup.cached_plan(layout, mask, seq, 3, 0)
+        else:
+            assert width < 64 / 2  # a narrow causal window: only chunk edges are read across ranks
