@@ -9,7 +9,9 @@ other rank's plan reads (`setup.gathered_rows`), packed in order and padded to t
 longest rank's, with the plans renumbered to match. Under a causal mask or packed
 documents that is much less than the whole shard (nobody else reads a causal zigzag
 rank's late chunk; a packed rank's short documents stay home), and for a dense
-bidirectional mask it is the whole shard, as in Llama 3. Nothing is reordered into
+bidirectional mask it is the whole shard, as in Llama 3 (and always above
+`setup.COMPACT_GATHER_MAX_WORLD` ranks, where finding the rows would plan every pair
+of ranks). Nothing is reordered into
 global order: a full-sequence copy (and, in backward, a second one for the
 gradients) cost as much as the kernels on packed batches of short documents. The
 collectives run while the rank computes on its own K/V: the gather behind the local
