@@ -3,9 +3,9 @@
 from cpcompose.attention import CPContext, CPOptions, cp_attention
 from cpcompose.comm import CommMeter
 from cpcompose.distributed import ParallelDims
-from cpcompose.cp_dtensor import cp_distribute, cp_from_local, cp_full_tensor
+from cpcompose.sharding.dtensor import cp_distribute, cp_from_local, cp_full_tensor
 from cpcompose.layouts import ContiguousLayout, Layout, PackedLayout, ZigzagLayout, resolve_layout
-from cpcompose.packing import PackedShard, cp_shard_packed, pad_pack
+from cpcompose.sharding.packed import PackedShard, cp_shard_packed, pad_pack
 from cpcompose.parallel import (
     ContextParallel,
     allreduce_gradients,

@@ -33,7 +33,7 @@ from cpcompose.training.errors import TrainingError  # noqa: E402
 from cpcompose.training.faults import is_comm_failure  # noqa: E402
 from cpcompose.training.launch import launch_local, planned_world_size  # noqa: E402
 from cpcompose.training.metrics import stamp  # noqa: E402
-from cpcompose.training.plan import describe_plan  # noqa: E402
+from cpcompose.training.dry_run import describe_plan  # noqa: E402
 from cpcompose.training.preflight import preflight  # noqa: E402
 from cpcompose.training.trainer import Trainer  # noqa: E402
 

@@ -44,7 +44,7 @@ two calculations, with Kb = bytes of the global K (= V) and Qb = of Q (= out):
     other ranks' heads need and the output back, then dout out and dq, dk, dv back
     (when the K/V heads split evenly; with fewer K/V heads than ranks, a K/V head goes
     to every rank whose query heads read it, so more: Hkv=2 at P=4 sends 20% more).
-  Both come from `cpcompose.planning` (the cost model owns the volumes; its tests
+  Both come from `cpcompose.attention.cost` (the cost model owns the volumes; its tests
   check them against the meter on every rank). The ring sends less than dense under masks. Causal zigzag: rank r reads all of a
   later rank's shard but only the early chunk of an earlier rank's, so rank P-1 (the
   busiest sender) sends 4*(P-1)/P*Kb of K/V plus (P-1)/P*Kb of gradients = 5/6 of
@@ -114,8 +114,8 @@ from cpcompose.attention.alltoall import query_head_ranges  # noqa: E402
 from cpcompose.attention.blocks import BlockTask, MaskSpec, plan  # noqa: E402
 from cpcompose.data import long_tailed_lengths  # noqa: E402
 from cpcompose.layouts import LAYOUTS, Layout, PackedLayout, resolve_layout  # noqa: E402
-from cpcompose.packing import pad_pack  # noqa: E402
-from cpcompose.planning import AttentionCall, bytes_sent  # noqa: E402
+from cpcompose.sharding.packed import pad_pack  # noqa: E402
+from cpcompose.attention.cost import AttentionCall, bytes_sent  # noqa: E402
 
 B, H, HKV, D = 1, 8, 2, 64
 DTYPE = torch.float32

@@ -6,7 +6,7 @@ factorisation 1 < a < P once it exists): a barrier before every repeat, a repeat
 time the max over ranks, the median and the best of `--repeats` after a warm-up
 (other processes on a shared machine only ever add time, so the best is the
 cleaner measurement of the strategy itself; both are printed). Next to it the
-cost model's prediction (`cpcompose.planning.predict`, constants from
+cost model's prediction (`cpcompose.attention.cost.predict`, constants from
 `--calibration`, default bench_results/calibration.json if present, else the
 shipped `CPU_DEFAULT`) and the relative error (predicted / measured - 1) against each. The bytes
 each rank's `CommMeter` counted are compared with the model's `bytes_per_rank`
@@ -45,8 +45,8 @@ from cpcompose.attention import STRATEGIES
 from cpcompose.attention.blocks import MaskSpec
 from cpcompose.data import long_tailed_lengths
 from cpcompose.layouts import Layout, PackedLayout, resolve_layout
-from cpcompose.packing import pad_pack
-from cpcompose.planning import CPU_DEFAULT, AttentionCall, Calibration, Topology, predict
+from cpcompose.sharding.packed import pad_pack
+from cpcompose.attention.cost import CPU_DEFAULT, AttentionCall, Calibration, Topology, predict
 
 CALLS: list[dict[str, Any]] = [
     {"name": "dense MHA", "H": 8, "Hkv": 8, "L": 4096},

@@ -49,8 +49,8 @@ from cpcompose.attention.agreement import AgreementCache
 from cpcompose.attention.blocks import MaskSpec
 from cpcompose.attention.options import CPOptions
 from cpcompose.attention.ring import ring_round
-from cpcompose.attention.setup import cached_plan
-from cpcompose.data.packing import long_tailed_lengths
+from cpcompose.attention.call_setup import cached_plan
+from cpcompose.data.documents import long_tailed_lengths
 from cpcompose.layouts import Layout, PackedLayout, ZigzagLayout
 
 

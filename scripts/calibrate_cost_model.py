@@ -25,7 +25,7 @@ gloo, so the model costs causal blocks as the row tiles cpcompose runs there and
 gradients' reduce-scatter as gloo's all-to-all and local sum.
 
 Usage: `python scripts/calibrate_cost_model.py [--out bench_results/calibration.json]`.
-The printed table and the JSON are what `cpcompose.planning.CPU_DEFAULT` ships.
+The printed table and the JSON are what `cpcompose.attention.cost.CPU_DEFAULT` ships.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cpcompose.attention.blocks import BlockTask, KernelArgs, backward_blocks, forward_blocks
 from cpcompose.attention.kernels import attention_backward, attention_forward
 from cpcompose.attention.merge import SoftmaxAccumulator
-from cpcompose.planning import INTER, INTRA, Calibration, Link
+from cpcompose.attention.cost import INTER, INTRA, Calibration, Link
 
 H, HKV, D = 8, 2, 64
 BLOCKS = (32, 128, 256, 512, 1024, 2048, 4096)

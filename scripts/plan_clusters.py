@@ -1,6 +1,6 @@
 """Apply the cost model to clusters this project cannot run on; writes docs/strategy_choice_tables.md.
 
-For 8 x H100 nodes (`cpcompose.planning.H100_CLUSTER`: published constants), Llama-3
+For 8 x H100 nodes (`cpcompose.attention.cost.H100_CLUSTER`: published constants), Llama-3
 8B and 70B attention shapes (B=1, bf16, causal), P from 8 to 256 CP ranks (8 per
 node), 128k to 1M tokens, dense (zigzag) and packed (long-tailed documents,
 `PackedLayout.build`), it predicts every candidate's forward+backward time with
@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cpcompose.attention.blocks import MaskSpec
 from cpcompose.data import long_tailed_lengths
 from cpcompose.layouts import Layout, PackedLayout, resolve_layout
-from cpcompose.planning import H100_CLUSTER, AttentionCall, Choice, Topology, choose_strategy, predict
+from cpcompose.attention.cost import H100_CLUSTER, AttentionCall, Choice, Topology, choose_strategy, predict
 
 MODELS = {"Llama-3-8B": (32, 8, 128), "Llama-3-70B": (64, 8, 128)}
 LOCK = Path("/work/BENCH_LOCK")

@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from cpcompose import PackedLayout, cp_attention
 from cpcompose.attention.agreement import AgreementCache, agreement_cache
 from cpcompose.attention.blocks import MaskSpec, needed_rows, plan
-from cpcompose.attention.setup import GLOBAL, cached_plan
+from cpcompose.attention.call_setup import GLOBAL, cached_plan
 from cpcompose.layouts import ZigzagLayout
 from tests.attention_cases import Case, run_cp
 

@@ -31,7 +31,7 @@ from cpcompose import (
     cp_shard_packed,
     cp_unshard,
 )
-from cpcompose.planning import CPU_DEFAULT
+from cpcompose.attention.cost import CPU_DEFAULT
 
 
 def _qkv(**shape: int) -> list[torch.Tensor]:
@@ -152,7 +152,7 @@ CASES: dict[str, tuple[Callable, str, str]] = {
                               "differ between CP ranks (strategy, alltoall_size)"),
     "auto_with_alltoall_size": (attention(strategy="auto", alltoall_size=2), SHARED, "'auto' chooses it"),
     "auto_calibration_wrong_type": (attention(strategy="auto", calibration="fast"), SHARED,
-                                    "calibration must be a cpcompose.planning.Calibration"),
+                                    "calibration must be a cpcompose.attention.cost.Calibration"),
     "calibration_without_auto": (attention(calibration=CPU_DEFAULT), SHARED, "only used by strategy='auto'"),
     "auto_differs": (attention(strategy="auto"), SHARED, "differ between CP ranks (strategy"),
     "layout_wrong_world": (attention(layout=PackedLayout.build([0, 16], 4)), SHARED, "built for 4 CP ranks"),

@@ -237,7 +237,7 @@ def test_validate_mode_reaches_the_attention_options() -> None:
 
 def test_auto_calibration_file(tmp_path) -> None:
     """`parallelism.cp_calibration`: a calibration JSON for `auto`, checked when the config is read."""
-    from cpcompose.planning import CPU_DEFAULT
+    from cpcompose.attention.cost import CPU_DEFAULT
 
     path = tmp_path / "machine.json"
     CPU_DEFAULT.save(path)

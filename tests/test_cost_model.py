@@ -1,4 +1,4 @@
-"""The cost model (`cpcompose.planning`): exact bytes, a deterministic choice, sensible trends.
+"""The cost model (`cpcompose.attention.cost`): exact bytes, a deterministic choice, sensible trends.
 
 The byte counts are checked against the `CommMeter` of real gloo runs, on every
 rank, forward and forward+backward separately; everything else is pure arithmetic
@@ -23,9 +23,9 @@ import pytest
 
 from cpcompose.attention import cpu_tiles
 from cpcompose.attention.blocks import BlockTask, MaskSpec, split_work
-from cpcompose.attention.setup import cached_halves, cached_plan
+from cpcompose.attention.call_setup import cached_halves, cached_plan
 from cpcompose.layouts import PackedLayout, resolve_layout
-from cpcompose.planning import (
+from cpcompose.attention.cost import (
     CPU_DEFAULT,
     H100_CLUSTER,
     AttentionCall,
@@ -37,9 +37,9 @@ from cpcompose.planning import (
     predict,
     transfers,
 )
-from cpcompose.planning.calibration import INTER, INTRA, Link
-from cpcompose.planning.model import kernel_calls, task_costs
-from cpcompose.planning.traffic import block_plan, block_size, work
+from cpcompose.attention.cost.calibration import INTER, INTRA, Link
+from cpcompose.attention.cost.model import kernel_calls, task_costs
+from cpcompose.attention.cost.traffic import block_plan, block_size, work
 from tests.attention_cases import Case, run_cp
 from tests.packed_cases import PackedCase, run_packed
 
@@ -115,7 +115,7 @@ def test_choice_is_deterministic_and_complete() -> None:
 
 def test_ties_go_to_the_earlier_candidate(monkeypatch) -> None:
     """Equal predictions: the fixed candidate order decides, whatever order the caller lists them in."""
-    from cpcompose.planning import choose
+    from cpcompose.attention.cost import choose
 
     def same(call, strategy, topology, calibration, alltoall_size=None, backward=True):
         return StrategyCost(strategy, alltoall_size, 1.0, 1.0, (), (), 0, 0)
@@ -131,7 +131,7 @@ _CHILD = """
 import json, sys
 from cpcompose.attention.blocks import MaskSpec
 from cpcompose.layouts import resolve_layout
-from cpcompose.planning import H100_CLUSTER, CPU_DEFAULT, AttentionCall, Topology, choose_strategy
+from cpcompose.attention.cost import H100_CLUSTER, CPU_DEFAULT, AttentionCall, Topology, choose_strategy
 call = AttentionCall(1, 32, 8, 128, 1 << 17, resolve_layout("zigzag", 16), MaskSpec(True), dtype="bfloat16")
 c = choose_strategy(call, Topology(8), H100_CLUSTER, 16)
 print(json.dumps([H100_CLUSTER.fingerprint(), CPU_DEFAULT.fingerprint(), c.strategy, c.alltoall_size,

@@ -165,7 +165,7 @@ def test_documents_make_the_allgather_send_less(pools, causal: bool) -> None:
     causal rank's late pieces are read by nobody else, and when every document lies within one rank nothing is
     gathered at all. Exact in every case."""
     from cpcompose.attention.blocks import MaskSpec
-    from cpcompose.attention.setup import gathered_width
+    from cpcompose.attention.call_setup import gathered_width
     from cpcompose.data import long_tailed_lengths
 
     pack = PackedCase("allgather", tuple(long_tailed_lengths(2048, 0)), causal, None, 4, 2, 2)  # 17 documents

@@ -31,7 +31,7 @@ from torch import Tensor
 
 from cpcompose.attention.blocks import backward_blocks, forward_blocks
 from cpcompose.attention.merge import SoftmaxAccumulator
-from cpcompose.attention.setup import AttentionSetup, finish_forward, float_zeros
+from cpcompose.attention.call_setup import AttentionSetup, finish_forward, float_zeros
 from cpcompose.comm import PendingCollective, start_all_gather, start_reduce_scatter
 from cpcompose.precision import accumulation_dtype
 

@@ -26,7 +26,7 @@ from torch import Tensor
 from cpcompose.attention.blocks import BlockTask, backward_blocks, forward_blocks
 from cpcompose.attention.kernels import attention_backward, attention_forward
 from cpcompose.attention.merge import SoftmaxAccumulator, keep_nan_rows
-from cpcompose.attention.setup import AttentionSetup, float_zeros
+from cpcompose.attention.call_setup import AttentionSetup, float_zeros
 from cpcompose.comm import CommMeter, CPGroup, all_to_all_pieces
 from cpcompose.precision import accumulation_dtype
 

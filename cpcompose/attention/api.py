@@ -20,8 +20,8 @@ from cpcompose.attention.op import CPContext, compiled_attention
 from cpcompose.attention import auto
 from cpcompose.attention.options import AUTO, CHOICES, STRATEGY_NAMES, VALIDATE_MODES, CPOptions
 from cpcompose.attention.ring import RingAttention
-from cpcompose.attention.setup import AttentionSetup
-from cpcompose.attention.twod import AllToAllRingAttention
+from cpcompose.attention.call_setup import AttentionSetup
+from cpcompose.attention.alltoall_ring import AllToAllRingAttention
 from cpcompose.comm import CommMeter, CPGroup
 from cpcompose.layouts import Layout, resolve_layout
 from cpcompose.validation import Field, dtype_code, float_code, shape_fields

@@ -8,7 +8,7 @@ call signature (cached), so layers with different masks (global and sliding-wind
 and batches with different documents may each get their own strategy. The first
 call of each signature logs one line on CP rank 0 (logger "cpcompose.auto") with
 every candidate's predicted time, and the choice is counted in the call's
-`CommMeter` (the trainer's TensorBoard shows it). See `cpcompose.planning`.
+`CommMeter` (the trainer's TensorBoard shows it). See `cpcompose.attention.cost`.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from torch import Tensor
 from cpcompose.attention.blocks import MaskSpec
 from cpcompose.attention.options import AUTO, CPOptions
 from cpcompose.layouts import Layout
-from cpcompose.planning import AttentionCall, Calibration, Choice, Topology, choose_strategy
-from cpcompose.planning.calibration import default_calibration
+from cpcompose.attention.cost import AttentionCall, Calibration, Choice, Topology, choose_strategy
+from cpcompose.attention.cost.calibration import default_calibration
 
 log = logging.getLogger("cpcompose.auto")
 

@@ -32,7 +32,7 @@ class CPOptions:
         strategy: "ring" (K/V point-to-point), "allgather" (gather K/V),
             "alltoall" (Ulysses: heads for sequence) or "alltoall_ring" (2-D: Ulysses
             inside blocks of `alltoall_size` consecutive ranks, a ring across the blocks),
-            or "auto": the cost model (`cpcompose.planning`) picks one of those, and the
+            or "auto": the cost model (`cpcompose.attention.cost`) picks one of those, and the
             2-D block size, for each call signature, the same on every rank.
         layout: how the shards were cut: a registered name ("zigzag", the default,
             or "contiguous") or a `Layout` object such as a `PackedLayout`.
@@ -52,10 +52,10 @@ class CPOptions:
             in a node keeps the all-to-all on the node's fast links. alltoall_size=P is
             Ulysses, 1 is the ring.
         calibration: "auto" only: the machine constants of the cost model (a
-            `cpcompose.planning.Calibration`, e.g. loaded from the JSON of
+            `cpcompose.attention.cost.Calibration`, e.g. loaded from the JSON of
             `scripts/calibrate_cost_model.py`); None = the shipped defaults for the
             device type. Its fingerprint joins the agreement: every rank must use the same.
-        topology: "auto" only: which CP ranks share a node (`cpcompose.planning.Topology`);
+        topology: "auto" only: which CP ranks share a node (`cpcompose.attention.cost.Topology`);
             None = LOCAL_WORLD_SIZE ranks per node when torchrun sets it, else one node.
     """
 
@@ -66,8 +66,8 @@ class CPOptions:
     meter: CommMeter | None = None
     validate: Validate = "first_call"
     alltoall_size: int | None = None
-    calibration: Any = None  # cpcompose.planning.Calibration (not imported here: planning imports attention)
-    topology: Any = None  # cpcompose.planning.Topology
+    calibration: Any = None  # cpcompose.attention.cost.Calibration (not imported here: planning imports attention)
+    topology: Any = None  # cpcompose.attention.cost.Topology
 
     def replace(self, **changes: Any) -> "CPOptions":
         """A copy with `changes` (TypeError names an unknown option, as a function call would)."""
@@ -87,12 +87,12 @@ class CPOptions:
         """What is wrong with the machine model `auto` would use (or its presence without `auto`), or None."""
         if self.calibration is None and self.topology is None:
             return None
-        from cpcompose.planning import Calibration, Topology  # planning imports attention: not at module level
+        from cpcompose.attention.cost import Calibration, Topology  # planning imports attention: not at module level
 
         if self.calibration is not None and not isinstance(self.calibration, Calibration):
-            return f"calibration must be a cpcompose.planning.Calibration, got {type(self.calibration).__name__}"
+            return f"calibration must be a cpcompose.attention.cost.Calibration, got {type(self.calibration).__name__}"
         if self.topology is not None and not isinstance(self.topology, Topology):
-            return f"topology must be a cpcompose.planning.Topology, got {type(self.topology).__name__}"
+            return f"topology must be a cpcompose.attention.cost.Topology, got {type(self.topology).__name__}"
         if (self.calibration is not None or self.topology is not None) and self.strategy != AUTO:
             return (f"calibration and topology are only used by strategy='auto' (got strategy={self.strategy!r}): "
                     "drop them or set strategy='auto'")

@@ -30,7 +30,7 @@ from torch import Tensor
 
 from cpcompose.attention.blocks import BlockTask, KernelArgs, MaskSpec, backward_blocks, forward_blocks, needed_rows
 from cpcompose.attention.merge import SoftmaxAccumulator
-from cpcompose.attention.setup import (
+from cpcompose.attention.call_setup import (
     PLAN_CACHE_SIZE, AttentionSetup, cached_halves, cached_plan, finish_forward, float_zeros,
 )
 from cpcompose.comm import PendingRecv, RingComm

@@ -147,7 +147,7 @@ class Parallelism:
         """The CP attention options these settings describe: one object, from here to every attention call."""
         calibration = None
         if self.cp_calibration is not None:
-            from cpcompose.planning import Calibration
+            from cpcompose.attention.cost import Calibration
 
             calibration = Calibration.load(self.cp_calibration)
         return CPOptions(

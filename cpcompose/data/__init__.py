@@ -9,7 +9,7 @@ remembers its position exactly. Nothing here uses process groups.
 from cpcompose.data.batch import IGNORE_INDEX, Batch, ParamProblem, Sample, SampleSource
 from cpcompose.data.copy_task import SyntheticCopy, copy_task_problem
 from cpcompose.data.loader import TokenBatcher, build_data_source
-from cpcompose.data.packing import document_cu_seqlens, long_tailed_lengths, mask_document_crossings
+from cpcompose.data.documents import document_cu_seqlens, long_tailed_lengths, mask_document_crossings
 from cpcompose.data.synthetic import SyntheticRecall, recall_task_problem
 from cpcompose.data.text import TextSource, read_documents
 from cpcompose.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, build_tokenizer

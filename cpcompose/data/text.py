@@ -11,7 +11,7 @@ from torch import Tensor
 
 from cpcompose.data._rng import seeded_generator
 from cpcompose.data.batch import Sample
-from cpcompose.data.packing import document_cu_seqlens, mask_document_crossings
+from cpcompose.data.documents import document_cu_seqlens, mask_document_crossings
 from cpcompose.data.tokenizer import Tokenizer
 
 __all__ = ["TextSource", "read_documents"]

@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from cpcompose.comm import CPGroup
 from cpcompose.layouts import PackedLayout
 from cpcompose.layouts.packed import Balance
-from cpcompose.packing import pad_pack
+from cpcompose.sharding.packed import pad_pack
 from cpcompose.validation import agree_across_ranks, shape_fields
 
 

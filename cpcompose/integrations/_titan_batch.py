@@ -30,7 +30,7 @@ from cpcompose.attention.options import CHOICES, CPOptions
 from cpcompose.comm import CPGroup
 from cpcompose.layouts import Layout, PackedLayout, resolve_layout
 from cpcompose.layouts.packed import BALANCES
-from cpcompose.packing import pad_pack
+from cpcompose.sharding.packed import pad_pack
 from cpcompose.parallel.dispatch import CPAttentionMode
 from cpcompose.validation import agree_across_ranks, shape_fields
 

@@ -3,7 +3,7 @@
 from cpcompose.parallel.context import context_parallel, context_parallel_unshard
 from cpcompose.parallel.dispatch import CPAttentionMode, active_cp_region
 from cpcompose.parallel.loss import allreduce_gradients, cp_cross_entropy, global_token_count
-from cpcompose.parallel.plan import parallelize_module
+from cpcompose.parallel.parallelize import parallelize_module
 from cpcompose.parallel.recompute import recompute_context
 from cpcompose.parallel.style import ContextParallel
 

@@ -21,7 +21,7 @@ from cpcompose.attention.options import CPOptions
 from cpcompose.comm import CPGroup
 from cpcompose.layouts import LayoutSpec, layout_error, resolve_layout
 from cpcompose.parallel.dispatch import CPAttentionMode
-from cpcompose.sharding import cp_unshard, dim_error
+from cpcompose.sharding.tensors import cp_unshard, dim_error
 from cpcompose.validation import agree_across_ranks, shape_fields
 
 

@@ -16,7 +16,7 @@ what it routed, so a region in which no attention went through CP raises too.
 
 Arguments may be plain tensors (this rank's sequence shard) or DTensors placed
 `Shard(2)` on the CP mesh dimension whose split is the region's (see
-`cpcompose.cp_dtensor`); other mesh dims (e.g. TP's head sharding) are kept as
+`cpcompose.sharding.dtensor`); other mesh dims (e.g. TP's head sharding) are kept as
 they are, and the result has the same form. Every refusal (masks, dropout, GQA
 flags, placements) joins the cross-rank agreement, so all ranks raise it or none.
 """
@@ -36,7 +36,7 @@ from cpcompose import _compat
 from cpcompose.attention.api import attend
 from cpcompose.attention.op import CPContext, compiled_attention
 from cpcompose.attention.options import CPOptions
-from cpcompose.cp_dtensor import cp_dim_name, split_mismatch
+from cpcompose.sharding.dtensor import cp_dim_name, split_mismatch
 from cpcompose.layouts import Layout, resolve_layout
 from cpcompose.parallel.mha import multi_head_attention_forward
 

@@ -12,7 +12,7 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from cpcompose.attention.op import CPContext
 from cpcompose.attention.options import CPOptions
-from cpcompose.cp_dtensor import split_mismatch
+from cpcompose.sharding.dtensor import split_mismatch
 from cpcompose.layouts import LayoutSpec
 from cpcompose.parallel.dispatch import CPAttentionMode
 

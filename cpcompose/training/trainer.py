@@ -29,7 +29,7 @@ from cpcompose.data import IGNORE_INDEX, Batch, build_data_source
 from cpcompose.distributed import ParallelDims, build_pipeline_schedule, build_pipeline_stage, flat_mesh
 from cpcompose.layouts import PackedLayout, resolve_layout
 from cpcompose.models import get_model_spec
-from cpcompose.packing import pad_pack
+from cpcompose.sharding.packed import pad_pack
 from cpcompose.parallel import ContextParallel, cp_cross_entropy
 from cpcompose.training.checkpoint import CheckpointManager
 from cpcompose.training.errors import TrainingError

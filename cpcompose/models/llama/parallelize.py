@@ -38,7 +38,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from cpcompose.distributed import ParallelDims, apply_activation_checkpointing, apply_compile, apply_fsdp
 from cpcompose.models.llama.model import Llama
-from cpcompose.parallel.plan import parallelize_module
+from cpcompose.parallel.parallelize import parallelize_module
 from cpcompose.parallel.style import ContextParallel
 
 __all__ = ["parallelize_llama"]

@@ -4,7 +4,7 @@ Pure functions of the call, the topology and the constants: no process group, no
 communication, the same answer on every rank.
 """
 
-from cpcompose.planning.calibration import (
+from cpcompose.attention.cost.calibration import (
     CPU_DEFAULT,
     H100_CLUSTER,
     INTER,
@@ -14,10 +14,10 @@ from cpcompose.planning.calibration import (
     Topology,
     default_calibration,
 )
-from cpcompose.planning.call import AttentionCall
-from cpcompose.planning.choose import CANDIDATE_STRATEGIES, Choice, candidates, choose_strategy
-from cpcompose.planning.model import StrategyCost, predict
-from cpcompose.planning.traffic import Transfer, bytes_sent, transfers
+from cpcompose.attention.cost.call import AttentionCall
+from cpcompose.attention.cost.choose import CANDIDATE_STRATEGIES, Choice, candidates, choose_strategy
+from cpcompose.attention.cost.model import StrategyCost, predict
+from cpcompose.attention.cost.traffic import Transfer, bytes_sent, transfers
 
 __all__ = [
     "CANDIDATE_STRATEGIES", "CPU_DEFAULT", "H100_CLUSTER", "INTER", "INTRA", "AttentionCall", "Calibration", "Choice",

@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from cpcompose.comm import CPGroup
 from cpcompose.layouts import Layout, LayoutSpec, resolve_layout
-from cpcompose.sharding import cp_shard, cp_unshard
+from cpcompose.sharding.tensors import cp_shard, cp_unshard
 
 _TAG_SEP = "@"
 

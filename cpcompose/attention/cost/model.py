@@ -63,10 +63,10 @@ from dataclasses import dataclass
 from cpcompose.attention import cpu_tiles
 from cpcompose.attention.alltoall import one_kernel_call
 from cpcompose.attention.blocks import BlockTask, split_work
-from cpcompose.attention.setup import gathered_width
-from cpcompose.planning.calibration import INTER, INTRA, LEVELS, Calibration, Topology
-from cpcompose.planning.call import AttentionCall
-from cpcompose.planning.traffic import (
+from cpcompose.attention.call_setup import gathered_width
+from cpcompose.attention.cost.calibration import INTER, INTRA, LEVELS, Calibration, Topology
+from cpcompose.attention.cost.call import AttentionCall
+from cpcompose.attention.cost.traffic import (
     COLLECTIVE,
     RankWork,
     Transfer,

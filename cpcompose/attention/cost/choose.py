@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from cpcompose.planning.calibration import Calibration, Topology
-from cpcompose.planning.call import AttentionCall
-from cpcompose.planning.model import StrategyCost, predict
+from cpcompose.attention.cost.calibration import Calibration, Topology
+from cpcompose.attention.cost.call import AttentionCall
+from cpcompose.attention.cost.model import StrategyCost, predict
 
 ONE_D: tuple[str, ...] = ("ring", "allgather", "alltoall")
 TWO_D = "alltoall_ring"

@@ -34,10 +34,10 @@ from typing import Literal
 
 from cpcompose.attention.alltoall import kv_head_ranges, query_head_ranges
 from cpcompose.attention.blocks import BlockTask, MaskSpec, needed_rows, plan
-from cpcompose.attention.setup import gathered_width
+from cpcompose.attention.call_setup import gathered_width
 from cpcompose.layouts import Layout, Run
 from cpcompose.layouts.grouped import grouped
-from cpcompose.planning.call import AttentionCall
+from cpcompose.attention.cost.call import AttentionCall
 
 COLLECTIVE = -1  # `Transfer.round` of a collective (not part of a ring round)
 

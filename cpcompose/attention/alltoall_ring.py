@@ -42,7 +42,7 @@ from cpcompose.attention.alltoall import (
 from cpcompose.attention.blocks import MaskSpec
 from cpcompose.attention.merge import SoftmaxAccumulator
 from cpcompose.attention.ring import Rounds, RingView, ring_backward, ring_forward, ring_round
-from cpcompose.attention.setup import AttentionSetup
+from cpcompose.attention.call_setup import AttentionSetup
 from cpcompose.comm import RingComm
 from cpcompose.layouts import Layout, resolve_layout
 from cpcompose.layouts.grouped import grouped
