@@ -47,7 +47,9 @@ import torch.multiprocessing as tmp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cpcompose.attention.blocks import BlockTask, KernelArgs, backward_blocks, forward_blocks
+from cpcompose.attention.blocks import BlockTask
+from cpcompose.attention.execute import backward_blocks, forward_blocks
+from cpcompose.attention.kernels import KernelArgs
 from cpcompose.attention.kernels import attention_backward, attention_forward
 from cpcompose.attention.merge import SoftmaxAccumulator
 from cpcompose.attention.cost import INTER, INTRA, Calibration, Link

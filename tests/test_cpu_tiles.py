@@ -17,7 +17,9 @@ import pytest
 import torch
 
 from cpcompose.attention import cpu_tiles
-from cpcompose.attention.blocks import NO_WINDOW, BlockTask, KernelArgs, backward_blocks, forward_blocks, split_work
+from cpcompose.attention.blocks import NO_WINDOW, BlockTask, split_work
+from cpcompose.attention.execute import backward_blocks, forward_blocks
+from cpcompose.attention.kernels import KernelArgs
 from cpcompose.attention.merge import SoftmaxAccumulator
 
 

@@ -17,8 +17,10 @@ import itertools
 import pytest
 import torch
 
-from cpcompose.attention import blocks, kernels, varlen
-from cpcompose.attention.blocks import KernelArgs, MaskSpec, backward_blocks, forward_blocks, plan
+from cpcompose.attention import execute, kernels, varlen
+from cpcompose.attention.blocks import MaskSpec, plan
+from cpcompose.attention.execute import backward_blocks, forward_blocks
+from cpcompose.attention.kernels import KernelArgs
 from cpcompose.attention.merge import SoftmaxAccumulator
 from cpcompose.layouts import PackedLayout
 
@@ -86,7 +88,7 @@ def test_varlen_route_matches_one_call_per_block(monkeypatch, batch: int, heads:
 
     per_block = run()
     calls: list[int] = []
-    monkeypatch.setattr(blocks, "supports_varlen", lambda backend: True)
+    monkeypatch.setattr(execute, "supports_varlen", lambda backend: True)
     monkeypatch.setattr(kernels, "varlen_forward",
                         lambda *a, **kw: calls.append(1) or reference_varlen_forward(*a, **kw))
     monkeypatch.setattr(kernels, "varlen_backward", reference_varlen_backward)

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from cpcompose.attention.blocks import backward_blocks, forward_blocks
+from cpcompose.attention.execute import backward_blocks, forward_blocks
 from cpcompose.attention.merge import SoftmaxAccumulator
 from cpcompose.attention.call_setup import AttentionSetup, finish_forward, float_zeros
 from cpcompose.comm import PendingCollective, start_all_gather, start_reduce_scatter

@@ -17,13 +17,13 @@ the output to sequence shards. Works for any head count:
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
-from cpcompose.attention.blocks import BlockTask, backward_blocks, forward_blocks
+from cpcompose.attention.blocks import one_kernel_call
+from cpcompose.attention.execute import backward_blocks, forward_blocks
 from cpcompose.attention.kernels import attention_backward, attention_forward
 from cpcompose.attention.merge import SoftmaxAccumulator, keep_nan_rows
 from cpcompose.attention.call_setup import AttentionSetup, float_zeros
@@ -176,16 +176,6 @@ def _heads_to_seq(tensors: list[Tensor], ranges: list[list[HeadRange]], setup: A
     group = HeadGroup(0, setup.cp.world, setup.cp.rank)
     rank_major = [setup.layout.to_rank_major(t, dim=2) for t in tensors]
     return heads_to_seq(rank_major, ranges, setup.cp, setup.meter, group)
-
-
-def one_kernel_call(tasks: Sequence[BlockTask], rows: int) -> bool:
-    """Whether the full-sequence plan is one block over all `rows` that the kernel masks itself.
-
-    Then it runs as one kernel call on the whole tensors (no slicing, no merge, no
-    tiling: a single document's causal mask is the kernel's own); the cost model
-    reads the same rule.
-    """
-    return len(tasks) == 1 and tasks[0].q == tasks[0].kv == slice(0, rows) and tasks[0].kind != "band"
 
 
 def _attend(q: Tensor, k: Tensor, v: Tensor, setup: AttentionSetup) -> tuple[Tensor, Tensor]:

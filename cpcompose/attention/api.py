@@ -14,8 +14,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from cpcompose.attention.agreement import CallSpec, agreed_call
 from cpcompose.attention.allgather import AllGatherAttention
 from cpcompose.attention.alltoall import AllToAllAttention
-from cpcompose.attention.blocks import KernelArgs, MaskSpec
-from cpcompose.attention.kernels import select_backend
+from cpcompose.attention.blocks import MaskSpec
+from cpcompose.attention.kernels import KernelArgs, select_backend
 from cpcompose.attention.op import CPContext, compiled_attention
 from cpcompose.attention import auto
 from cpcompose.attention.options import AUTO, CHOICES, STRATEGY_NAMES, VALIDATE_MODES, CPOptions

@@ -1,4 +1,4 @@
-"""Which (query block, key block) pairs to compute, with which mask, and running them.
+"""Which (query block, key block) pairs to compute, and with which mask: pure index arithmetic.
 
 A local tensor (this rank's queries, or a block of keys/values) is described by
 *runs*: stretches of consecutive global positions of one document, stored in
@@ -18,7 +18,8 @@ the fewest kernel calls that cover exactly the visible pairs:
 
 Fully masked pairs are never computed: a fully masked row comes back from the CPU
 kernel with lse=0 instead of -inf and would poison the merge. Every strategy uses
-this planner, so the masks are written once.
+this planner, so the masks are written once. Running the blocks on a kernel is
+`cpcompose.attention.execute`.
 """
 
 from __future__ import annotations
@@ -29,11 +30,7 @@ from typing import Literal, Sequence
 import torch
 from torch import Tensor
 
-from cpcompose.attention import cpu_tiles, varlen
-from cpcompose.attention.kernels import (
-    UNBOUNDED, Backend, Band, attention_backward, attention_forward, supports_varlen,
-)
-from cpcompose.attention.merge import SoftmaxAccumulator
+from cpcompose.attention.kernels import UNBOUNDED, Band
 from cpcompose.layouts import Run
 
 NO_WINDOW = UNBOUNDED
@@ -241,58 +238,11 @@ def split_work(tasks: Sequence[BlockTask]) -> tuple[tuple[BlockTask, ...], tuple
     return tuple(tasks), ()
 
 
-@dataclass(frozen=True)
-class KernelArgs:
-    """What every kernel call of one attention shares."""
+def one_kernel_call(tasks: Sequence[BlockTask], rows: int) -> bool:
+    """Whether a full-sequence plan is one block over all `rows` that the kernel masks itself.
 
-    scale: float
-    backend: Backend
-    softcap: float | None = None  # logit cap (`softcap * tanh(s / softcap)`); None = no cap
-
-
-def forward_blocks(
-    acc: SoftmaxAccumulator, q: Tensor, k: Tensor, v: Tensor, tasks: Sequence[BlockTask], kernel: KernelArgs
-) -> None:
-    """Run the tasks' forward kernels and merge each into `acc` (varlen groups where the kernel has them)."""
-    if supports_varlen(kernel.backend):
-        grouped, tasks = varlen.groups(tasks, q.shape[0], q.device)
-        for group in grouped:
-            varlen.forward(acc, q, k, v, group, kernel)
-    elif kernel.backend == "cpu_flash":
-        tasks = cpu_tiles.cpu_tasks(tasks)
-    for t in tasks:
-        out, lse = attention_forward(
-            q[:, :, t.q], k[:, :, t.kv], v[:, :, t.kv], causal=t.kind == "causal", scale=kernel.scale,
-            backend=kernel.backend, band=t.band, softcap=kernel.softcap,
-        )
-        acc.merge(t.q, out, lse)
-
-
-def backward_blocks(
-    grads: tuple[Tensor, Tensor, Tensor],
-    dout: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    out: Tensor,
-    lse: Tensor,
-    tasks: Sequence[BlockTask],
-    kernel: KernelArgs,
-) -> None:
-    """Add the tasks' `(dq, dk, dv)` into the float32 accumulators `grads`."""
-    dq_acc, dk_acc, dv_acc = grads
-    if supports_varlen(kernel.backend):
-        grouped, tasks = varlen.groups(tasks, q.shape[0], q.device)
-        for group in grouped:
-            varlen.backward(grads, dout, q, k, v, out, lse, group, kernel)
-    elif kernel.backend == "cpu_flash":
-        tasks = cpu_tiles.cpu_tasks(tasks)
-    for t in tasks:
-        dq, dk, dv = attention_backward(
-            dout[:, :, t.q], q[:, :, t.q], k[:, :, t.kv], v[:, :, t.kv], out[:, :, t.q], lse[:, :, t.q],
-            causal=t.kind == "causal", scale=kernel.scale, backend=kernel.backend, band=t.band,
-            softcap=kernel.softcap,
-        )
-        dq_acc[:, :, t.q] += dq
-        dk_acc[:, :, t.kv] += dk
-        dv_acc[:, :, t.kv] += dv
+    Then it runs as one kernel call on the whole tensors (no slicing, no merge, no
+    tiling: a single document's causal mask is the kernel's own); all-to-all runs it so
+    and the cost model reads the same rule.
+    """
+    return len(tasks) == 1 and tasks[0].q == tasks[0].kv == slice(0, rows) and tasks[0].kind != "band"

@@ -10,7 +10,8 @@ from typing import Any
 
 from torch import Tensor
 
-from cpcompose.attention.blocks import BlockTask, KernelArgs, MaskSpec, needed_rows, plan, split_work
+from cpcompose.attention.blocks import BlockTask, MaskSpec, needed_rows, plan, split_work
+from cpcompose.attention.kernels import KernelArgs
 from cpcompose.attention.merge import SoftmaxAccumulator
 from cpcompose.comm import CommMeter, CPGroup
 from cpcompose.layouts import Layout

@@ -22,12 +22,10 @@ and the plans themselves (what every strategy sends and computes) stay the same.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
+from cpcompose.attention.blocks import BlockTask
 from cpcompose.attention.plan_memo import PlanMemo
-
-if TYPE_CHECKING:
-    from cpcompose.attention.blocks import BlockTask
 
 
 WHOLE_UP_TO = 256  # causal blocks of at most this many rows run as one call
@@ -40,7 +38,7 @@ def tile_rows(rows: int) -> int:
     return TILE if WHOLE_UP_TO < rows <= TILED_UP_TO else rows
 
 
-def tile_causal(task: "BlockTask", rows: int | None = None) -> list["BlockTask"]:
+def tile_causal(task: BlockTask, rows: int | None = None) -> list[BlockTask]:
     """One causal block as diagonal causal tiles of `rows` rows (default: the rule) and the full blocks left of them.
 
     A block of at most that many rows comes back as it is. A causal block's window,
@@ -51,20 +49,19 @@ def tile_causal(task: "BlockTask", rows: int | None = None) -> list["BlockTask"]
     b = rows or tile_rows(n)
     if n <= b:
         return [task]
-    block = type(task)
     tiles: list[BlockTask] = []
     for a in range(0, n, b):
         e = min(a + b, n)
-        tiles.append(block(slice(q0 + a, q0 + e), slice(k0 + a, k0 + e), "causal", window=task.window))
+        tiles.append(BlockTask(slice(q0 + a, q0 + e), slice(k0 + a, k0 + e), "causal", window=task.window))
         if a:
-            tiles.append(block(slice(q0 + a, q0 + e), slice(k0, k0 + a), "full"))
+            tiles.append(BlockTask(slice(q0 + a, q0 + e), slice(k0, k0 + a), "full"))
     return tiles
 
 
-def cpu_tasks(tasks: Sequence["BlockTask"]) -> Sequence["BlockTask"]:
+def cpu_tasks(tasks: Sequence[BlockTask]) -> Sequence[BlockTask]:
     """`tasks` with every causal block tiled; computed once per cached plan (`PlanMemo`)."""
 
-    def build() -> tuple["BlockTask", ...]:
+    def build() -> tuple[BlockTask, ...]:
         return tuple(t for task in tasks for t in (tile_causal(task) if task.kind == "causal" else (task,)))
 
     return _TILED.get(tasks, None, build)

@@ -28,6 +28,7 @@ to the explicit path, which the fused CUDA kernels do not support).
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
 import torch
@@ -103,6 +104,15 @@ class Band(NamedTuple):
         if (self.left < UNBOUNDED and left < 0) or (self.right < UNBOUNDED and right < 0):
             return None
         return left, right
+
+
+@dataclass(frozen=True)
+class KernelArgs:
+    """What every kernel call of one attention shares."""
+
+    scale: float
+    backend: Backend
+    softcap: float | None = None  # logit cap (`softcap * tanh(s / softcap)`); None = no cap
 
 
 def select_backend(q: Tensor, override: str | None = None) -> Backend:

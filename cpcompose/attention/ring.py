@@ -28,7 +28,9 @@ from typing import Any, NamedTuple, Protocol, Sequence
 import torch
 from torch import Tensor
 
-from cpcompose.attention.blocks import BlockTask, KernelArgs, MaskSpec, backward_blocks, forward_blocks, needed_rows
+from cpcompose.attention.blocks import BlockTask, MaskSpec, needed_rows
+from cpcompose.attention.execute import backward_blocks, forward_blocks
+from cpcompose.attention.kernels import KernelArgs
 from cpcompose.attention.merge import SoftmaxAccumulator
 from cpcompose.attention.call_setup import (
     PLAN_CACHE_SIZE, AttentionSetup, cached_halves, cached_plan, finish_forward, float_zeros,

@@ -17,24 +17,23 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import torch
 from torch import Tensor
 
 from cpcompose.attention import kernels
+from cpcompose.attention.blocks import BlockTask
+from cpcompose.attention.kernels import KernelArgs
+from cpcompose.attention.merge import SoftmaxAccumulator
 from cpcompose.attention.plan_memo import PlanMemo
-
-if TYPE_CHECKING:
-    from cpcompose.attention.blocks import BlockTask, KernelArgs
-    from cpcompose.attention.merge import SoftmaxAccumulator
 
 
 @dataclass(frozen=True)
 class VarlenGroup:
     """Blocks of one kind (full or causal) as one varlen call over a batch of `batch` rows."""
 
-    tasks: tuple["BlockTask", ...]
+    tasks: tuple[BlockTask, ...]
     causal: bool
     q_rows: Tensor  # local query rows, block after block (int64, on the device)
     kv_rows: Tensor  # local key rows, block after block
@@ -45,7 +44,7 @@ class VarlenGroup:
     starts: tuple[int, ...]  # where each block's rows start among q_rows
 
     @classmethod
-    def build(cls, tasks: Sequence["BlockTask"], causal: bool, batch: int, device: torch.device) -> "VarlenGroup":
+    def build(cls, tasks: Sequence[BlockTask], causal: bool, batch: int, device: torch.device) -> "VarlenGroup":
         q_len = [t.q.stop - t.q.start for t in tasks]
         k_len = [t.kv.stop - t.kv.start for t in tasks]
 
@@ -68,7 +67,7 @@ class VarlenGroup:
         return x.view(batch, -1, *x.shape[1:]).permute(0, 2, 1, 3)
 
 
-def groups(tasks: Sequence["BlockTask"], batch: int, device: torch.device) -> tuple[list[VarlenGroup], list]:
+def groups(tasks: Sequence[BlockTask], batch: int, device: torch.device) -> tuple[list[VarlenGroup], list]:
     """The varlen groups of a plan (full blocks, causal blocks: two or more of a kind) and the tasks left over."""
 
     def build() -> tuple[list[VarlenGroup], list]:
@@ -82,8 +81,8 @@ def groups(tasks: Sequence["BlockTask"], batch: int, device: torch.device) -> tu
 _GROUPS = PlanMemo()
 
 
-def forward(acc: "SoftmaxAccumulator", q: Tensor, k: Tensor, v: Tensor, group: VarlenGroup,
-            kernel: "KernelArgs") -> None:
+def forward(acc: SoftmaxAccumulator, q: Tensor, k: Tensor, v: Tensor, group: VarlenGroup,
+            kernel: KernelArgs) -> None:
     """One varlen call for the group's blocks, each merged into `acc` as its own block."""
     batch = q.shape[0]
     out, lse = kernels.varlen_forward(
@@ -98,7 +97,7 @@ def forward(acc: "SoftmaxAccumulator", q: Tensor, k: Tensor, v: Tensor, group: V
 
 
 def backward(grads: tuple[Tensor, Tensor, Tensor], dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
-             lse: Tensor, group: VarlenGroup, kernel: "KernelArgs") -> None:
+             lse: Tensor, group: VarlenGroup, kernel: KernelArgs) -> None:
     """One varlen backward call for the group's blocks; adds `(dq, dk, dv)` into the float32 `grads`."""
     batch = q.shape[0]
     lse_rows = lse.index_select(2, group.q_rows).permute(1, 0, 2).reshape(lse.shape[1], -1)  # (H, B*T)

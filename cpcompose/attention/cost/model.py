@@ -61,8 +61,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cpcompose.attention import cpu_tiles
-from cpcompose.attention.alltoall import one_kernel_call
-from cpcompose.attention.blocks import BlockTask, split_work
+from cpcompose.attention.blocks import BlockTask, one_kernel_call, split_work
 from cpcompose.attention.call_setup import gathered_width
 from cpcompose.attention.cost.calibration import INTER, INTRA, LEVELS, Calibration, Topology
 from cpcompose.attention.cost.call import AttentionCall
