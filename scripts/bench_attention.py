@@ -110,7 +110,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from cpcompose import CommMeter, cp_attention, cp_shard  # noqa: E402
 from cpcompose.attention import STRATEGIES  # noqa: E402
-from cpcompose.attention.alltoall import query_head_ranges  # noqa: E402
+from cpcompose.attention.heads import query_head_ranges  # noqa: E402
 from cpcompose.attention.blocks import BlockTask, MaskSpec, plan  # noqa: E402
 from cpcompose.data import long_tailed_lengths  # noqa: E402
 from cpcompose.layouts import LAYOUTS, Layout, PackedLayout, resolve_layout  # noqa: E402
@@ -223,8 +223,9 @@ def flop_imbalance(strategy: str, layout: Layout, seq_len: int) -> float:
 def _busiest_sender(strategy: str, layout: Layout, seq_len: int, mask: MaskSpec) -> float:
     """Bytes the busiest rank sends per forward+backward, from the cost model's exact volumes."""
     call = AttentionCall(B, H, HKV, D, seq_len, layout, mask, dtype=DTYPE)
-    a = 1 if strategy == "ring" else layout.world
-    return float(max(sum(bytes_sent(call, strategy, a, rank).values()) for rank in range(layout.world)))
+    record = STRATEGIES[strategy]
+    a = record.block_size(layout.world, None)
+    return float(max(sum(bytes_sent(call, record, a, rank).values()) for rank in range(layout.world)))
 
 
 def dense_bytes(strategy: str, seq_len: int, world: int) -> float:

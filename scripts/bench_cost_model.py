@@ -173,7 +173,7 @@ def main() -> None:
                          for res in measure(world, {"repeats": args.repeats, "warmup": args.warmup})]
     for world, res in measured_rows:
         case = next(c for c in CALLS if c["name"] == res["call"])
-        cost = predict(model_call(case, layout_of(case, world)), res["strategy"], Topology(), cal,
+        cost = predict(model_call(case, layout_of(case, world)), STRATEGIES[res["strategy"]], Topology(), cal,
                        res["alltoall_size"])
         measured, best = statistics.median(res["times"]), min(res["times"])
         rows.append({**res, "world": world, "measured_s": measured, "best_s": best, "predicted_s": cost.time_s,

@@ -14,7 +14,7 @@ Method. Three measurements, all on the CPU, medians of `--repeats`:
 2. Decision per call, virtual ranks: the host work `cp_attention` does before any
    K/V moves when the call is the expected one: local checks, the signature, the
    agreement-history lookup, the setup. Measured by timing `decide()` below, which
-   calls the same functions as `cpcompose.attention.api.attend`, on tiny CPU tensors.
+   calls the same functions as `cpcompose.attention.checks.checked_call`, on tiny CPU tensors.
 3. End to end, 2 real ranks (forked, gloo, one thread each): `cp_attention` forward on
    tiny shards (B=1, H=2, 64 tokens per rank, D=16), ring, `validate="first_call"`
    (steady state: no agreement) against `validate="every_call"` (the blocking
@@ -44,12 +44,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cpcompose.attention import api
-from cpcompose.attention.agreement import AgreementCache
+from cpcompose.attention import checks
+from cpcompose.attention.call_setup import AttentionSetup
+from cpcompose.attention.kernels import KernelArgs, select_backend
+from cpcompose.layouts import resolve_layout
+from cpcompose.agreement import AgreementCache
 from cpcompose.attention.blocks import MaskSpec
 from cpcompose.attention.options import CPOptions
-from cpcompose.attention.ring import ring_round
-from cpcompose.attention.call_setup import cached_plan
+from cpcompose.attention.ring_loop import ring_round
+from cpcompose.attention.plans import cached_plan
 from cpcompose.data.documents import long_tailed_lengths
 from cpcompose.layouts import Layout, PackedLayout, ZigzagLayout
 
@@ -94,22 +97,22 @@ def planning(layout: Layout, seq: int, repeats: int) -> dict[str, Any]:
 def decide(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: AgreementCache, world: int,
            options: CPOptions) -> bool:
     """What `attend` does on the host before a predicted call runs (the K/V exchange aside)."""
-    window, window_error = api.window_pair(options.window_size, True)
-    error = options.error(world) or window_error or api._tensor_error(q, k, v)
-    layout = api.resolve_layout(options.layout, world)
+    window, window_error = checks.window_pair(options.window_size, True)
+    error = options.error(world) or window_error or checks.tensor_error(q, k, v)
+    layout = resolve_layout(options.layout, world)
     error = error or layout.local_len_error(q.shape[2])
-    backend = api.select_backend(q, options.backend)
-    signature = api._signature(q, k, v, True, None, None, window, options, layout, False)
+    backend = select_backend(q, options.backend)
+    signature = checks._signature(q, k, v, True, None, None, window, options, layout, False)
     key = tuple(int(x) for _, x in signature)
-    kernel = api.KernelArgs(scale=q.shape[-1] ** -0.5, backend=backend)
-    api.AttentionSetup(None, layout, MaskSpec(True, *window), kernel, None, False)  # type: ignore[arg-type]
+    kernel = KernelArgs(scale=q.shape[-1] ** -0.5, backend=backend)
+    AttentionSetup(None, layout, MaskSpec(True, *window), kernel, None, False)  # type: ignore[arg-type]
     return error is None and key == cache.expected()
 
 
 def decision(world: int, repeats: int) -> dict[str, Any]:
     q, k = torch.zeros(1, 2, 64, 16), torch.zeros(1, 2, 64, 16)
     options, cache = CPOptions(), AgreementCache()
-    signature = api._signature(q, k, k, True, None, None, (None, None), options, ZigzagLayout(world), False)
+    signature = checks._signature(q, k, k, True, None, None, (None, None), options, ZigzagLayout(world), False)
     key = tuple(int(x) for _, x in signature)
     cache.agreed(key, None)  # type: ignore[arg-type]  (the spec is only read to replay a call)
     cache.ran(key)

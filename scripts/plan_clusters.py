@@ -29,7 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cpcompose.attention.blocks import MaskSpec
 from cpcompose.data import long_tailed_lengths
 from cpcompose.layouts import Layout, PackedLayout, resolve_layout
-from cpcompose.attention.cost import H100_CLUSTER, AttentionCall, Choice, Topology, choose_strategy, predict
+from cpcompose.attention.choose import Choice, choose_strategy
+from cpcompose.attention.cost import H100_CLUSTER, AttentionCall, Topology, predict
+from cpcompose.attention.registry import STRATEGIES
 
 MODELS = {"Llama-3-8B": (32, 8, 128), "Llama-3-70B": (64, 8, 128)}
 LOCK = Path("/work/BENCH_LOCK")
@@ -71,13 +73,13 @@ def anchors() -> list[str]:
     # ring-flash-attention: zigzag ring, Llama-3.1-8B heads, 8k tokens per GPU, 8 GPUs on NVLink,
     # against 8 x flash-attn on 8k tokens (their "theoretic"), forward+backward.
     call = AttentionCall(1, 32, 8, 128, 8 * 8192, resolve_layout("zigzag", 8), MaskSpec(True), dtype="bfloat16")
-    ring = predict(call, "ring", Topology(8), cal)
+    ring = predict(call, STRATEGIES["ring"], Topology(8), cal)
     one = 7 * 256 * 8192 * 8193 / 2 * 32 / cal.throughput(8192) + cal.kernel_call_s
     out.append(f"- ring-flash-attention (zigzag ring, 8 GPUs, Llama-3.1-8B heads, 8k tokens/GPU, fwd+bwd): "
                f"model {8 * one / ring.time_s:.0%} of 8 x single-GPU flash-attn; published 90.2% (8xH800).")
     # Meta: 1M-token prefill of Llama-3-405B, CP=16 across 16 nodes (TP=8 inside: 16 heads, 1 K/V head per rank).
     call = AttentionCall(1, 16, 1, 128, 1 << 20, resolve_layout("zigzag", 16), MaskSpec(True), dtype="bfloat16")
-    ring = predict(call, "ring", Topology(1), cal, backward=False)
+    ring = predict(call, STRATEGIES["ring"], Topology(1), cal, backward=False)
     ideal = 2 / 7 * causal_flops(call) / 16 / cal.throughput(1 << 16)
     out.append(f"- Meta CP inference (ring pass-KV, 1M-token prefill, forward only, CP=16 over 16 nodes, 16 heads and "
                f"1 K/V head per rank): model {ideal / ring.time_s:.0%} parallel efficiency; published 93% "

@@ -14,7 +14,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from cpcompose import PackedLayout, cp_attention
-from cpcompose.attention.agreement import AgreementCache, agreement_cache
+from cpcompose.agreement.expected import AgreementCache, agreement_cache
 from cpcompose.attention.blocks import MaskSpec, needed_rows, plan
 from cpcompose.attention.call_setup import GLOBAL, cached_plan
 from cpcompose.layouts import ZigzagLayout
@@ -186,7 +186,7 @@ def cache_lifetime(mesh) -> tuple[int, int, int]:
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
-    from cpcompose.attention import agreement
+    from cpcompose.agreement import expected as agreement
 
     group = dist.new_group(ranks=[0, 1], backend="gloo")
     sub = DeviceMesh.from_group(group, "cpu", mesh_dim_names=("cp",))

@@ -22,7 +22,8 @@ from cpcompose.attention.blocks import MaskSpec
 from cpcompose.layouts import resolve_layout
 import dataclasses
 
-from cpcompose.attention.cost import CPU_DEFAULT, H100_CLUSTER, INTER, INTRA, AttentionCall, Link, Topology, choose_strategy
+from cpcompose.attention.choose import choose_strategy
+from cpcompose.attention.cost import CPU_DEFAULT, H100_CLUSTER, INTER, INTRA, AttentionCall, Link, Topology
 from tests.attention_cases import Case, make_inputs
 from tests.test_attention_parity import assert_matches_single_process
 

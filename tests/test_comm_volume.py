@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cpcompose.attention.alltoall_ring import predicted_bytes
 from tests.attention_cases import Case, run_cp
+from tests.volume_formulas import predicted_bytes
 
 F32 = 4
 
@@ -56,7 +56,7 @@ def test_allgather_sends_only_the_rows_others_read(pools, world: int) -> None:
     """Under a causal sliding window most of a shard is read by nobody else: the all-gather carries the
     rows some peer reads, packed and padded to the most any rank has, both passes and the gradients."""
     from cpcompose.attention.blocks import MaskSpec
-    from cpcompose.attention.call_setup import gathered_rows, gathered_width
+    from cpcompose.attention.plans import gathered_rows, gathered_width
     from cpcompose.layouts import resolve_layout
 
     case = Case("allgather", "zigzag", True, 8, 2, world, seq=48 * world, window=(9, 0))
@@ -147,7 +147,7 @@ def test_twod_gqa_sends_a_quarter_of_mha_on_the_ring(pools) -> None:
 
 def test_twod_planned_bytes_under_windows_and_documents(pools) -> None:
     """With a window or packed documents the ring dimension sends only the rows the planner reads:
-    `predicted_bytes` counts them (`ring_rows`), and they are fewer than the closed form's dense rows."""
+    `predicted_bytes` counts them (the planner's rows), and they are fewer than the closed form's dense rows."""
     from cpcompose.layouts import PackedLayout
     from tests.packed_cases import PackedCase, run_packed
 
@@ -186,7 +186,7 @@ def test_twod_closed_form_equals_the_planner(layout: str) -> None:
 def test_allgather_carries_whole_shards_above_the_planning_limit() -> None:
     """Finding the rows others read plans every pair of ranks; above COMPACT_GATHER_MAX_WORLD every row travels
     (whole shards, plans unchanged), as in Llama 3's all-gather, so a new packed layout never costs P^2 plans."""
-    from cpcompose.attention import call_setup as setup
+    from cpcompose.attention import plans as setup
     from cpcompose.attention.blocks import MaskSpec
     from cpcompose.layouts import resolve_layout
 

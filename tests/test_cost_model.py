@@ -23,23 +23,15 @@ import pytest
 
 from cpcompose.attention import cpu_tiles
 from cpcompose.attention.blocks import BlockTask, MaskSpec, split_work
-from cpcompose.attention.call_setup import cached_halves, cached_plan
-from cpcompose.layouts import PackedLayout, resolve_layout
-from cpcompose.attention.cost import (
-    CPU_DEFAULT,
-    H100_CLUSTER,
-    AttentionCall,
-    Calibration,
-    StrategyCost,
-    Topology,
-    candidates,
-    choose_strategy,
-    predict,
-    transfers,
-)
+from cpcompose.attention.choose import candidates, choose_strategy
+from cpcompose.attention.cost import CPU_DEFAULT, H100_CLUSTER, AttentionCall, Calibration, StrategyCost, Topology
+from cpcompose.attention.cost import predict as predict_record
 from cpcompose.attention.cost.calibration import INTER, INTRA, Link
 from cpcompose.attention.cost.model import kernel_calls, task_costs
-from cpcompose.attention.cost.traffic import block_plan, block_size, work
+from cpcompose.attention.cost.traffic import block_plan
+from cpcompose.attention.plans import cached_halves, cached_plan
+from cpcompose.attention.registry import STRATEGIES
+from cpcompose.layouts import PackedLayout, resolve_layout
 from tests.attention_cases import Case, run_cp
 from tests.packed_cases import PackedCase, run_packed
 
@@ -51,6 +43,24 @@ def _window(w: object, causal: bool) -> MaskSpec:
         return MaskSpec(causal)
     left, right = (w, 0) if isinstance(w, int) else w
     return MaskSpec(causal, left, right)
+
+
+def predict(call: AttentionCall, strategy: str, *args, **kwargs) -> StrategyCost:
+    """The cost model's prediction for the strategy registered as `strategy`."""
+    return predict_record(call, STRATEGIES[strategy], *args, **kwargs)
+
+
+def transfers(call: AttentionCall, strategy: str, a: int, rank: int) -> list:
+    """What the model says `rank` sends under `strategy` with all-to-all blocks of `a` ranks."""
+    return STRATEGIES[strategy].cost.transfers(call, a, rank)
+
+
+def block_size(strategy: str, world: int, alltoall_size: int | None = None) -> int:
+    return STRATEGIES[strategy].block_size(world, alltoall_size)
+
+
+def work(call: AttentionCall, strategy: str, a: int, rank: int):
+    return STRATEGIES[strategy].cost.work(call, a, rank)
 
 
 def _metered(call: AttentionCall, strategy: str, rank: int) -> tuple[int, int]:
@@ -115,10 +125,10 @@ def test_choice_is_deterministic_and_complete() -> None:
 
 def test_ties_go_to_the_earlier_candidate(monkeypatch) -> None:
     """Equal predictions: the fixed candidate order decides, whatever order the caller lists them in."""
-    from cpcompose.attention.cost import choose
+    from cpcompose.attention import choose
 
     def same(call, strategy, topology, calibration, alltoall_size=None, backward=True):
-        return StrategyCost(strategy, alltoall_size, 1.0, 1.0, (), (), 0, 0)
+        return StrategyCost(strategy.name, alltoall_size, 1.0, 1.0, (), (), 0, 0)
 
     monkeypatch.setattr(choose, "predict", same)
     call = _call(8)
@@ -131,7 +141,8 @@ _CHILD = """
 import json, sys
 from cpcompose.attention.blocks import MaskSpec
 from cpcompose.layouts import resolve_layout
-from cpcompose.attention.cost import H100_CLUSTER, CPU_DEFAULT, AttentionCall, Topology, choose_strategy
+from cpcompose.attention.choose import choose_strategy
+from cpcompose.attention.cost import H100_CLUSTER, CPU_DEFAULT, AttentionCall, Topology
 call = AttentionCall(1, 32, 8, 128, 1 << 17, resolve_layout("zigzag", 16), MaskSpec(True), dtype="bfloat16")
 c = choose_strategy(call, Topology(8), H100_CLUSTER, 16)
 print(json.dumps([H100_CLUSTER.fingerprint(), CPU_DEFAULT.fingerprint(), c.strategy, c.alltoall_size,

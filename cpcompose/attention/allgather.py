@@ -5,12 +5,12 @@ count; each rank sends its K and V flattened end to end, so V may have its own h
 dim, as in MLA, and every gathered shard is a contiguous view) and runs the local
 queries against each rank's gathered shard in place, with the block plans the ring
 uses for that pair of ranks. What travels is each rank's *needed* rows: those some
-other rank's plan reads (`setup.gathered_rows`), packed in order and padded to the
+other rank's plan reads (`plans.gathered_rows`), packed in order and padded to the
 longest rank's, with the plans renumbered to match. Under a causal mask or packed
 documents that is much less than the whole shard (nobody else reads a causal zigzag
 rank's late chunk; a packed rank's short documents stay home), and for a dense
 bidirectional mask it is the whole shard, as in Llama 3 (and always above
-`setup.COMPACT_GATHER_MAX_WORLD` ranks, where finding the rows would plan every pair
+`plans.COMPACT_GATHER_MAX_WORLD` ranks, where finding the rows would plan every pair
 of ranks). Nothing is reordered into
 global order: a full-sequence copy (and, in backward, a second one for the
 gradients) cost as much as the kernels on packed batches of short documents. The
@@ -29,11 +29,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from cpcompose.attention.call_setup import AttentionSetup, finish_forward, float_zeros
+from cpcompose.attention.cost.model import GATHER
 from cpcompose.attention.execute import backward_blocks, forward_blocks
 from cpcompose.attention.merge import SoftmaxAccumulator
-from cpcompose.attention.call_setup import AttentionSetup, finish_forward, float_zeros
+from cpcompose.attention.strategy import Strategy
 from cpcompose.comm import PendingCollective, start_all_gather, start_reduce_scatter
 from cpcompose.precision import accumulation_dtype
+
+__all__ = ["ALLGATHER", "AllGatherAttention"]
 
 
 def _packed_shapes(k: Tensor, v: Tensor, width: int) -> tuple[torch.Size, torch.Size]:
@@ -120,3 +124,9 @@ class AllGatherAttention(torch.autograd.Function):
             dv[:, :, r] += dv_got[:, :, at : at + n]
             at += n
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+
+
+ALLGATHER = Strategy(
+    "allgather", AllGatherAttention, saves="inputs", block_size=lambda world, alltoall_size: world, cost=GATHER,
+)
+"""All-gather of the K/V rows others read (Llama 3 style), reduce-scatter of their gradients."""

@@ -19,7 +19,8 @@ float32 dK/dV home, and one all-to-all returns dQ/dK/dV. `alltoall_size = P` is
 Ulysses and 1 is the ring, both through this code.
 
 The meter counts the all-to-all dimension as "all_to_all" and the ring dimension as
-"p2p"; `predicted_bytes` gives both in closed form for the uniform layouts.
+"p2p"; the cost model (`cost/traffic.py`, the all-to-all family with blocks of
+`alltoall_size` ranks) counts both exactly.
 """
 
 from __future__ import annotations
@@ -29,23 +30,16 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from cpcompose.attention.alltoall import (
-    HeadGroup,
-    _HeadPlan,
-    gather_grads,
-    head_plan,
-    heads_to_seq,
-    kv_head_ranges,
-    query_head_ranges,
-    seq_to_heads,
-)
-from cpcompose.attention.blocks import MaskSpec
-from cpcompose.attention.merge import SoftmaxAccumulator
-from cpcompose.attention.ring import Rounds, RingView, ring_backward, ring_forward, ring_round
 from cpcompose.attention.call_setup import AttentionSetup
+from cpcompose.attention.cost.model import RING_FAMILY
+from cpcompose.attention.heads import HeadGroup, HeadPlan, gather_grads, head_plan, heads_to_seq, seq_to_heads
+from cpcompose.attention.merge import SoftmaxAccumulator
+from cpcompose.attention.ring_loop import RingView, Rounds, ring_backward, ring_forward
+from cpcompose.attention.strategy import Strategy
 from cpcompose.comm import RingComm
-from cpcompose.layouts import Layout, resolve_layout
 from cpcompose.layouts.grouped import grouped
+
+__all__ = ["ALLTOALL_RING", "AllToAllRingAttention"]
 
 
 class _Mesh:
@@ -56,7 +50,7 @@ class _Mesh:
         assert a is not None and cp.world % a == 0, "checked by CPOptions.error before any communication"
         self.group = HeadGroup.of(cp, a)
         self.block = cp.rank // a
-        self.plan: _HeadPlan = head_plan(n_heads, n_kv, a, self.group.index, device)
+        self.plan: HeadPlan = head_plan(n_heads, n_kv, a, self.group.index, device)
         self.layout = grouped(setup.layout, a)
         self.seq_len = local_seq * cp.world
         self.view = RingView(self.block, cp.world // a, stride=a, offset=self.group.index)
@@ -127,94 +121,20 @@ class AllToAllRingAttention(torch.autograd.Function):
         return dq, dk, dv, None
 
 
-def ring_rows(layout: Layout, mask: MaskSpec, seq_len: int, alltoall_size: int, rank: int) -> tuple[int, int]:
-    """Token rows of K/V that `rank` sends, and receives, over the ring dimension in one forward.
-
-    Exact for any layout and mask (documents, windows): the ring's own round plans on
-    the blocks' `GroupedLayout`, which is what the strategy sends.
-    """
-    blocks = grouped(layout, alltoall_size)
-    place, places = rank // alltoall_size, blocks.world
-    sent = received = 0
-    for s in range(1, places):
-        plan = ring_round(blocks, mask, seq_len, place, places, s)
-        sent += sum(r.stop - r.start for r in plan.send)
-        received += sum(r.stop - r.start for r in plan.recv)
-    return sent, received
+def _alltoall_size(world: int, alltoall_size: int | None) -> int:
+    """The block size the options name (checked by `CPOptions.error` before any call runs)."""
+    if alltoall_size is None or isinstance(alltoall_size, bool) or alltoall_size < 1 or world % alltoall_size:
+        raise ValueError(f"alltoall_ring needs an alltoall_size dividing the CP group size {world}, got {alltoall_size}")
+    return alltoall_size
 
 
-def predicted_bytes(
-    *,
-    batch: int,
-    heads: int,
-    kv_heads: int,
-    head_dim: int,
-    local_seq: int,
-    world: int,
-    alltoall_size: int,
-    rank: int,
-    itemsize: int,
-    causal: bool,
-    layout: str | Layout = "zigzag",
-    window: tuple[int | None, int | None] | None = None,
-    v_dim: int | None = None,
-    need_lse: bool = True,
-    backward: bool = True,
-) -> dict[str, int]:
-    """Bytes `rank` sends in one "alltoall_ring" call, per mesh dimension, as the meter counts them.
+def _candidate_sizes(world: int) -> list[int | None]:
+    """Every block size between the ring's (1) and all-to-all's (P): those two are strategies of their own."""
+    return [a for a in range(2, world) if world % a == 0]
 
-    The all-to-all dimension depends on shapes only. The ring dimension has a closed
-    form for one document under the "zigzag" or "contiguous" layout, causal or full,
-    without a window; for a `Layout` object (packed documents) or a window it counts
-    the rows the block planner sends (`ring_rows`). Forward only, or forward plus backward.
 
-    Args:
-        batch, heads, kv_heads, head_dim, v_dim: the call's shapes (v_dim defaults to head_dim).
-        local_seq: tokens per rank (S = L / P).
-        world: CP ranks P; alltoall_size: ranks per all-to-all block a (divides P).
-        rank: the CP rank whose sends are counted (uneven head splits differ per rank).
-        itemsize: bytes per element of q, k, v (4 for float32, 2 for bf16).
-        causal: causal mask.
-        layout: "zigzag", "contiguous", or a `Layout` over `world` ranks (e.g. a `PackedLayout`).
-        window: `(left, right)` window sizes, None for unbounded on a side; None: no window.
-        need_lse: the caller asked for the LSE (forward sends it home).
-        backward: count the backward pass too.
-
-    Returns:
-        {"all_to_all": bytes over the all-to-all dimension, "p2p": bytes over the ring dimension}.
-    """
-    a, dv = alltoall_size, head_dim if v_dim is None else v_dim
-    i, place, places = rank % a, rank // a, world // a
-    acc = max(itemsize, 4)  # float32 accumulators (LSE, ring dK/dV); float64 stays float64
-    q_ranges = query_head_ranges(heads, a)
-    kv_ranges = kv_head_ranges(q_ranges, heads // kv_heads)
-    nq = [hi - lo for lo, hi in q_ranges]
-    nkv = [hi - lo for lo, hi in kv_ranges]
-    s, b = local_seq, batch
-    a2a = 0
-    if a > 1:
-        others = [j for j in range(a) if j != i]
-        a2a += sum(b * s * (nq[j] * head_dim + nkv[j] * (head_dim + dv)) for j in others) * itemsize  # q, k, v in
-        a2a += (a - 1) * b * s * nq[i] * dv * itemsize  # out home
-        a2a += (a - 1) * b * s * nq[i] * acc if need_lse else 0  # LSE home
-        if backward:
-            a2a += sum(b * s * nq[j] * dv for j in others) * itemsize  # dO in
-            a2a += (a - 1) * b * s * (nq[i] * head_dim + nkv[i] * (head_dim + dv)) * itemsize  # dQ, dK, dV home
-    row = b * nkv[i] * (head_dim + dv) if nq[i] else 0  # elements of one token of this place's K/V heads
-    block = a * s  # tokens of one place
-    later, earlier = places - 1 - place, place  # peers place+k that do / do not wrap around
-    if isinstance(layout, Layout) or window is not None:
-        base = layout if isinstance(layout, Layout) else resolve_layout(layout, world)
-        sent, received = ring_rows(base, MaskSpec(causal, *(window or (None, None))), s * world, a, rank)
-    elif layout not in ("zigzag", "contiguous"):
-        raise ValueError(f"layout={layout!r}: give a Layout object, or 'zigzag' or 'contiguous'")
-    elif not causal:
-        sent = received = (places - 1) * block
-    elif layout == "zigzag":  # later places read only this place's early half; earlier ones all of it
-        sent, received = later * block // 2 + earlier * block, earlier * block // 2 + later * block
-    else:  # contiguous: later places read all of it, earlier ones nothing
-        sent, received = later * block, earlier * block
-    p2p = sent * row * itemsize
-    if backward:  # K/V again; float32 dK/dV of the rows I read, sent to their owners
-        p2p += sent * row * itemsize + received * row * acc
-    return {"all_to_all": a2a, "p2p": p2p}
+ALLTOALL_RING = Strategy(
+    "alltoall_ring", AllToAllRingAttention, saves="head_shards", block_size=_alltoall_size, cost=RING_FAMILY,
+    takes_alltoall_size=True, candidate_sizes=_candidate_sizes,
+)
+"""2-D: all-to-all inside blocks of `alltoall_size` consecutive ranks, the ring across them."""

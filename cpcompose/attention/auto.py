@@ -20,10 +20,11 @@ import torch
 from torch import Tensor
 
 from cpcompose.attention.blocks import MaskSpec
+from cpcompose.attention.choose import Choice, choose_strategy
+from cpcompose.attention.cost.calibration import Calibration, Topology, default_calibration
+from cpcompose.attention.cost.call import AttentionCall
 from cpcompose.attention.options import AUTO, CPOptions
 from cpcompose.layouts import Layout
-from cpcompose.attention.cost import AttentionCall, Calibration, Choice, Topology, choose_strategy
-from cpcompose.attention.cost.calibration import default_calibration
 
 log = logging.getLogger("cpcompose.auto")
 

@@ -35,10 +35,16 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
 from cpcompose._compat import MemberType, OpaqueBase, register_opaque_type
-from cpcompose.attention.alltoall import head_plan, kv_head_ranges, query_head_ranges
+from cpcompose.attention.call_setup import AttentionSetup
+from cpcompose.attention.checks import checked_call, setup_for, tensor_error
+from cpcompose.attention.heads import head_plan, kv_head_ranges, query_head_ranges
 from cpcompose.attention.options import AUTO, CPOptions
+from cpcompose.attention.registry import STRATEGIES
+from cpcompose.attention.strategy import Strategy
 from cpcompose.comm import CPGroup
 from cpcompose.precision import accumulation_dtype
+
+__all__ = ["CPContext", "compiled_attention"]
 
 
 class CPContext(OpaqueBase):
@@ -101,7 +107,9 @@ class _SavedContext:
         pass  # the op's autograd formula gives the LSE no gradient
 
 
-_HEAD_SHARDED = ("alltoall", "alltoall_ring")  # strategies whose saved tensors are head shards (residuals)
+def _head_sharded(strategy: str) -> bool:
+    """Whether the strategy's saved tensors are head shards, which travel as the op's residuals."""
+    return strategy in STRATEGIES and STRATEGIES[strategy].saves == "head_shards"
 
 
 def _options(context: CPContext, strategy: str, alltoall_size: int | None) -> Any:
@@ -122,15 +130,19 @@ def _size_code(alltoall_size: object) -> int | None:
 
 
 def _head_block(strategy: str, alltoall_size: int | None, world: int, rank: int) -> tuple[int, int]:
-    """(ranks that trade heads, this rank's place among them) of a head-sharded strategy."""
-    if strategy == "alltoall_ring" and isinstance(alltoall_size, int) and alltoall_size >= 1:
-        return alltoall_size, rank % alltoall_size
-    return world, rank
+    """(ranks that trade heads, this rank's place among them) of a head-sharded strategy.
+
+    A size the strategy cannot use (the real op raises on every rank) gives the whole
+    group, so the fake still has shapes to trace with.
+    """
+    try:
+        size = STRATEGIES[strategy].block_size(world, alltoall_size)
+    except (KeyError, ValueError, TypeError):
+        size = world
+    return size, rank % size
 
 
-def _strategy(name: str) -> Any:
-    from cpcompose.attention.api import STRATEGIES
-
+def _strategy(name: str) -> Strategy:
     return STRATEGIES[name]
 
 
@@ -159,12 +171,10 @@ def _attention(
     q: Tensor, k: Tensor, v: Tensor, context: CPContext, strategy: str, alltoall_size: int | None, is_causal: bool,
     scale: float | None, softcap: float | None, return_lse: bool, caller_error: str | None,
 ) -> tuple[Tensor, Tensor, list[Tensor]]:
-    from cpcompose.attention.api import checked_call  # api imports this module: import when called
-
-    def forward(setup: Any) -> tuple[Tensor, Tensor, list[Tensor]]:
+    def forward(setup: AttentionSetup) -> tuple[Tensor, Tensor, list[Tensor]]:
         saved = _SavedContext()
-        out, lse = _strategy(strategy).forward(saved, q, k, v, setup)
-        residuals = [t.contiguous() for t in saved.saved_tensors] if strategy in _HEAD_SHARDED else []
+        out, lse = _strategy(strategy).function.forward(saved, q, k, v, setup)
+        residuals = [t.contiguous() for t in saved.saved_tensors] if _head_sharded(strategy) else []
         fresh = _unaliased([out.contiguous(), lse.contiguous(), *residuals], (q, k, v))  # contiguous: as the fake
         return fresh[0], fresh[1], fresh[2:]
 
@@ -180,14 +190,12 @@ def _attention_fake(
     q: Tensor, k: Tensor, v: Tensor, context: Any, strategy: str, alltoall_size: int | None, is_causal: bool,
     scale: float | None, softcap: float | None, return_lse: bool, caller_error: str | None,
 ) -> tuple[Tensor, Tensor, list[Tensor]]:
-    from cpcompose.attention.api import _tensor_error
-
-    if _tensor_error(q, k, v) is not None:  # the real op raises on every rank; any shape will do
+    if tensor_error(q, k, v) is not None:  # the real op raises on every rank; any shape will do
         return q.new_empty(q.shape), q.new_empty(0), []
     b, h, s, _ = q.shape
     acc = accumulation_dtype(q.dtype)
     out = q.new_empty((b, h, s, v.shape[3]))
-    if strategy not in _HEAD_SHARDED:
+    if not _head_sharded(strategy):
         return out, q.new_empty((b, h, s), dtype=acc), []
     lse = q.new_empty((b, h, s) if return_lse else (0,), dtype=acc)
     size, index = _head_block(strategy, alltoall_size, context.world, context.rank)
@@ -215,21 +223,19 @@ def _attention_backward(
     context: CPContext, strategy: str, alltoall_size: int | None, is_causal: bool, scale: float | None,
     softcap: float | None, return_lse: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    from cpcompose.attention.api import setup_for
-
     # The forward agreed on this call: the backward only rebuilds its setup (no communication).
     setup = setup_for(q, mesh=context.mesh, is_causal=is_causal, scale=scale, softcap=softcap,
                       options=_options(context, strategy, alltoall_size), return_lse=return_lse)
     ctx = _SavedContext()
     ctx.setup = setup  # type: ignore[attr-defined]
-    if strategy in _HEAD_SHARDED:
+    if _head_sharded(strategy):
         ctx.saved_tensors = tuple(residuals)
         size, index = _head_block(strategy, alltoall_size, setup.cp.world, setup.cp.rank)
         plan = head_plan(q.shape[1], k.shape[1], size, index, q.device)
         ctx.plan, ctx.n_kv = plan, k.shape[1]  # type: ignore[attr-defined]
     else:
         ctx.saved_tensors = (q, k.contiguous(), v.contiguous(), out, lse)
-    dq, dk, dv, _ = _strategy(strategy).backward(ctx, dout, None)
+    dq, dk, dv, _ = _strategy(strategy).function.backward(ctx, dout, None)
     dq, dk, dv = _unaliased([dq.contiguous(), dk.contiguous(), dv.contiguous()], (dout, q, k, v, out, lse, *residuals))
     return dq, dk, dv
 

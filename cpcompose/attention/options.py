@@ -5,21 +5,30 @@ the style hands it to the SDPA route, and the route hands it to `cp_attention`:
 nobody re-threads its fields by hand, so a new option is one field here. It is
 checked where it is used, through the cross-rank agreement, so a bad value on one
 rank raises on every rank instead of leaving the others waiting in a collective.
+
+Every rule about the options lives here, once. A front end that spells them its own
+way (the trainer's `parallelism.cp_*` keys, torchtitan's `cpcompose.*`) builds a
+`CPOptions` and asks `problem(world, names=...)`: the same rule, reported under the
+front end's own key names.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any, Literal
 
+from cpcompose.attention.cost.calibration import Calibration, Topology
+from cpcompose.attention.registry import STRATEGIES, STRATEGY_NAMES
 from cpcompose.comm import CommMeter
 from cpcompose.layouts import LayoutSpec, layout_error
 
-Strategy = Literal["ring", "allgather", "alltoall", "alltoall_ring", "auto"]
-STRATEGY_NAMES: tuple[str, ...] = ("ring", "allgather", "alltoall", "alltoall_ring")  # the ones that run
-AUTO = "auto"  # the cost model picks one of STRATEGY_NAMES per call (`cpcompose.attention.auto`)
+__all__ = ["AUTO", "CHOICES", "VALIDATE_MODES", "CPOptions", "OptionProblem", "StrategyChoice", "Validate"]
+
+AUTO = "auto"  # the cost model picks one of the registered strategies per call (`cpcompose.attention.auto`)
 CHOICES: tuple[str, ...] = (*STRATEGY_NAMES, AUTO)
+StrategyChoice = Literal[CHOICES]  # type: ignore[valid-type]  # the choices, for configs that read Literal types
 Validate = Literal["first_call", "every_call"]
 VALIDATE_MODES: tuple[str, ...] = ("first_call", "every_call")
 
@@ -29,7 +38,7 @@ class CPOptions:
     """The CP attention options shared by every entry point.
 
     Attributes:
-        strategy: "ring" (K/V point-to-point), "allgather" (gather K/V),
+        strategy: a registered strategy (`registry.STRATEGIES`): "ring" (K/V point-to-point), "allgather" (gather K/V),
             "alltoall" (Ulysses: heads for sequence) or "alltoall_ring" (2-D: Ulysses
             inside blocks of `alltoall_size` consecutive ranks, a ring across the blocks),
             or "auto": the cost model (`cpcompose.attention.cost`) picks one of those, and the
@@ -45,7 +54,7 @@ class CPOptions:
             when a call differs from the one every rank expects (the first call, new
             shapes or options), not on repeats; "every_call": on every call, a debug
             mode that catches a rank changing its inputs alone on any device (see
-            `cpcompose.attention.agreement`). Must be the same on every rank.
+            `cpcompose.agreement`). Must be the same on every rank.
         alltoall_size: "alltoall_ring" only (and required there): ranks per all-to-all
             block, a divisor of the CP size P; the ring runs over the P / alltoall_size
             blocks. Consecutive ranks form a block, so under torchrun a block that fits
@@ -59,60 +68,105 @@ class CPOptions:
             None = LOCAL_WORLD_SIZE ranks per node when torchrun sets it, else one node.
     """
 
-    strategy: Strategy = "ring"
+    strategy: str = "ring"
     layout: LayoutSpec = None
     window_size: int | tuple[int, int] | None = None
     backend: str | None = None
     meter: CommMeter | None = None
     validate: Validate = "first_call"
     alltoall_size: int | None = None
-    calibration: Any = None  # cpcompose.attention.cost.Calibration (not imported here: planning imports attention)
-    topology: Any = None  # cpcompose.attention.cost.Topology
+    calibration: Calibration | None = None
+    topology: Topology | None = None
 
     def replace(self, **changes: Any) -> "CPOptions":
         """A copy with `changes` (TypeError names an unknown option, as a function call would)."""
         return dataclasses.replace(self, **changes) if changes else self
 
     def error(self, world: int) -> str | None:
-        """Why these options cannot run on a CP group of `world` ranks, or None."""
+        """Why these options cannot run on a CP group of `world` ranks, in the library's words, or None."""
+        problem = self.problem(world)
+        return None if problem is None else problem.text
+
+    def problem(self, world: int | None, *, names: Mapping[str, str] | None = None) -> "OptionProblem | None":
+        """The first rule these options break on a CP group of `world` ranks, or None.
+
+        Args:
+            world: the CP group size; None checks everything that does not depend on it
+                (a config read before the group exists).
+            names: the front end's key for each field it sets (e.g. `{"strategy":
+                "parallelism.cp_strategy"}`); messages name fields by these keys.
+        """
+        def key(name: str) -> str:
+            return (names or {}).get(name, name)
+
+        def broken(name: str, text: str) -> OptionProblem:
+            return OptionProblem(name, key(name), text)
+
         if self.strategy not in CHOICES:
-            return f"strategy={self.strategy!r} is unknown; choose one of {CHOICES}"
+            return broken("strategy", f"{key('strategy')}={self.strategy!r} is unknown; choose one of {CHOICES}")
         if self.meter is not None and not isinstance(self.meter, CommMeter):
-            return f"meter must be a cpcompose.CommMeter, got {type(self.meter).__name__}"
+            return broken("meter", f"{key('meter')} must be a cpcompose.CommMeter, got {type(self.meter).__name__}")
         if self.validate not in VALIDATE_MODES:
-            return f"validate={self.validate!r} is unknown; choose one of {VALIDATE_MODES}"
-        return self._alltoall_size_error(world) or self.auto_error() or layout_error(self.layout, world)
+            return broken("validate", f"{key('validate')}={self.validate!r} is unknown; choose one of {VALIDATE_MODES}")
+        size = self._alltoall_size_error(world, key)
+        if size:
+            return broken("alltoall_size", size)
+        auto = self._auto_error(key)
+        if auto:
+            return broken(auto[0], auto[1])
+        layout = layout_error(self.layout, world if world is not None else getattr(self.layout, "world", 1))
+        if layout:
+            return broken("layout", layout.replace("layout=", f"{key('layout')}=", 1))
+        return None
 
     def auto_error(self) -> str | None:
         """What is wrong with the machine model `auto` would use (or its presence without `auto`), or None."""
-        if self.calibration is None and self.topology is None:
-            return None
-        from cpcompose.attention.cost import Calibration, Topology  # planning imports attention: not at module level
+        found = self._auto_error(lambda name: name)
+        return None if found is None else found[1]
 
+    def _auto_error(self, key: Any) -> tuple[str, str] | None:
         if self.calibration is not None and not isinstance(self.calibration, Calibration):
-            return f"calibration must be a cpcompose.attention.cost.Calibration, got {type(self.calibration).__name__}"
+            return "calibration", (f"{key('calibration')} must be a cpcompose.attention.cost.Calibration, "
+                                   f"got {type(self.calibration).__name__}")
         if self.topology is not None and not isinstance(self.topology, Topology):
-            return f"topology must be a cpcompose.attention.cost.Topology, got {type(self.topology).__name__}"
+            return "topology", (f"{key('topology')} must be a cpcompose.attention.cost.Topology, "
+                                f"got {type(self.topology).__name__}")
         if (self.calibration is not None or self.topology is not None) and self.strategy != AUTO:
-            return (f"calibration and topology are only used by strategy='auto' (got strategy={self.strategy!r}): "
-                    "drop them or set strategy='auto'")
+            which = "calibration" if self.calibration is not None else "topology"
+            return which, (f"{key(which)} is only used by {key('strategy')}='auto' (got {key('strategy')}="
+                           f"{self.strategy!r}): drop it or set {key('strategy')}='auto'")
         return None
 
-    def _alltoall_size_error(self, world: int) -> str | None:
-        a = self.alltoall_size
-        if self.strategy != "alltoall_ring":
+    def _alltoall_size_error(self, world: int | None, key: Any) -> str | None:
+        a, strategy, size = self.alltoall_size, key("strategy"), key("alltoall_size")
+        takes = [name for name, s in STRATEGIES.items() if s.takes_alltoall_size]
+        if self.strategy not in takes:
             if a is None:
                 return None
             also = " ('auto' chooses it)" if self.strategy == AUTO else ""
             return (
-                f"alltoall_size={a!r} is only used by strategy='alltoall_ring' (got strategy={self.strategy!r}{also}): "
-                "drop alltoall_size or set strategy='alltoall_ring'"
+                f"{size}={a!r} is only used by {strategy}={takes[0]!r} (got {strategy}={self.strategy!r}{also}): "
+                f"drop {size} or set {strategy}={takes[0]!r}"
             )
+        ranks = "the CP degree" if world is None else f"the {world} CP ranks"
         if a is None:
-            return (
-                f"strategy='alltoall_ring' needs alltoall_size (ranks per all-to-all block), a divisor of the "
-                f"{world} CP ranks"
-            )
-        if isinstance(a, bool) or not isinstance(a, int) or a < 1 or world % a:
-            return f"alltoall_size={a!r} must be a positive int that divides the {world} CP ranks"
+            return f"{strategy}={self.strategy!r} needs {size} (ranks per all-to-all block), a divisor of {ranks}"
+        if isinstance(a, bool) or not isinstance(a, int) or a < 1 or (world is not None and world % a):
+            return f"{size}={a!r} must be a positive int that divides {ranks}"
         return None
+
+
+@dataclass(frozen=True)
+class OptionProblem:
+    """A broken option rule: the field at fault, the front end's key for it, and the message."""
+
+    field: str
+    key: str
+    text: str
+
+    def keyed(self) -> str:
+        """The message as `key: ...`, the way configs report errors (the value follows the key once)."""
+        for lead in (f"{self.key}=", f"{self.key} "):
+            if self.text.startswith(lead):
+                return f"{self.key}: {self.text[len(lead):]}"
+        return f"{self.key}: {self.text}"

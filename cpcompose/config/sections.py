@@ -11,9 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from cpcompose.attention.options import CPOptions, Strategy, Validate
+from cpcompose.attention.cost.calibration import Calibration
+from cpcompose.attention.options import CPOptions, StrategyChoice, Validate
 from cpcompose.comm import CommMeter
-from cpcompose.layouts import DEFAULT_LAYOUT, LAYOUTS
+from cpcompose.layouts import DEFAULT_LAYOUT
 
 __all__ = [
     "ActivationCheckpoint", "Checkpoint", "Comm", "ConfigError", "Data", "Job", "LRScheduler",
@@ -100,7 +101,7 @@ class Parallelism:
     """Pipeline schedule; 1F1B holds fewer microbatches' activations at once than GPipe."""
     pp_microbatches: int = 4
     """Microbatches per local batch when pp > 1; must divide it (and be >= pp for 1F1B)."""
-    cp_strategy: Strategy = "ring"
+    cp_strategy: StrategyChoice = "ring"
     """ring: K/V blocks circulate, overlapped with compute; allgather: gather all K/V once
     (simple, more memory); alltoall: Ulysses head/sequence transpose (any head count);
     alltoall_ring: 2-D, Ulysses inside blocks of cp_alltoall_size consecutive ranks (keep a
@@ -122,38 +123,34 @@ class Parallelism:
 
     def __post_init__(self) -> None:
         _positive(self, "parallelism", "dp_replicate", "cp", "tp", "pp", "pp_microbatches")
-        require(self.cp_layout in LAYOUTS, "parallelism.cp_layout",
-                f"{self.cp_layout!r} is not a registered layout; choose one of {', '.join(LAYOUTS)}")
         require(self.dp_shard == -1 or self.dp_shard >= 1, "parallelism.dp_shard",
                 f"must be >= 1 or -1, got {self.dp_shard}")
         if self.cp_calibration is not None:
-            require(self.cp_strategy == "auto", "parallelism.cp_calibration",
-                    f"is only used by cp_strategy = \"auto\" (got {self.cp_strategy!r})")
             require(Path(self.cp_calibration).is_file(), "parallelism.cp_calibration",
                     f"{self.cp_calibration!r} is not a file; write one with scripts/calibrate_cost_model.py")
-        a = self.cp_alltoall_size
-        if self.cp_strategy != "alltoall_ring":
-            require(a is None, "parallelism.cp_alltoall_size",
-                    f"{a} is only used by cp_strategy = \"alltoall_ring\" (got {self.cp_strategy!r}): unset it "
-                    "or set parallelism.cp_strategy = \"alltoall_ring\"")
-        else:
-            require(a is not None, "parallelism.cp_alltoall_size",
-                    f"cp_strategy = \"alltoall_ring\" needs it: ranks per all-to-all block, "
-                    f"a divisor of cp = {self.cp}")
-            require(isinstance(a, int) and not isinstance(a, bool) and a >= 1 and self.cp % a == 0,
-                    "parallelism.cp_alltoall_size", f"{a!r} must be a positive divisor of parallelism.cp = {self.cp}")
+        try:
+            options = self.cp_options()
+        except (ValueError, OSError) as e:  # the calibration file cannot be read as one
+            raise ConfigError(f"parallelism.cp_calibration: {e}") from None
+        problem = options.problem(self.cp, names=CP_OPTION_KEYS)  # the options' own rules, under our keys
+        if problem is not None:
+            raise ConfigError(problem.keyed())
 
     def cp_options(self, *, meter: CommMeter | None = None) -> CPOptions:
         """The CP attention options these settings describe: one object, from here to every attention call."""
-        calibration = None
-        if self.cp_calibration is not None:
-            from cpcompose.attention.cost import Calibration
-
-            calibration = Calibration.load(self.cp_calibration)
+        calibration = None if self.cp_calibration is None else Calibration.load(self.cp_calibration)
         return CPOptions(
             strategy=self.cp_strategy, layout=self.cp_layout, meter=meter, alltoall_size=self.cp_alltoall_size,
             validate=self.cp_validate, calibration=calibration,
         )
+
+
+CP_OPTION_KEYS = {
+    "strategy": "parallelism.cp_strategy", "layout": "parallelism.cp_layout",
+    "alltoall_size": "parallelism.cp_alltoall_size", "validate": "parallelism.cp_validate",
+    "calibration": "parallelism.cp_calibration",
+}
+"""The key of each `CPOptions` field these settings set: option errors name them."""
 
 
 @dataclass

@@ -22,7 +22,7 @@ from cpcompose.comm import CPGroup
 from cpcompose.layouts import PackedLayout
 from cpcompose.layouts.packed import Balance
 from cpcompose.sharding.packed import pad_pack
-from cpcompose.validation import agree_across_ranks, shape_fields
+from cpcompose.agreement import agree_across_ranks, shape_fields
 
 
 @dataclass(frozen=True)

@@ -26,26 +26,25 @@ import torch
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
-from cpcompose.attention.options import CHOICES, CPOptions
+from cpcompose.attention.options import CPOptions, StrategyChoice
 from cpcompose.comm import CPGroup
 from cpcompose.layouts import Layout, PackedLayout, resolve_layout
 from cpcompose.layouts.packed import BALANCES
 from cpcompose.sharding.packed import pad_pack
 from cpcompose.parallel.dispatch import CPAttentionMode
-from cpcompose.validation import agree_across_ranks, shape_fields
+from cpcompose.agreement import agree_across_ranks, shape_fields
 
 IGNORE_INDEX = -100  # torchtitan's (components.loss.IGNORE_INDEX)
-DENSE_LAYOUTS = ("zigzag", "contiguous")
 
 
 @dataclass
 class CPComposeConfig:
     """The `cpcompose` section of `CPComposeTrainer.Config` (CLI: `--cpcompose.<key>`)."""
 
-    strategy: Literal["ring", "allgather", "alltoall", "alltoall_ring", "auto"] = "ring"
+    strategy: StrategyChoice = "ring"
     """CP attention: "ring" (K/V passed round the ranks), "allgather", "alltoall" (Ulysses: heads for
     sequence), "alltoall_ring" (2-D: Ulysses inside blocks of `alltoall_size` ranks, a ring across them)
-    or "auto" (cpcompose's cost model picks one per call signature)."""
+    or "auto" (cpcompose's cost model picks one per call signature); `CPOptions.strategy`."""
 
     alltoall_size: int | None = None
     """"alltoall_ring" only: ranks per all-to-all block, a divisor of the CP degree (keep a block in a node)."""
@@ -58,8 +57,9 @@ class CPComposeConfig:
     """With documents: "documents" (long documents zigzag-split over every rank, short ones whole)
     or "zigzag" (plain zigzag chunks of the pack)."""
 
-    layout: Literal["zigzag", "contiguous"] = "zigzag"
-    """Without documents: how rows are split ("zigzag" is torchtitan's "headtail")."""
+    layout: str = "zigzag"
+    """Without documents: how rows are split, a registered layout ("zigzag" is torchtitan's "headtail";
+    "contiguous")."""
 
     window: int | None = None
     """Causal sliding window: each query sees itself and the `window` positions before it (None: no window)."""
@@ -69,21 +69,28 @@ class CPComposeConfig:
         if error:
             raise ValueError(error)
 
-    def error(self) -> str | None:
-        """What is wrong with these settings, naming the key to change, or None."""
-        if self.strategy not in CHOICES:
-            return f"cpcompose.strategy={self.strategy!r} is unknown; choose one of {CHOICES}"
-        if (self.alltoall_size is None) != (self.strategy != "alltoall_ring"):
-            return ("cpcompose.alltoall_size: set it (ranks per all-to-all block) with cpcompose.strategy="
-                    "alltoall_ring, and only then")
+    def options(self, layout: Layout | str | None = None) -> CPOptions:
+        """The `CPOptions` these settings describe (with this batch's `layout` once it is known)."""
+        return CPOptions(strategy=self.strategy, layout=layout or self.layout, window_size=self.window,
+                         alltoall_size=self.alltoall_size)
+
+    def error(self, world: int | None = None) -> str | None:
+        """What is wrong with these settings, naming the key to change, or None (`world`: the CP degree)."""
+        problem = self.options().problem(world, names=TITAN_OPTION_KEYS)  # the options' own rules, our keys
+        if problem is not None:
+            return problem.keyed()
         if self.balance not in BALANCES:
             return f"cpcompose.balance={self.balance!r} is unknown; choose one of {BALANCES}"
-        if self.layout not in DENSE_LAYOUTS:
-            return f"cpcompose.layout={self.layout!r} is unknown; choose one of {DENSE_LAYOUTS}"
         if self.window is not None and (isinstance(self.window, bool) or not isinstance(self.window, int)
                                         or self.window < 0):
             return f"cpcompose.window must be a non-negative number of positions or None, got {self.window!r}"
         return None
+
+
+TITAN_OPTION_KEYS = {
+    "strategy": "cpcompose.strategy", "alltoall_size": "cpcompose.alltoall_size", "layout": "cpcompose.layout",
+}
+"""The key of each `CPOptions` field the `cpcompose` section sets: option errors name them."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -146,7 +153,7 @@ def shard_batch(
         ValueError: on every CP rank (one tiny all-gather) if any rank's batch is invalid,
             cannot be split, or differs from the others'.
     """
-    error = config.error() or _batch_error(inputs, labels, positions)
+    error = config.error(None if mesh is None else mesh.size()) or _batch_error(inputs, labels, positions)
     if positions is None and error is None:
         positions = torch.arange(inputs.shape[1], device=inputs.device).expand_as(inputs)
     if mesh is None:
@@ -175,8 +182,7 @@ def shard_batch(
         pads = [pad_token, IGNORE_INDEX, None]
         tensors = [_pack(t, layout, value) for t, value in zip(tensors, pads)]
     local = [layout.shard(t, 1, cp.rank) for t in tensors]
-    options = CPOptions(strategy=config.strategy, layout=layout, window_size=config.window,
-                        alltoall_size=config.alltoall_size)
+    options = config.options(layout)
     mask = CPAttentionMask(CPAttentionMode(mesh, options), None, config.window)
     return TitanBatch(local[0], local[1], local[2], mask, layout)
 

@@ -22,7 +22,7 @@ from cpcompose.comm import CPGroup
 from cpcompose.layouts import LayoutSpec, layout_error, resolve_layout
 from cpcompose.parallel.dispatch import CPAttentionMode
 from cpcompose.sharding.tensors import cp_unshard, dim_error
-from cpcompose.validation import agree_across_ranks, shape_fields
+from cpcompose.agreement import agree_across_ranks, shape_fields
 
 
 @contextlib.contextmanager

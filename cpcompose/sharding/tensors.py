@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from cpcompose.comm import CPGroup, all_gather
 from cpcompose.layouts import Layout, LayoutSpec, layout_error, resolve_layout
-from cpcompose.validation import agree_across_ranks, dtype_code, shape_fields
+from cpcompose.agreement import agree_across_ranks, dtype_code, shape_fields
 
 
 def _gather_global(x: Tensor, cp: CPGroup, layout: Layout, dim: int) -> Tensor:

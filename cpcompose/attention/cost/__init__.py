@@ -1,7 +1,9 @@
-"""Planning CP attention: a cost model of each strategy, its machine constants, and `choose_strategy`.
+"""The cost model of CP attention: each strategy's bytes, time and memory for one call, from its machine constants.
 
 Pure functions of the call, the topology and the constants: no process group, no
-communication, the same answer on every rank.
+communication, the same answer on every rank. A strategy's record names its family's
+model (`model.RING_FAMILY`, `model.GATHER`); `cpcompose.attention.choose` weighs the
+registry's strategies with it, and `strategy="auto"` (`cpcompose.attention.auto`) runs the choice.
 """
 
 from cpcompose.attention.cost.calibration import (
@@ -15,12 +17,10 @@ from cpcompose.attention.cost.calibration import (
     default_calibration,
 )
 from cpcompose.attention.cost.call import AttentionCall
-from cpcompose.attention.cost.choose import CANDIDATE_STRATEGIES, Choice, candidates, choose_strategy
-from cpcompose.attention.cost.model import StrategyCost, predict
-from cpcompose.attention.cost.traffic import Transfer, bytes_sent, transfers
+from cpcompose.attention.cost.model import StrategyCost, bytes_sent, predict
+from cpcompose.attention.cost.traffic import Transfer
 
 __all__ = [
-    "CANDIDATE_STRATEGIES", "CPU_DEFAULT", "H100_CLUSTER", "INTER", "INTRA", "AttentionCall", "Calibration", "Choice",
-    "Link", "StrategyCost", "Topology", "Transfer", "bytes_sent", "candidates", "choose_strategy",
-    "default_calibration", "predict", "transfers",
+    "CPU_DEFAULT", "H100_CLUSTER", "INTER", "INTRA", "AttentionCall", "Calibration", "Link", "StrategyCost",
+    "Topology", "Transfer", "bytes_sent", "default_calibration", "predict",
 ]

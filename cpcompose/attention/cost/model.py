@@ -14,7 +14,7 @@ at the next collective or ring round):
   are the calls the executor runs (`kernel_calls`): on PyTorch's CPU kernel
   (`Calibration.executor` "cpu_gloo") every causal block of more than 256 rows runs
   as the row tiles of `cpcompose.attention.cpu_tiles`, each costed as a call of its
-  own, except all-to-all's single whole-sequence call (`alltoall.one_kernel_call`).
+  own, except all-to-all's single whole-sequence call (`blocks.one_kernel_call`).
   When more ranks share a node than it has compute slots (CPU cores here), compute
   slows by that ratio, and so does communication (gloo's loopback transport runs on
   the same cores).
@@ -35,7 +35,7 @@ at the next collective or ring round):
   "cuda_nccl" (NCCL's reduce-scatter), while on "cpu_gloo" it is an all-to-all (as
   below) and a float sum of the P received slices (`merge_s_per_elem` per element
   added) after the wait. What travels is each rank's needed rows (those another
-  rank reads, `attention.setup.gathered_rows`), padded to the widest rank's. Copies
+  rank reads, `attention.plans.gathered_rows`), padded to the widest rank's. Copies
   at `copy_bandwidth`, as the code makes them: the needed K and V rows packed into
   one buffer before each gather; in backward the float32 dK/dV of every rank's
   gathered rows and of the own shard zero-filled (with the first half), and the
@@ -57,23 +57,30 @@ accumulators.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from cpcompose.attention import cpu_tiles
 from cpcompose.attention.blocks import BlockTask, one_kernel_call, split_work
-from cpcompose.attention.call_setup import gathered_width
 from cpcompose.attention.cost.calibration import INTER, INTRA, LEVELS, Calibration, Topology
 from cpcompose.attention.cost.call import AttentionCall
 from cpcompose.attention.cost.traffic import (
     COLLECTIVE,
     RankWork,
     Transfer,
-    block_size,
+    gather_transfers,
+    gather_work,
+    ring_family_transfers,
+    ring_family_work,
     rows_read,
-    transfers,
-    work,
 )
+from cpcompose.attention.plans import gathered_width
+
+__all__ = [
+    "GATHER", "RING_FAMILY", "CostModel", "Modelled", "StrategyCost", "bytes_sent", "kernel_calls", "predict",
+    "task_costs",
+]
 
 FWD_SHARE = 2 / 7  # forward FLOPs / forward+backward FLOPs (flash-attn's 2.5x backward)
 
@@ -178,20 +185,60 @@ def _ring_time(comp: Sequence[float], comm: Sequence[float], overlap: float) -> 
     return sum(_hidden(comp[s - 1], comm[s], overlap) for s in range(1, len(comp))) + comp[-1]
 
 
-def predict(call: AttentionCall, strategy: str, topology: Topology, calibration: Calibration,
+_Received = dict[tuple[int, str, int, str], list[tuple[str, int]]]
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """How the cost model counts one family of strategies (`a`: ranks per all-to-all block).
+
+    Attributes:
+        work: `(call, a, rank) -> RankWork`, the rank's kernel calls per round.
+        transfers: `(call, a, rank) -> [Transfer]`, everything the rank sends (the meter's count).
+        time: `(call, strategy, a, work, sent, received, rank, topology, group_level, calibration, memo,
+            backward) -> (time, compute)` of one rank, before the node's slow-down.
+        memory: `(call, a, rank, calibration) -> bytes`, peak extra memory of the rank.
+    """
+
+    work: Callable[[AttentionCall, int, int], RankWork]
+    transfers: Callable[[AttentionCall, int, int], list[Transfer]]
+    time: Callable[..., tuple[float, float]]
+    memory: Callable[[AttentionCall, int, int, Calibration], int]
+
+
+class Modelled(Protocol):
+    """What the cost model reads of a strategy's record (`cpcompose.attention.strategy.Strategy`)."""
+
+    name: str
+    cost: CostModel
+    takes_alltoall_size: bool
+    whole_sequence_call: bool
+
+    def block_size(self, world: int, alltoall_size: int | None) -> int: ...
+
+
+def bytes_sent(call: AttentionCall, strategy: Modelled, a: int, rank: int) -> dict[str, int]:
+    """Bytes `rank` sends per forward+backward, by `CommMeter` key (what a meter would count)."""
+    totals: dict[str, int] = {}
+    for t in strategy.cost.transfers(call, a, rank):
+        totals[t.op] = totals.get(t.op, 0) + t.nbytes
+    return totals
+
+
+def predict(call: AttentionCall, strategy: Modelled, topology: Topology, calibration: Calibration,
             alltoall_size: int | None = None, *, backward: bool = True) -> StrategyCost:
-    """The cost of one strategy on this call (see the module docstring for each term).
+    """The cost of one strategy (its registry record) on this call (see the module docstring for each term).
 
     `backward=False` predicts the forward alone (inference prefill): time, compute,
     bytes and messages of the forward; memory stays that of training.
     """
     phases = ("fwd", "bwd") if backward else ("fwd",)
-    P, cal = call.world, calibration
-    a = block_size(strategy, P, alltoall_size)
+    P, cal, model = call.world, calibration, strategy.cost
+    a = strategy.block_size(P, alltoall_size)
     slow = max(1.0, topology.on_node(P) / cal.compute_slots_per_node) if cal.compute_slots_per_node else 1.0
     group_level = INTER if topology.node(0) != topology.node(P - 1) else INTRA
-    sent = [[t for t in transfers(call, strategy, a, r) if t.phase in phases] for r in range(P)]
-    received: dict[tuple[int, str, int, str], list[tuple[str, int]]] = {}
+    sent = [[t for t in model.transfers(call, a, r) if t.phase in phases] for r in range(P)]
+    received: _Received = {}
     for r, ts in enumerate(sent):
         for t in ts:
             if t.round != COLLECTIVE:
@@ -200,12 +247,9 @@ def predict(call: AttentionCall, strategy: str, topology: Topology, calibration:
     times, computes, by_level, totals, messages, memory = [], [], {lv: 0 for lv in LEVELS}, [], 0, 0
     memo: _Memo = {}
     for rank in range(P):
-        rw = work(call, strategy, a, rank)
-        if strategy == "allgather":
-            total, compute = _allgather_time(call, rw, sent[rank], rank, topology, group_level, cal, memo, backward)
-        else:
-            total, compute = _ring_family_time(call, strategy, a, rw, sent[rank], received, rank, topology, cal,
-                                               memo, backward)
+        rw = model.work(call, a, rank)
+        total, compute = model.time(call, strategy, a, rw, sent[rank], received, rank, topology, group_level, cal,
+                                    memo, backward)
         times.append(slow * total)
         computes.append(slow * compute)
         level_bytes = {lv: 0 for lv in LEVELS}
@@ -215,9 +259,9 @@ def predict(call: AttentionCall, strategy: str, topology: Topology, calibration:
             by_level[lv] = max(by_level[lv], level_bytes[lv])
         totals.append(sum(level_bytes.values()))
         messages = max(messages, sum(t.messages for t in sent[rank]))
-        memory = max(memory, peak_memory(call, strategy, a, rank, cal))
-    return StrategyCost(strategy, alltoall_size if strategy == "alltoall_ring" else None, max(times), max(computes),
-                        tuple(by_level.items()), tuple(totals), messages, memory)
+        memory = max(memory, model.memory(call, a, rank, cal))
+    return StrategyCost(strategy.name, alltoall_size if strategy.takes_alltoall_size else None, max(times),
+                        max(computes), tuple(by_level.items()), tuple(totals), messages, memory)
 
 
 def _sum_levels(pairs: Sequence[tuple[str, float]]) -> dict[str, float]:
@@ -227,12 +271,12 @@ def _sum_levels(pairs: Sequence[tuple[str, float]]) -> dict[str, float]:
     return out
 
 
-def _ring_family_time(call: AttentionCall, strategy: str, a: int, rw: RankWork, ts: Sequence[Transfer],
-                      received: dict[tuple[int, str, int, str], list[tuple[str, int]]], rank: int,
-                      topology: Topology, cal: Calibration, memo: _Memo, backward: bool) -> tuple[float, float]:
+def _ring_family_time(call: AttentionCall, strategy: Modelled, a: int, rw: RankWork, ts: Sequence[Transfer],
+                      received: _Received, rank: int, topology: Topology, group_level: str, cal: Calibration,
+                      memo: _Memo, backward: bool) -> tuple[float, float]:
     """(time, compute) of one rank under ring, all-to-all or the 2-D strategy, before the node's slow-down."""
     blocks = len(rw.rounds)
-    one_call = strategy == "alltoall" and one_kernel_call(rw.rounds[0], call.seq_len)
+    one_call = strategy.whole_sequence_call and one_kernel_call(rw.rounds[0], call.seq_len)
     passes = _Passes(rw, call, cal, memo, one_call=one_call)
     costs = [passes(r) for r in rw.rounds]
     fwd = [c[0] for c in costs]
@@ -261,8 +305,9 @@ def _ring_family_time(call: AttentionCall, strategy: str, a: int, rw: RankWork, 
     return total, compute
 
 
-def _allgather_time(call: AttentionCall, rw: RankWork, ts: Sequence[Transfer], rank: int, topology: Topology,
-                    group_level: str, cal: Calibration, memo: _Memo, backward: bool) -> tuple[float, float]:
+def _allgather_time(call: AttentionCall, strategy: Modelled, a: int, rw: RankWork, ts: Sequence[Transfer],
+                    received: _Received, rank: int, topology: Topology, group_level: str, cal: Calibration,
+                    memo: _Memo, backward: bool) -> tuple[float, float]:
     """(time, compute) of one rank under all-gather (see the module docstring), before the node's slow-down."""
     local, others = rw.rounds
     passes = _Passes(rw, call, cal, memo)
@@ -325,21 +370,26 @@ def _alltoall_time(call: AttentionCall, a: int, ts: Sequence[Transfer], rank: in
     return total + 3 * exchanged / cal.copy_bandwidth  # flatten, concatenate, reorder
 
 
-def peak_memory(call: AttentionCall, strategy: str, a: int, rank: int, cal: Calibration) -> int:
-    """Peak extra bytes on `rank` (see the module docstring): saved tensors + the larger pass's buffers."""
+def _allgather_memory(call: AttentionCall, a: int, rank: int, cal: Calibration) -> int:
+    """Peak extra bytes on `rank` under all-gather (see the module docstring)."""
     B, S, L, dk, dv = call.batch, call.local_len, call.seq_len, call.head_dim, call.dv
     es, acc = call.itemsize, call.acc_itemsize
-    if strategy == "allgather":
-        row = B * call.kv_heads * (dk + dv)
-        sent = gathered_width(call.layout, call.mask, L, call.world) * row  # this rank's packed rows (the widest)
-        gathered, shard = call.world * sent, S * row
-        lse = B * call.heads * S * acc
-        fwd = (gathered + sent) * es + B * call.heads * S * (dv + 1) * acc  # gathered, sent, output accumulator
-        received = gathered if cal.executor == "cpu_gloo" else sent  # all-to-all's P slices / reduce-scatter's one
-        grads = gathered + received + shard  # the gathered rows' dK/dV, the reduction's result, the own dK/dV
-        bwd = (gathered + sent) * es + grads * acc + B * call.heads * S * dk * acc
-        return lse + max(fwd, bwd)
-    rw = work(call, strategy, a, rank)
+    row = B * call.kv_heads * (dk + dv)
+    sent = gathered_width(call.layout, call.mask, L, call.world) * row  # this rank's packed rows (the widest)
+    gathered, shard = call.world * sent, S * row
+    lse = B * call.heads * S * acc
+    fwd = (gathered + sent) * es + B * call.heads * S * (dv + 1) * acc  # gathered, sent, output accumulator
+    received = gathered if cal.executor == "cpu_gloo" else sent  # all-to-all's P slices / reduce-scatter's one
+    grads = gathered + received + shard  # the gathered rows' dK/dV, the reduction's result, the own dK/dV
+    bwd = (gathered + sent) * es + grads * acc + B * call.heads * S * dk * acc
+    return lse + max(fwd, bwd)
+
+
+def _ring_family_memory(call: AttentionCall, a: int, rank: int, cal: Calibration) -> int:
+    """Peak extra bytes on `rank` under the all-to-all family: saved tensors + the larger pass's buffers."""
+    B, S, L, dk, dv = call.batch, call.local_len, call.seq_len, call.head_dim, call.dv
+    es, acc = call.itemsize, call.acc_itemsize
+    rw = ring_family_work(call, a, rank)
     blocks, (b, _) = call.world // a, divmod(rank, a)
     la, hq, hk = a * S, rw.heads, rw.kv_heads
     kv_rows = max((rows_read(call.layout, call.mask, L, a, b, (b - s) % blocks) for s in range(1, blocks)), default=0)
@@ -351,3 +401,10 @@ def peak_memory(call: AttentionCall, strategy: str, a: int, rank: int, cal: Cali
     grads = B * la * (hq * dk + hk * (dk + dv))
     bwd = grads * acc + 2 * kv_block * (es + acc) + (grads * es + B * hq * la * dv * es if a > 1 else 0)
     return saved + max(fwd, bwd)
+
+
+RING_FAMILY = CostModel(ring_family_work, ring_family_transfers, _ring_family_time, _ring_family_memory)
+"""Ring, all-to-all and 2-D: all-to-all inside blocks of `a` ranks, the ring across them."""
+
+GATHER = CostModel(gather_work, gather_transfers, _allgather_time, _allgather_memory)
+"""All-gather of the needed K/V rows, reduce-scatter of their gradients."""

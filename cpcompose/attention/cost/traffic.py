@@ -7,7 +7,7 @@ bytes, as `cpcompose.comm.CommMeter` counts them:
 * all-to-all family, with `a` ranks per all-to-all block and the ring across the
   `R = P / a` blocks (`a = P`: `alltoall`, `a = 1`: `ring`, else `alltoall_ring`):
   - forward: one all-to-all inside the block sends the q heads of each peer's range
-    and the K/V heads they read (`alltoall.query_head_ranges` / `kv_head_ranges`:
+    and the K/V heads they read (`heads.query_head_ranges` / `kv_head_ranges`:
     GQA K/V are never expanded), for this rank's L/P tokens; the ring then sends, in
     round s, to the same-index rank of block b+s exactly the K/V rows of this block
     that block b+s's plans read (`needed_rows`); the output (and the float32 LSE when
@@ -16,13 +16,14 @@ bytes, as `cpcompose.comm.CommMeter` counts them:
     and returns float32 (accumulation dtype) dK/dV of every row it read to its
     owner; dq, dk, dv come back by a final all-to-all in the input dtype.
 * all-gather: each rank's needed K and V rows (those another rank's plans read,
-  `attention.setup.gathered_rows`) packed end to end and padded to the widest rank's,
+  `attention.plans.gathered_rows`) packed end to end and padded to the widest rank's,
   one all-gather forward, another backward (K/V are not kept: activation memory
   stays 1/P), then a reduce-scatter of those rows' float32 dK/dV: each sends (P-1)
   padded parts. Without a mask that hides rows from every peer, the whole shard.
 
 A `Transfer` is one piece of that: which pass, which ring round (or a collective),
-to which peer, how many bytes and messages.
+to which peer, how many bytes and messages. A strategy's record
+(`cpcompose.attention.strategy.Strategy`) names its family's functions here.
 """
 
 from __future__ import annotations
@@ -32,12 +33,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from cpcompose.attention.alltoall import kv_head_ranges, query_head_ranges
 from cpcompose.attention.blocks import BlockTask, MaskSpec, needed_rows, plan
-from cpcompose.attention.call_setup import gathered_width
+from cpcompose.attention.heads import kv_head_ranges, query_head_ranges
+from cpcompose.attention.plans import gathered_width
 from cpcompose.layouts import Layout, Run
 from cpcompose.layouts.grouped import grouped
 from cpcompose.attention.cost.call import AttentionCall
+
+__all__ = [
+    "COLLECTIVE", "RankWork", "Transfer", "block_plan", "block_runs", "gather_transfers", "gather_work",
+    "head_split", "head_splits", "ring_family_transfers", "ring_family_work", "rows_read",
+]
 
 COLLECTIVE = -1  # `Transfer.round` of a collective (not part of a ring round)
 
@@ -109,12 +115,16 @@ def head_split(call: AttentionCall, a: int, index: int) -> tuple[int, int]:
     return head_splits(call.heads, call.kv_heads, a)[index]
 
 
-def work(call: AttentionCall, strategy: str, a: int, rank: int) -> RankWork:
-    """`rank`'s kernel calls (see `Transfer` for `a`)."""
+def gather_work(call: AttentionCall, a: int, rank: int) -> RankWork:
+    """`rank`'s kernel calls under all-gather: its own shard while the gather travels, then the others'."""
     layout, mask, n = call.layout, call.mask, call.seq_len
-    if strategy == "allgather":  # own shard while the gather travels, then the others' gathered shards
-        others = tuple(t for src in range(call.world) if src != rank for t in block_plan(layout, mask, n, 1, rank, src))
-        return RankWork((block_plan(layout, mask, n, 1, rank, rank), others), call.heads, call.kv_heads)
+    others = tuple(t for src in range(call.world) if src != rank for t in block_plan(layout, mask, n, 1, rank, src))
+    return RankWork((block_plan(layout, mask, n, 1, rank, rank), others), call.heads, call.kv_heads)
+
+
+def ring_family_work(call: AttentionCall, a: int, rank: int) -> RankWork:
+    """`rank`'s kernel calls per ring round under the all-to-all family with blocks of `a` ranks."""
+    layout, mask, n = call.layout, call.mask, call.seq_len
     blocks, (b, i) = call.world // a, divmod(rank, a)
     heads, kv = head_split(call, a, i)
     rounds = tuple(block_plan(layout, mask, n, a, b, (b - s) % blocks) for s in range(blocks))
@@ -131,21 +141,30 @@ def _alltoall(a: int, rank: int, phase: str, what: str, per_peer: Sequence[int],
             out.append(Transfer(phase, COLLECTIVE, "all_to_all", what, b * a + j, nbytes, 1))  # type: ignore[arg-type]
 
 
-def transfers(call: AttentionCall, strategy: str, a: int, rank: int) -> list[Transfer]:
-    """Everything `rank` sends in one forward+backward (see the module docstring)."""
+def gather_transfers(call: AttentionCall, a: int, rank: int) -> list[Transfer]:
+    """Everything `rank` sends in one forward+backward under all-gather (see the module docstring).
+
+    Every rank sends the rows others read, padded to the most any rank has.
+    """
+    P, B = call.world, call.batch
+    dk, dv, es, acc = call.head_dim, call.dv, call.itemsize, call.acc_itemsize
+    out: list[Transfer] = []
+    shard = B * call.kv_heads * gathered_width(call.layout, call.mask, call.seq_len, P) * (dk + dv)
+    if shard == 0:  # nobody reads another rank's keys: the code gathers nothing
+        return out
+    nxt = (rank + 1) % P
+    for phase in ("fwd", "bwd"):
+        nbytes = (P - 1) * shard * es
+        out.append(Transfer(phase, COLLECTIVE, "all_gather", "kv", nxt, nbytes, P - 1))  # type: ignore[arg-type]
+    out.append(Transfer("bwd", COLLECTIVE, "reduce_scatter", "dkv", nxt, (P - 1) * shard * acc, P - 1))
+    return out
+
+
+def ring_family_transfers(call: AttentionCall, a: int, rank: int) -> list[Transfer]:
+    """Everything `rank` sends in one forward+backward under the all-to-all family (see the module docstring)."""
     P, S, B = call.world, call.local_len, call.batch
     dk, dv, es, acc = call.head_dim, call.dv, call.itemsize, call.acc_itemsize
     out: list[Transfer] = []
-    if strategy == "allgather":  # every rank sends the rows others read, padded to the most any rank has
-        shard = B * call.kv_heads * gathered_width(call.layout, call.mask, call.seq_len, P) * (dk + dv)
-        if shard == 0:  # nobody reads another rank's keys: the code gathers nothing
-            return out
-        nxt = (rank + 1) % P
-        for phase in ("fwd", "bwd"):
-            nbytes = (P - 1) * shard * es
-            out.append(Transfer(phase, COLLECTIVE, "all_gather", "kv", nxt, nbytes, P - 1))  # type: ignore[arg-type]
-        out.append(Transfer("bwd", COLLECTIVE, "reduce_scatter", "dkv", nxt, (P - 1) * shard * acc, P - 1))
-        return out
     blocks, (b, i) = P // a, divmod(rank, a)
     splits = head_splits(call.heads, call.kv_heads, a)
     hq, hk = splits[i]
@@ -169,22 +188,3 @@ def transfers(call: AttentionCall, strategy: str, a: int, rank: int) -> list[Tra
     _alltoall(a, rank, "bwd", "dout", [B * S * h * dv for h, _ in splits], es, out)  # dout out
     _alltoall(a, rank, "bwd", "dqkv", [B * S * (hq * dk + hk * (dk + dv))] * a, es, out)  # dq, dk, dv home
     return out
-
-
-def bytes_sent(call: AttentionCall, strategy: str, a: int, rank: int) -> dict[str, int]:
-    """Bytes `rank` sends per forward+backward, by `CommMeter` key (what a meter would count)."""
-    totals: dict[str, int] = {}
-    for t in transfers(call, strategy, a, rank):
-        totals[t.op] = totals.get(t.op, 0) + t.nbytes
-    return totals
-
-
-def block_size(strategy: str, world: int, alltoall_size: int | None = None) -> int:
-    """The all-to-all block size `a` a strategy name stands for."""
-    if strategy == "ring":
-        return 1
-    if strategy in ("alltoall", "allgather"):
-        return world
-    if alltoall_size is None or alltoall_size < 1 or world % alltoall_size:
-        raise ValueError(f"{strategy} needs an alltoall_size dividing the CP group size {world}, got {alltoall_size}")
-    return alltoall_size

@@ -1,7 +1,8 @@
 """`choose_strategy`: the strategy of one call, the same on every rank, with no communication.
 
-Pure and deterministic: the candidates come in a fixed order (`ring`, `allgather`,
-`alltoall`, then `alltoall_ring` by increasing all-to-all size), every rank evaluates
+Pure and deterministic: the candidates come in a fixed order (the registry's, each
+strategy's `candidate_sizes` in increasing order: `ring`, `allgather`, `alltoall`, then
+`alltoall_ring` by increasing all-to-all size), every rank evaluates
 the same float arithmetic on the same agreed call, and predicted times are compared
 rounded to 9 significant digits with ties going to the earlier candidate, so no
 last-bit difference can split the ranks.
@@ -15,21 +16,16 @@ from dataclasses import dataclass
 from cpcompose.attention.cost.calibration import Calibration, Topology
 from cpcompose.attention.cost.call import AttentionCall
 from cpcompose.attention.cost.model import StrategyCost, predict
+from cpcompose.attention.registry import STRATEGIES, STRATEGY_NAMES
 
-ONE_D: tuple[str, ...] = ("ring", "allgather", "alltoall")
-TWO_D = "alltoall_ring"
-CANDIDATE_STRATEGIES: tuple[str, ...] = (*ONE_D, TWO_D)
+__all__ = ["CANDIDATE_STRATEGIES", "Choice", "candidates", "choose_strategy"]
+
+CANDIDATE_STRATEGIES: tuple[str, ...] = STRATEGY_NAMES
 
 
 def candidates(world: int, strategies: Sequence[str] = CANDIDATE_STRATEGIES) -> list[tuple[str, int | None]]:
-    """(strategy, alltoall_size) pairs in the fixed order; 2-D for each a with 1 < a < P dividing P.
-
-    a = 1 and a = P are left out: they are the ring and the all-to-all.
-    """
-    out: list[tuple[str, int | None]] = [(s, None) for s in ONE_D if s in strategies]
-    if TWO_D in strategies:
-        out += [(TWO_D, a) for a in range(2, world) if world % a == 0]
-    return out
+    """(strategy, alltoall_size) pairs in the fixed order (2-D: each a with 1 < a < P dividing P)."""
+    return [(name, a) for name in STRATEGY_NAMES if name in strategies for a in STRATEGIES[name].candidate_sizes(world)]
 
 
 @dataclass(frozen=True)
@@ -95,6 +91,6 @@ def choose_strategy(call: AttentionCall, topology: Topology, calibration: Calibr
     pairs = candidates(world, strategies)
     if not pairs:
         raise ValueError(f"no candidate strategy among {tuple(strategies)}")
-    costs = tuple(predict(call, s, topology, calibration, a, backward=backward) for s, a in pairs)
+    costs = tuple(predict(call, STRATEGIES[s], topology, calibration, a, backward=backward) for s, a in pairs)
     best = min(range(len(costs)), key=lambda i: (float(f"{costs[i].time_s:.9g}"), i))
     return Choice(costs[best].strategy, costs[best].alltoall_size, costs, calibration.fingerprint())

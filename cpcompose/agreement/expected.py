@@ -1,6 +1,6 @@
 """Agree once per signature, not every call, without letting one rank go astray alone.
 
-The full cross-rank agreement (`cpcompose.validation.agree_across_ranks`) is a
+The full cross-rank agreement (`agree.agree_across_ranks`) is a
 blocking all-gather read on the host: on NCCL a device-to-host sync per attention
 call. Here it runs only when a call's signature (shapes, dtype, options, the
 layout's identity) is not the one every rank already *expects*; the expected call
@@ -55,8 +55,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from cpcompose.agreement.agree import agree_across_ranks
+from cpcompose.agreement.signature import Field
 from cpcompose.comm import CPGroup, PendingRecv, RingComm
-from cpcompose.validation import Field, agree_across_ranks
+
+__all__ = ["AgreementCache", "CallSpec", "agreed_call", "agreement_cache"]
 
 Key = tuple[int, ...]
 R = TypeVar("R")
@@ -68,14 +71,16 @@ CONTEXT = 16  # recent calls compared when looking for where the history repeats
 
 @dataclass(frozen=True)
 class CallSpec:
-    """Enough of an agreed call to run it again on zeros (what a deviating rank mimics)."""
+    """Enough of an agreed call to run it again on zeros (what a deviating rank mimics).
 
-    q_shape: torch.Size
-    k_shape: torch.Size
-    v_shape: torch.Size
+    `run(group, *tensors)` makes the call on tensors of `shapes` (attention: q, k, v);
+    it holds no group: the history it is kept in belongs to the group.
+    """
+
+    shapes: tuple[torch.Size, ...]
     dtype: torch.dtype
     device: torch.device
-    run: Callable[[CPGroup, Tensor, Tensor, Tensor], object]  # the call on (group, q, k, v); holds no group
+    run: Callable[..., object]
 
     @property
     def on_host(self) -> bool:
@@ -84,8 +89,7 @@ class CallSpec:
     def mimic(self, cp: CPGroup) -> None:
         """Run the call on zeros: every collective a peer running it posts gets its partner."""
         with torch.no_grad():
-            shapes = (self.q_shape, self.k_shape, self.v_shape)
-            self.run(cp, *(torch.zeros(s, dtype=self.dtype, device=self.device) for s in shapes))
+            self.run(cp, *(torch.zeros(s, dtype=self.dtype, device=self.device) for s in self.shapes))
 
 
 class AgreementCache:

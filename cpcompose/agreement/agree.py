@@ -8,49 +8,21 @@ differ, every rank raises the same ValueError, and no K/V collective is ever pos
 
 The all-gather is read on the host (a device sync on CUDA). `cp_attention`, called
 per layer per microbatch, runs it only when a call is not the one every rank
-expects (`cpcompose.attention.agreement`); the once-per-step entry points (sharding,
+expects (`expected.py`); the once-per-step entry points (sharding,
 `context_parallel`) run it every time.
 """
 
 from __future__ import annotations
 
-import math
-import struct
-import zlib
 from typing import Sequence
 
 import torch
 import torch.distributed as dist
 
+from cpcompose.agreement.signature import Field
 from cpcompose.comm import CPGroup, all_gather
 
-_DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
-
-Field = tuple[str, int]
-"""One named integer of a cross-rank signature."""
-
-
-def dtype_code(dtype: object) -> int:
-    """A small integer for a dtype, for the cross-rank signature."""
-    if dtype in _DTYPES:
-        return _DTYPES.index(dtype)  # type: ignore[arg-type]
-    # zlib.crc32, not hash(): Python salts str hashes per process, and ranks are processes.
-    return len(_DTYPES) + zlib.crc32(str(dtype).encode()) % 1000
-
-
-def float_code(x: float | None) -> int:
-    """The bits of a float as an int64 (None and NaN get codes of their own), for the signature."""
-    if x is None:
-        return -1
-    if isinstance(x, float) and math.isnan(x):
-        return -2
-    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
-
-
-def shape_fields(name: str, shape: Sequence[int], ndim: int = 4) -> list[Field]:
-    """A fixed-length encoding of a shape (padded with -1, then the rank)."""
-    dims = list(shape[:ndim]) + [-1] * (ndim - len(shape[:ndim]))
-    return [(name, int(d)) for d in dims] + [(name, len(shape))]
+__all__ = ["agree_across_ranks"]
 
 
 def agree_across_ranks(
