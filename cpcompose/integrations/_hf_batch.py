@@ -18,11 +18,10 @@ import torch
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
-from cpcompose.comm import CPGroup
+from cpcompose.agreement import Signature
 from cpcompose.layouts import PackedLayout
 from cpcompose.layouts.packed import Balance
-from cpcompose.sharding.packed import pad_pack
-from cpcompose.agreement import agree_across_ranks, shape_fields
+from cpcompose.sharding.packed import pack_documents
 
 
 @dataclass(frozen=True)
@@ -102,30 +101,22 @@ def pack_batch(
         ValueError: on every CP rank (one tiny all-gather) if any rank's batch is invalid
             (left padding, positions not restarting at 0, shapes) or the ranks' batches differ.
     """
-    cp = CPGroup.from_mesh(mesh)
     error = _batch_error(input_ids, attention_mask, position_ids, labels)
-    layout, packed = None, None
+    packed = None
     if error is None:
         packed = _flatten(input_ids, attention_mask, position_ids, labels, shift, ignore_index)
         if packed[0].numel() == 0:
             error = "the batch has no real tokens (attention_mask is all zeros)"
-    if error is None and packed is not None:
-        try:
-            layout = PackedLayout.build(packed[3], cp.world, balance=balance, window=window)
-        except ValueError as e:
-            error = str(e)
-    shape = input_ids.shape if isinstance(input_ids, Tensor) else ()
-    signature = [*shape_fields("input_ids", shape, 2), ("layout", -1 if layout is None else layout.identity)]
+    ids, positions, targets, cu = packed if packed is not None and error is None else ((), (), (), None)
     device = input_ids.device if isinstance(input_ids, Tensor) else torch.device("cpu")  # CUDA for NCCL
-    agree_across_ranks(cp, error, signature, what="pack_batch", device=device)
-    assert layout is not None and packed is not None
-    ids, positions, targets, _ = packed
-    return PackedBatch(
-        input_ids=pad_pack(ids[None], layout, dim=1, value=pad_token_id),
-        position_ids=torch.cat([positions, torch.arange(layout.pad, device=positions.device)])[None],
-        labels=pad_pack(targets[None], layout, dim=1, value=ignore_index),
-        layout=layout,
+    batch = pack_documents(
+        [t for t in (ids, positions, targets) if isinstance(t, Tensor)], cu, mesh,
+        pad_values=[pad_token_id, None, ignore_index], what="pack_batch", error=error,
+        signature=Signature().shape("input_ids", getattr(input_ids, "shape", ()), 2), balance=balance, window=window,
+        device=device,
     )
+    input_ids, position_ids, labels = batch.tensors
+    return PackedBatch(input_ids=input_ids, position_ids=position_ids, labels=labels, layout=batch.layout)
 
 
 def _batch_error(

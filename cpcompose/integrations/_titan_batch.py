@@ -28,11 +28,11 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from cpcompose.attention.options import CPOptions, StrategyChoice
 from cpcompose.comm import CPGroup
-from cpcompose.layouts import Layout, PackedLayout, resolve_layout
+from cpcompose.layouts import Layout, resolve_layout
 from cpcompose.layouts.packed import BALANCES
-from cpcompose.sharding.packed import pad_pack
+from cpcompose.agreement import Signature, agree_across_ranks
 from cpcompose.parallel.dispatch import CPAttentionMode
-from cpcompose.agreement import agree_across_ranks, shape_fields
+from cpcompose.sharding.packed import pack_documents
 
 IGNORE_INDEX = -100  # torchtitan's (components.loss.IGNORE_INDEX)
 
@@ -163,43 +163,32 @@ def shard_batch(
         ids = torch.cumsum(document_starts(positions).int(), dim=1) if config.documents else None
         return TitanBatch(inputs, labels, positions, CPAttentionMask(None, ids, config.window), None)
     cp = CPGroup.from_mesh(mesh)
-    layout: Layout | None = None
-    if error is None:
-        assert positions is not None
-        try:
-            layout = _layout(positions, cp.world, config)
-        except ValueError as e:
-            error = str(e)
-        if layout is not None and not isinstance(layout, PackedLayout):
-            error = layout.split_error(inputs.shape[1], what=f"training.seq_len ({config.layout} split)")
-    shape = inputs.shape if isinstance(inputs, Tensor) else ()
-    signature = [*shape_fields("inputs", shape, 2), ("layout", -1 if layout is None else layout.identity)]
-    device = inputs.device if isinstance(inputs, Tensor) else torch.device("cpu")
-    agree_across_ranks(cp, error, signature, what="cpcompose torchtitan batch", device=device)
-    assert layout is not None and positions is not None
-    tensors = [inputs, labels, positions]
-    if isinstance(layout, PackedLayout):
-        pads = [pad_token, IGNORE_INDEX, None]
-        tensors = [_pack(t, layout, value) for t, value in zip(tensors, pads)]
-    local = [layout.shard(t, 1, cp.rank) for t in tensors]
-    options = config.options(layout)
-    mask = CPAttentionMask(CPAttentionMode(mesh, options), None, config.window)
+    signature = Signature().shape("inputs", getattr(inputs, "shape", ()), 2)
+    device = inputs.device if isinstance(inputs, Tensor) else torch.device("cpu")  # CUDA for NCCL
+    if config.documents:  # the rows as one pack of documents: torchtitan's positions say where each starts
+        cu = None
+        if error is None:
+            assert positions is not None
+            starts = torch.nonzero(document_starts(positions).reshape(-1)).reshape(-1).tolist()
+            cu = starts + [positions.numel()]
+        batch = pack_documents(
+            [inputs, labels, positions] if error is None else [], cu, mesh, pad_values=[pad_token, IGNORE_INDEX, None],
+            what="cpcompose torchtitan batch", error=error, signature=signature, balance=config.balance,
+            window=config.window, device=device,
+        )
+        layout: Layout = batch.layout
+        local = list(batch.local(cp.rank))
+    else:
+        dense = None
+        if error is None:
+            dense = resolve_layout(config.layout, cp.world)
+            error = dense.split_error(inputs.shape[1], what=f"training.seq_len ({config.layout} split)")
+        agree_across_ranks(cp, error, signature.layout(dense), what="cpcompose torchtitan batch", device=device)
+        assert dense is not None and positions is not None
+        layout = dense
+        local = [layout.shard(t, 1, cp.rank) for t in (inputs, labels, positions)]
+    mask = CPAttentionMask(CPAttentionMode(mesh, config.options(layout)), None, config.window)
     return TitanBatch(local[0], local[1], local[2], mask, layout)
-
-
-def _layout(positions: Tensor, world: int, config: CPComposeConfig) -> Layout:
-    if not config.documents:
-        return resolve_layout(config.layout, world)
-    starts = torch.nonzero(document_starts(positions).reshape(-1)).reshape(-1).tolist()
-    return PackedLayout.build(starts + [positions.numel()], world, balance=config.balance, window=config.window)
-
-
-def _pack(x: Tensor, layout: PackedLayout, value: int | None) -> Tensor:
-    """The rows of `x` as one row, padded to the layout; `value` None: positions 0.. in the padding."""
-    flat = x.reshape(1, -1)
-    if value is not None:
-        return pad_pack(flat, layout, dim=1, value=value)
-    return torch.cat([flat, torch.arange(layout.pad, dtype=x.dtype, device=x.device)[None]], dim=1)
 
 
 def _batch_error(inputs: object, labels: object, positions: object) -> str | None:

@@ -29,7 +29,7 @@ from cpcompose.data import IGNORE_INDEX, Batch, build_data_source
 from cpcompose.distributed import ParallelDims, build_pipeline_schedule, build_pipeline_stage, flat_mesh
 from cpcompose.layouts import PackedLayout, resolve_layout
 from cpcompose.models import get_model_spec
-from cpcompose.sharding.packed import pad_pack
+from cpcompose.sharding.packed import pack_documents
 from cpcompose.parallel import ContextParallel, cp_cross_entropy
 from cpcompose.training.checkpoint import CheckpointManager
 from cpcompose.training.errors import TrainingError
@@ -160,11 +160,10 @@ class Trainer:
         seq = batch.input_ids.shape[1]
         assert batch.cu_seqlens is not None
         cu = [0] + [int(b) + i * seq for i, c in enumerate(batch.cu_seqlens) for b in c.tolist()[1:]]
-        layout = PackedLayout.build(cu, self.dims.cp)
-        tokens = pad_pack(batch.input_ids.reshape(1, -1), layout, dim=1)
-        labels = pad_pack(batch.labels.reshape(1, -1), layout, dim=1, value=IGNORE_INDEX)
-        local = [layout.shard(t, 1, self.cp_rank).to(self.device) for t in (tokens, labels)]
-        return local[0], local[1], layout.position_ids(self.cp_rank, device=self.device)[None], layout
+        packed = pack_documents([batch.input_ids, batch.labels], cu, self.mesh["cp"], pad_values=[0, IGNORE_INDEX],
+                                what="the trainer's packed batch", device=self.device)
+        tokens, labels = (t.to(self.device) for t in packed.local(self.cp_rank))
+        return tokens, labels, packed.position_ids(self.cp_rank, self.device), packed.layout
 
     def _global_tokens(self, batches: list[Batch]) -> Tensor:
         """Valid labels in this step's global batch (each dp rank counts its full sequences)."""
