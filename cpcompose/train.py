@@ -34,7 +34,7 @@ from cpcompose.training.faults import is_comm_failure  # noqa: E402
 from cpcompose.training.launch import launch_local, planned_world_size  # noqa: E402
 from cpcompose.training.metrics import stamp  # noqa: E402
 from cpcompose.training.dry_run import describe_plan  # noqa: E402
-from cpcompose.training.preflight import preflight  # noqa: E402
+from cpcompose.training.preflight import check_choices, preflight  # noqa: E402
 from cpcompose.training.trainer import Trainer  # noqa: E402
 
 
@@ -136,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         config = load_config(argv)
         world = int(os.environ.get("WORLD_SIZE", 0)) or planned_world_size(config)
         config.validate(world_size=world)
+        check_choices(config)
         nothing_to_do = None if config.job.dry_run else preflight(config, world)
     except ConfigError as e:
         if rank0:

@@ -12,6 +12,7 @@ import pytest
 from cpcompose.config import ConfigError, JobConfig, load_config
 from cpcompose.config.loader import _field_docs
 from cpcompose.distributed import ParallelDims
+from cpcompose.training.preflight import check_choices
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -119,8 +120,10 @@ def test_missing_config_file_is_a_config_error(tmp_path: Path) -> None:
     ],
 )
 def test_inconsistent_values_name_the_key(argv: list[str], message: str) -> None:
+    """Read and checked as `python -m cpcompose.train` does before launch (the schema, then the choices:
+    model families and data tasks)."""
     with pytest.raises(ConfigError, match=message):
-        load_config(argv)
+        check_choices(load_config(argv))
 
 
 def test_seq_len_divisibility_follows_the_layout() -> None:

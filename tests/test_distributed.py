@@ -96,7 +96,7 @@ def test_registry_builds_llama_and_names_the_key_for_unknown_families() -> None:
     assert "llama" in model_names()
     config = load_config(["--model.n_layers=2"])
     with torch.device("meta"):
-        model = get_model_spec(config.model.name).build(config)
+        model = get_model_spec(config.model.name).build(config.model, max_seq_len=config.max_seq_len())
     assert isinstance(model, Llama) and len(model.layers) == 2
     with pytest.raises(ValueError, match=r"^model.name: 'gpt' is not one of llama"):
         get_model_spec("gpt")

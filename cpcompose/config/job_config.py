@@ -20,11 +20,8 @@ from cpcompose.config.sections import (
     Training,
     require,
 )
-from cpcompose.data.copy_task import copy_task_problem
-from cpcompose.data.synthetic import recall_task_problem
 from cpcompose.distributed.parallel_dims import ParallelDims
 from cpcompose.layouts import resolve_layout
-from cpcompose.models.registry import model_names
 
 __all__ = ["JobConfig"]
 
@@ -49,8 +46,16 @@ class JobConfig:
         """Nested plain dict ``{section: {key: value}}`` for logging."""
         return asdict(self)
 
+    def max_seq_len(self) -> int:
+        """The longest row one forward sees: a packed micro-batch is all its samples' tokens in one row."""
+        return self.training.seq_len * (self.training.batch_size if self.data.pack else 1)
+
     def validate(self, world_size: int | None = None) -> None:
         """Check the constraints that span sections, asking the module that owns each rule.
+
+        The schema alone: whether `model.name` is registered and whether the data task's
+        parameters fit are the pre-launch checks' (`cpcompose.training.preflight.check_choices`),
+        which know the model families and the data sources.
 
         :func:`load_config` calls it without a world size (shape checks only); the trainer calls it
         again with one, which also checks the degrees against it (``ParallelDims``) and the batch
@@ -61,7 +66,6 @@ class JobConfig:
             ConfigError: naming the key to change.
         """
         p, m, t, d = self.parallelism, self.model, self.training, self.data
-        require(m.name in model_names(), "model.name", f"{m.name!r} is not one of {', '.join(model_names())}")
         dp: int | None = p.dp_replicate * p.dp_shard if p.dp_shard != -1 else None
         if world_size is not None:
             try:
@@ -86,11 +90,5 @@ class JobConfig:
         require(not (d.pack and p.pp > 1), "data.pack",
                 "packed documents are one sequence per micro-batch, which pipeline microbatches cannot split; "
                 "set parallelism.pp = 1")
-        if d.source == "synthetic":
-            problem = copy_task_problem(t.seq_len) if d.task == "copy" else recall_task_problem(
-                seq_len=t.seq_len, num_pairs=d.num_pairs, num_queries=d.num_queries, key_fraction=d.key_fraction)
-            if problem:
-                key = "training.seq_len" if problem.param == "seq_len" else f"data.{problem.param}"
-                raise ConfigError(f"{key}: {problem.reason}")
         require(self.lr_scheduler.warmup_steps <= t.steps, "lr_scheduler.warmup_steps",
                 f"{self.lr_scheduler.warmup_steps} exceeds training.steps = {t.steps}")

@@ -2,20 +2,16 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-# The sections module, not the package: the config's validate imports the data sources.
-from cpcompose.config.sections import ConfigError
+from cpcompose.config import ConfigError, JobConfig
 from cpcompose.data.batch import Batch, SampleSource
-from cpcompose.data.copy_task import SyntheticCopy
-from cpcompose.data.synthetic import SyntheticRecall
+from cpcompose.data.copy_task import SyntheticCopy, copy_task_problem
+from cpcompose.data.synthetic import SyntheticRecall, recall_task_problem
 from cpcompose.data.text import TextSource
 from cpcompose.data.tokenizer import build_tokenizer
 
-if TYPE_CHECKING:
-    from cpcompose.config import JobConfig
-
-__all__ = ["TokenBatcher", "build_data_source"]
+__all__ = ["TokenBatcher", "build_data_source", "data_config_error"]
 
 
 class TokenBatcher:
@@ -72,6 +68,19 @@ class TokenBatcher:
         self._next_index = index
 
 
+def data_config_error(config: JobConfig) -> ConfigError | None:
+    """Why the data sources cannot serve `config` (the synthetic task's parameters), naming the key, or None."""
+    t, d = config.training, config.data
+    if d.source != "synthetic":
+        return None
+    problem = copy_task_problem(t.seq_len) if d.task == "copy" else recall_task_problem(
+        seq_len=t.seq_len, num_pairs=d.num_pairs, num_queries=d.num_queries, key_fraction=d.key_fraction)
+    if problem is None:
+        return None
+    key = "training.seq_len" if problem.param == "seq_len" else f"data.{problem.param}"
+    return ConfigError(f"{key}: {problem.reason}")
+
+
 def build_data_source(config: JobConfig, *, dp_rank: int, dp_size: int) -> TokenBatcher:
     """The loader of one data-parallel rank, as ``config.data`` describes.
 
@@ -82,9 +91,12 @@ def build_data_source(config: JobConfig, *, dp_rank: int, dp_size: int) -> Token
     Returns:
         A :class:`TokenBatcher` yielding ``batch_size / (dp_size * grad_accum_steps)`` sequences per call.
     Raises:
-        ConfigError: the batch does not split evenly, or model.vocab_size does not cover the data.
+        ConfigError: the task's parameters do not fit, the batch does not split evenly, or
+            model.vocab_size does not cover the data.
     """
     t, d = config.training, config.data
+    if (error := data_config_error(config)) is not None:
+        raise error
     split = dp_size * t.grad_accum_steps
     if t.batch_size % split:
         raise ConfigError(f"training.batch_size: {t.batch_size} must be divisible by "

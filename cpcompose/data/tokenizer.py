@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from cpcompose.config.sections import ConfigError  # not the package: it imports cpcompose.data
+from cpcompose.config import ConfigError
 
 __all__ = ["ByteTokenizer", "HFTokenizer", "Tokenizer", "build_tokenizer"]
 

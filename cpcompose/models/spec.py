@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Any, Protocol
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -12,10 +11,17 @@ from torch.distributed.device_mesh import DeviceMesh
 from cpcompose.distributed import ParallelDims
 from cpcompose.parallel.style import ContextParallel
 
-if TYPE_CHECKING:  # the config imports the registry, so only type-check against it
-    from cpcompose.config import JobConfig
+__all__ = ["BuildFn", "ModelSpec", "ParallelizeFn", "SplitForPipelineFn"]
 
-__all__ = ["ModelSpec", "ParallelizeFn", "SplitForPipelineFn"]
+
+class BuildFn(Protocol):
+    """Construct a family's model from a config's ``model`` section, for rows of up to ``max_seq_len`` tokens.
+
+    The section is read by the fields the family declares (its own settings protocol),
+    so a model family never imports the config.
+    """
+
+    def __call__(self, model: Any, *, max_seq_len: int) -> nn.Module: ...
 
 
 class ParallelizeFn(Protocol):
@@ -45,8 +51,8 @@ class ModelSpec:
 
     name: str
     """The ``model.name`` that selects this family."""
-    build: Callable[[JobConfig], nn.Module]
-    """Construct the model from the config (on the current default device, ``meta`` included).
+    build: BuildFn
+    """Construct the model from the config's ``model`` section (on the current default device, ``meta`` included).
     The module must have ``init_weights(*, seed: int)``, which gives identical weights on every
     rank and works on a cut pipeline stage."""
     parallelize: ParallelizeFn

@@ -14,14 +14,31 @@ from pathlib import Path
 import torch
 
 from cpcompose.config import ConfigError, JobConfig
+from cpcompose.data.loader import build_data_source, data_config_error
+from cpcompose.data.tokenizer import build_tokenizer
+from cpcompose.models import model_names
 from cpcompose.training.checkpoint import CheckpointManager, earlier_run_message, saved_step, verify
 from cpcompose.training.run_lock import LOCK_NAME, holder
 
 _SUFFIXES = (".txt", ".jsonl")
 
 
+def check_choices(config: JobConfig) -> None:
+    """What the config schema cannot know: whether `model.name` is a registered family and
+    whether the data task's parameters fit (no I/O; the dry run runs this too).
+
+    Raises:
+        ConfigError: naming the key to change.
+    """
+    names = model_names()
+    if config.model.name not in names:
+        raise ConfigError(f"model.name: {config.model.name!r} is not one of {', '.join(names)}")
+    if (error := data_config_error(config)) is not None:
+        raise error
+
+
 def preflight(config: JobConfig, world: int) -> str | None:
-    """Check device, data, vocabulary and dump folder.
+    """Check the choices (`check_choices`), device, data, vocabulary and dump folder.
 
     Returns:
         A message when there is nothing to train (the checkpoint already reached
@@ -29,6 +46,7 @@ def preflight(config: JobConfig, world: int) -> str | None:
     Raises:
         ConfigError: naming the key to change.
     """
+    check_choices(config)
     _check_device(config)
     _check_data(config, world)
     return _check_dump_folder(config)
@@ -71,9 +89,6 @@ def _check_utf8(file: Path) -> None:
 
 
 def _check_data(config: JobConfig, world: int) -> None:
-    from cpcompose.data.loader import build_data_source
-    from cpcompose.data.tokenizer import build_tokenizer
-
     d = config.data
     if d.source == "synthetic":
         build_data_source(config, dp_rank=0, dp_size=1)  # cheap: checks the vocabulary covers the task

@@ -125,7 +125,7 @@ class Trainer:
         """Identical weights on every rank (initialized whole, then cut and parallelized)."""
         c = self.config
         spec = get_model_spec(c.model.name)
-        model = spec.build(c)
+        model = spec.build(c.model, max_seq_len=c.max_seq_len())
         model.init_weights(seed=c.job.seed)
         if self.dims.pp_enabled:
             model = spec.split_for_pipeline(

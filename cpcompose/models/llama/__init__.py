@@ -3,7 +3,7 @@ its pipeline split (``pipeline.py``), and the :class:`ModelSpec` the trainer bui
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from cpcompose.models.llama.model import (
     Attention,
@@ -19,29 +19,37 @@ from cpcompose.models.llama.parallelize import parallelize_llama
 from cpcompose.models.llama.pipeline import split_llama_for_pipeline
 from cpcompose.models.spec import ModelSpec
 
-if TYPE_CHECKING:  # the config imports the registry, so only type-check against it
-    from cpcompose.config import JobConfig
-
 __all__ = [
-    "SPEC", "Attention", "FeedForward", "Llama", "LlamaConfig", "RMSNorm", "TransformerBlock",
+    "SPEC", "Attention", "FeedForward", "Llama", "LlamaConfig", "LlamaSettings", "RMSNorm", "TransformerBlock",
     "apply_rope", "build_llama", "llama_config", "parallelize_llama", "rope_cos_sin", "split_llama_for_pipeline",
 ]
 
 
-def llama_config(config: JobConfig) -> LlamaConfig:
-    """The config's ``model`` section as a :class:`LlamaConfig`."""
-    m = config.model
+class LlamaSettings(Protocol):
+    """The fields of a config's ``model`` section a Llama is built from."""
+
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_hidden_dim: int
+    norm_eps: float
+    rope_theta: float
+
+
+def llama_config(model: LlamaSettings, *, max_seq_len: int) -> LlamaConfig:
+    """A config's ``model`` section as a :class:`LlamaConfig` for rows of up to ``max_seq_len`` tokens."""
     return LlamaConfig(
-        vocab_size=m.vocab_size, dim=m.dim, n_layers=m.n_layers, n_heads=m.n_heads, n_kv_heads=m.n_kv_heads,
-        ffn_hidden_dim=m.ffn_hidden_dim, norm_eps=m.norm_eps, rope_theta=m.rope_theta,
-        # A packed micro-batch is one sequence of all its samples' tokens.
-        max_seq_len=config.training.seq_len * (config.training.batch_size if config.data.pack else 1),
+        vocab_size=model.vocab_size, dim=model.dim, n_layers=model.n_layers, n_heads=model.n_heads,
+        n_kv_heads=model.n_kv_heads, ffn_hidden_dim=model.ffn_hidden_dim, norm_eps=model.norm_eps,
+        rope_theta=model.rope_theta, max_seq_len=max_seq_len,
     )
 
 
-def build_llama(config: JobConfig) -> Llama:
-    """A :class:`Llama` shaped as the config says (weights not yet initialised: see ``init_weights``)."""
-    return Llama(llama_config(config))
+def build_llama(model: LlamaSettings, *, max_seq_len: int) -> Llama:
+    """A :class:`Llama` shaped as the ``model`` section says (weights not yet initialised: see ``init_weights``)."""
+    return Llama(llama_config(model, max_seq_len=max_seq_len))
 
 
 SPEC = ModelSpec(
