@@ -2,10 +2,7 @@
 
 from cpcompose.attention import CPContext, CPOptions, cp_attention
 from cpcompose.comm import CommMeter
-from cpcompose.distributed import ParallelDims
-from cpcompose.sharding.dtensor import cp_distribute, cp_from_local, cp_full_tensor
 from cpcompose.layouts import ContiguousLayout, Layout, PackedLayout, ZigzagLayout, resolve_layout
-from cpcompose.sharding.packed import PackedShard, cp_shard_packed, pad_pack
 from cpcompose.parallel import (
     ContextParallel,
     allreduce_gradients,
@@ -15,7 +12,17 @@ from cpcompose.parallel import (
     parallelize_module,
     recompute_context,
 )
-from cpcompose.sharding import cp_position_ids, cp_shard, cp_unshard
+from cpcompose.sharding import (
+    PackedShard,
+    cp_distribute,
+    cp_from_local,
+    cp_full_tensor,
+    cp_position_ids,
+    cp_shard,
+    cp_shard_packed,
+    cp_unshard,
+    pad_pack,
+)
 
 __all__ = [
     "CPContext",
@@ -26,7 +33,6 @@ __all__ = [
     "Layout",
     "PackedLayout",
     "PackedShard",
-    "ParallelDims",
     "ZigzagLayout",
     "allreduce_gradients",
     "context_parallel",

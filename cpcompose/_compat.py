@@ -12,6 +12,21 @@ from typing import Any
 
 import torch
 
+# Opaque objects (private; present in torch 2.11 and 2.13 alike): a Python object a custom op takes by reference,
+# passed through torch.compile as a graph input instead of being traced. The compiled
+# CP attention op (`cpcompose.attention.op`) carries its process group and options this way.
+from torch._library.opaque_object import MemberType, register_opaque_type
+from torch._opaque_base import OpaqueBase
+
+__all__ = [
+    "MemberType", "OpaqueBase", "all_gather_flat", "all_to_all_flat", "aten", "cpu_flash_backward",
+    "cpu_flash_forward", "cuda_cudnn_backward", "cuda_cudnn_forward", "cuda_efficient_backward",
+    "cuda_efficient_forward", "cuda_flash_backward", "cuda_flash_forward", "default_store", "flash_attn_backward",
+    "flash_attn_forward", "flash_attn_varlen_backward", "flash_attn_varlen_forward", "flatten_mesh",
+    "function_mode_stack", "group_timeout", "has_flash_attn", "has_flash_attn_varlen", "import_flash_attn",
+    "in_backward", "reduce_scatter_flat", "register_opaque_type",
+]
+
 aten = torch.ops.aten
 
 # Fused CPU flash attention, the only fused CPU kernel that returns the log-sum-exp.
@@ -42,6 +57,49 @@ def import_flash_attn() -> ModuleType | None:
     if not hasattr(flash_attn_interface, "_flash_attn_forward"):
         return None
     return flash_attn_interface
+
+
+def has_flash_attn() -> bool:
+    """Whether flash-attn 2.x (with its explicit-LSE kernels) is importable."""
+    return import_flash_attn() is not None
+
+
+def has_flash_attn_varlen() -> bool:
+    """Whether flash-attn's varlen kernels (many blocks in one call) are there too."""
+    fa = import_flash_attn()
+    return fa is not None and hasattr(fa, "_flash_attn_varlen_forward")
+
+
+# flash-attn's private kernel functions, called with keywords only (their positional order moves
+# between releases); tensors in flash-attn's layout `(batch, seq, heads, dim)` or varlen `(tokens, heads, dim)`.
+
+
+def flash_attn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: Any) -> Any:
+    """`flash_attn_interface._flash_attn_forward`: returns its tuple (out, lse, ...)."""
+    fa = import_flash_attn()
+    assert fa is not None, "flash-attn is not installed (select_backend checks first)"
+    return fa._flash_attn_forward(q, k, v, **kwargs)
+
+
+def flash_attn_backward(*tensors: torch.Tensor, **kwargs: Any) -> Any:
+    """`flash_attn_interface._flash_attn_backward(dout, q, k, v, out, lse, dq, dk, dv, ...)`: fills dq, dk, dv."""
+    fa = import_flash_attn()
+    assert fa is not None, "flash-attn is not installed (select_backend checks first)"
+    return fa._flash_attn_backward(*tensors, **kwargs)
+
+
+def flash_attn_varlen_forward(*args: Any, **kwargs: Any) -> Any:
+    """`flash_attn_interface._flash_attn_varlen_forward(q, k, v, cu_q, cu_k, max_q, max_k, ...)`."""
+    fa = import_flash_attn()
+    assert fa is not None, "flash-attn is not installed (supports_varlen checks first)"
+    return fa._flash_attn_varlen_forward(*args, **kwargs)
+
+
+def flash_attn_varlen_backward(*args: Any, **kwargs: Any) -> Any:
+    """`flash_attn_interface._flash_attn_varlen_backward(dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, ...)`."""
+    fa = import_flash_attn()
+    assert fa is not None, "flash-attn is not installed (supports_varlen checks first)"
+    return fa._flash_attn_varlen_backward(*args, **kwargs)
 
 
 # Flat collectives: torch 2.13 names them `all_gather_single` / `reduce_scatter_single`;
@@ -95,8 +153,3 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-# Opaque objects (private; present in torch 2.11 and 2.13 alike): a Python object a custom op takes by reference,
-# passed through torch.compile as a graph input instead of being traced. The compiled
-# CP attention op (`cpcompose.attention.op`) carries its process group and options this way.
-from torch._library.opaque_object import MemberType, register_opaque_type  # noqa: F401
-from torch._opaque_base import OpaqueBase  # noqa: F401

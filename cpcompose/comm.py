@@ -28,6 +28,11 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from cpcompose import _compat
 
+__all__ = [
+    "CPGroup", "CommMeter", "PendingCollective", "PendingRecv", "RingComm", "all_gather", "all_to_all_pieces",
+    "backend_for", "start_all_gather", "start_reduce_scatter",
+]
+
 
 @dataclass
 class CommMeter:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+__all__ = ["accumulation_dtype", "accumulator_zeros"]
+
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype to accumulate partial results of `dtype` in."""

@@ -37,6 +37,8 @@ from cpcompose.training.dry_run import describe_plan  # noqa: E402
 from cpcompose.training.preflight import check_choices, preflight  # noqa: E402
 from cpcompose.training.trainer import Trainer  # noqa: E402
 
+__all__ = ["cli", "main", "run_rank", "train"]
+
 
 def train(config: JobConfig) -> list[float]:
     """Train as `config` says, in this process's rank; returns the loss of every step run.

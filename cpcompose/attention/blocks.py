@@ -33,6 +33,8 @@ from torch import Tensor
 from cpcompose.attention.kernels import UNBOUNDED, Band
 from cpcompose.layouts import Run
 
+__all__ = ["BAND_TILE", "NO_WINDOW", "BlockTask", "MaskSpec", "needed_rows", "one_kernel_call", "plan", "split_work"]
+
 NO_WINDOW = UNBOUNDED
 BAND_TILE = 512  # rows per band tile: masks stay under 512 x 1024 elements, whatever the window
 

@@ -27,6 +27,8 @@ from typing import Sequence
 from cpcompose.attention.blocks import BlockTask
 from cpcompose.attention.plan_memo import PlanMemo
 
+__all__ = ["TILE", "TILED_UP_TO", "WHOLE_UP_TO", "cpu_tasks", "tile_causal", "tile_rows"]
+
 
 WHOLE_UP_TO = 256  # causal blocks of at most this many rows run as one call
 TILED_UP_TO = 2048  # ... and so do blocks of more rows than this

@@ -19,6 +19,8 @@ from torch import Tensor
 
 from cpcompose.precision import accumulation_dtype
 
+__all__ = ["TILE_ELEMENTS", "explicit_backward", "explicit_forward"]
+
 TILE_ELEMENTS = 1 << 22  # scores per tile (16 MiB in float32); a few buffers this size are alive at once
 
 

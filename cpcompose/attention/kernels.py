@@ -37,6 +37,12 @@ from torch import Tensor
 from cpcompose import _compat
 from cpcompose.attention.explicit import explicit_backward, explicit_forward
 
+__all__ = [
+    "BACKENDS", "CUDNN_MIN_WORK", "EFFICIENT_BIAS_ALIGN", "UNBOUNDED", "Backend", "Band", "KernelArgs",
+    "attention_backward", "attention_forward", "cudnn_is_faster", "select_backend", "supports_varlen",
+    "varlen_backward", "varlen_forward",
+]
+
 Backend = Literal["cpu_flash", "math", "cuda_fused", "cuda_flash", "cuda_efficient", "cuda_cudnn", "flash_attn"]
 BACKENDS: tuple[str, ...] = (
     "cpu_flash", "math", "cuda_fused", "cuda_flash", "cuda_efficient", "cuda_cudnn", "flash_attn"
@@ -146,7 +152,7 @@ def select_backend(q: Tensor, override: str | None = None) -> Backend:
         if q.dtype == torch.float64:
             return "math"  # no fused CUDA kernel takes float64
         half = q.dtype in (torch.float16, torch.bfloat16)
-        if half and _compat.import_flash_attn() is not None:
+        if half and _compat.has_flash_attn():
             return "flash_attn"
         return "cuda_fused" if half else "cuda_efficient"
     return "math"
@@ -381,9 +387,7 @@ def _flash_attn_forward(
     q: Tensor, k: Tensor, v: Tensor, *, causal: bool, scale: float, softcap: float | None,
     window: tuple[int, int] = (-1, -1),
 ) -> tuple[Tensor, Tensor]:
-    fa = _compat.import_flash_attn()
-    assert fa is not None
-    res = fa._flash_attn_forward(
+    res = _compat.flash_attn_forward(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
         dropout_p=0.0, softmax_scale=scale, causal=causal,
         window_size_left=window[0], window_size_right=window[1], softcap=softcap or 0.0,
@@ -396,11 +400,9 @@ def _flash_attn_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *, causal: bool, scale: float,
     softcap: float | None, window: tuple[int, int] = (-1, -1),
 ) -> tuple[Tensor, Tensor, Tensor]:
-    fa = _compat.import_flash_attn()
-    assert fa is not None
     t = [x.transpose(1, 2).contiguous() for x in (dout, q, k, v, out)]
     dq, dk, dv = (torch.empty_like(x) for x in t[1:4])
-    fa._flash_attn_backward(  # the LSE read as a dense array, like the aten kernels (see _cuda_backward)
+    _compat.flash_attn_backward(  # the LSE read as a dense array, like the aten kernels (see _cuda_backward)
         t[0], t[1], t[2], t[3], t[4], lse.contiguous(), dq, dk, dv,
         dropout_p=0.0, softmax_scale=scale, causal=causal,
         window_size_left=window[0], window_size_right=window[1], softcap=softcap or 0.0,
@@ -414,8 +416,7 @@ def _flash_attn_backward(
 
 def supports_varlen(backend: Backend) -> bool:
     """Whether `backend` runs many independent blocks in one call (flash-attn's varlen functions)."""
-    fa = _compat.import_flash_attn() if backend == "flash_attn" else None
-    return fa is not None and hasattr(fa, "_flash_attn_varlen_forward")
+    return backend == "flash_attn" and _compat.has_flash_attn_varlen()
 
 
 def varlen_forward(
@@ -429,9 +430,7 @@ def varlen_forward(
     """
     dv = v.shape[-1]
     q, k, v = (_pad_last(t, max(q.shape[-1], dv)) for t in (q, k, v))
-    fa = _compat.import_flash_attn()
-    assert fa is not None
-    res = fa._flash_attn_varlen_forward(
+    res = _compat.flash_attn_varlen_forward(
         q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.0, softmax_scale=scale, causal=causal,
         window_size_left=-1, window_size_right=-1, softcap=softcap or 0.0, alibi_slopes=None, return_softmax=False,
     )
@@ -447,9 +446,7 @@ def varlen_backward(
     width = max(dqk, dv_dim)
     q, k, v, dout, out = (_pad_last(t, width).contiguous() for t in (q, k, v, dout, out))
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    fa = _compat.import_flash_attn()
-    assert fa is not None
-    fa._flash_attn_varlen_backward(
+    _compat.flash_attn_varlen_backward(
         dout, q, k, v, out, lse.contiguous(), dq, dk, dv, cu_q, cu_k, max_q, max_k, dropout_p=0.0,
         softmax_scale=scale, causal=causal, window_size_left=-1, window_size_right=-1, softcap=softcap or 0.0,
         alibi_slopes=None, deterministic=True, rng_state=None,

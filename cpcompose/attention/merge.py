@@ -20,6 +20,8 @@ import torch
 from torch import Tensor
 from cpcompose.precision import accumulation_dtype
 
+__all__ = ["SoftmaxAccumulator", "keep_nan_rows"]
+
 
 class SoftmaxAccumulator:
     """Running `(out, lse)` for the local queries, merged block by block.

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Hashable, Sequence, TypeVar
 
+__all__ = ["PLAN_MEMO_SIZE", "PlanMemo"]
+
 T = TypeVar("T")
 
 PLAN_MEMO_SIZE = 4096  # as many as the plan cache holds

@@ -28,6 +28,8 @@ from cpcompose.attention.kernels import KernelArgs
 from cpcompose.attention.merge import SoftmaxAccumulator
 from cpcompose.attention.plan_memo import PlanMemo
 
+__all__ = ["VarlenGroup", "backward", "forward", "groups"]
+
 
 @dataclass(frozen=True)
 class VarlenGroup:

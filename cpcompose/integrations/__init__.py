@@ -5,3 +5,5 @@
 * `cpcompose.integrations.torchtitan`: torchtitan's models and trainer with cpcompose
   as their CP (install `cpcompose[torchtitan]`).
 """
+
+__all__: list[str] = []

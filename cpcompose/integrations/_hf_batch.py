@@ -23,6 +23,8 @@ from cpcompose.layouts import PackedLayout
 from cpcompose.layouts.packed import Balance
 from cpcompose.sharding.packed import pack_documents
 
+__all__ = ["PackedBatch", "cu_seqlens_from_position_ids", "pack_batch", "shift_labels"]
+
 
 @dataclass(frozen=True)
 class PackedBatch:

@@ -34,6 +34,11 @@ from cpcompose.agreement import Signature, agree_across_ranks
 from cpcompose.parallel.dispatch import CPAttentionMode
 from cpcompose.sharding.packed import pack_documents
 
+__all__ = [
+    "IGNORE_INDEX", "TITAN_OPTION_KEYS", "CPAttentionMask", "CPComposeConfig", "TitanBatch", "document_starts",
+    "shard_batch",
+]
+
 IGNORE_INDEX = -100  # torchtitan's (components.loss.IGNORE_INDEX)
 
 

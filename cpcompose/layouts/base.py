@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+__all__ = ["Layout", "Run", "stable_code"]
+
 
 @dataclass(frozen=True)
 class Run:

@@ -9,6 +9,8 @@ from torch import Tensor
 
 from cpcompose.layouts.base import Layout, Run, stable_code
 
+__all__ = ["ChunkedLayout"]
+
 
 class ChunkedLayout(Layout):
     """`num_chunks` equal chunks of one document (the whole sequence); `chunk_ids` says who holds which."""

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from cpcompose.layouts.chunked import ChunkedLayout
 
+__all__ = ["ContiguousLayout"]
+
 
 class ContiguousLayout(ChunkedLayout):
     name = "contiguous"

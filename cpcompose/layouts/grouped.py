@@ -21,6 +21,8 @@ from torch import Tensor
 
 from cpcompose.layouts.base import Layout, Run, stable_code
 
+__all__ = ["GroupedLayout", "grouped"]
+
 
 class GroupedLayout(Layout):
     """`base` (over P ranks) seen as `P // size` blocks of `size` consecutive ranks; make it with `grouped`."""

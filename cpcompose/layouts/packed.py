@@ -16,6 +16,8 @@ from torch import Tensor
 from cpcompose.layouts.base import Layout, Run, stable_code
 from cpcompose.layouts.packed_split import Piece, split_by_documents, split_zigzag
 
+__all__ = ["BALANCES", "Balance", "PackedLayout", "cu_seqlens_error"]
+
 Balance = Literal["documents", "zigzag"]
 BALANCES: tuple[str, ...] = ("documents", "zigzag")
 

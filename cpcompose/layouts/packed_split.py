@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
+__all__ = ["WHOLE_SHARE", "Piece", "split_by_documents", "split_zigzag"]
+
 Piece = tuple[int, int, int]  # (global position, length, document)
 
 

@@ -15,6 +15,8 @@ from cpcompose.layouts.base import Layout
 from cpcompose.layouts.contiguous import ContiguousLayout
 from cpcompose.layouts.zigzag import ZigzagLayout
 
+__all__ = ["DEFAULT_LAYOUT", "LAYOUTS", "LayoutSpec", "layout_error", "resolve_layout"]
+
 LAYOUTS: dict[str, Callable[[int], Layout]] = {
     "zigzag": ZigzagLayout,
     "contiguous": ContiguousLayout,

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from cpcompose.layouts.chunked import ChunkedLayout
 
+__all__ = ["ZigzagLayout"]
+
 
 class ZigzagLayout(ChunkedLayout):
     name = "zigzag"

@@ -24,6 +24,8 @@ from cpcompose.parallel.dispatch import CPAttentionMode
 from cpcompose.sharding.tensors import cp_unshard, dim_error
 from cpcompose.agreement import agree_across_ranks, shape_fields
 
+__all__ = ["context_parallel", "context_parallel_unshard"]
+
 
 @contextlib.contextmanager
 def context_parallel(

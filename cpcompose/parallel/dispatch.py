@@ -40,6 +40,8 @@ from cpcompose.sharding.dtensor import cp_dim_name, split_mismatch
 from cpcompose.layouts import Layout, resolve_layout
 from cpcompose.parallel.mha import multi_head_attention_forward
 
+__all__ = ["NO_ATTENTION_ROUTED", "CPAttentionMode", "active_cp_region"]
+
 NO_ATTENTION_ROUTED = (
     "no attention call went through context parallelism: the attention in this CP region ran on this rank's "
     "tokens only. Likely causes: the model computes attention with flex_attention or an explicit softmax "

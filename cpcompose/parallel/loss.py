@@ -21,6 +21,8 @@ from torch.distributed.tensor import DTensor
 from cpcompose.comm import CPGroup
 from cpcompose.precision import accumulation_dtype
 
+__all__ = ["allreduce_gradients", "cp_cross_entropy", "global_token_count"]
+
 
 def global_token_count(labels: Tensor, mesh: DeviceMesh, *, ignore_index: int = -100) -> Tensor:
     """Valid (non-ignored) labels summed over `mesh` (1-D, e.g. the flattened dp x cp mesh)."""

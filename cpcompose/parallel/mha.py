@@ -19,6 +19,8 @@ from typing import Any, Callable
 import torch.nn.functional as F
 from torch import Tensor
 
+__all__ = ["Attend", "multi_head_attention_forward"]
+
 _SIGNATURE = inspect.signature(F.multi_head_attention_forward)
 
 Attend = Callable[..., Tensor]

@@ -17,6 +17,8 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from cpcompose.parallel.style import ContextParallel
 
+__all__ = ["matching_modules", "parallelize_module"]
+
 
 def matching_modules(module: nn.Module, key: str) -> list[str]:
     """The module paths a plan key reaches, with PyTorch's rule (fnmatch per dotted atom)."""

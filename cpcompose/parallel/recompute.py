@@ -15,6 +15,8 @@ from typing import ContextManager
 
 from cpcompose.parallel.dispatch import active_cp_region
 
+__all__ = ["recompute_context"]
+
 
 def recompute_context() -> tuple[ContextManager[object], ContextManager[object]]:
     """`context_fn` for `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`.

@@ -16,6 +16,8 @@ from cpcompose.sharding.dtensor import split_mismatch
 from cpcompose.layouts import LayoutSpec
 from cpcompose.parallel.dispatch import CPAttentionMode
 
+__all__ = ["ContextParallel"]
+
 
 class ContextParallel(ParallelStyle):
     """Run the module's forward inside a `CPAttentionMode` on the CP mesh.

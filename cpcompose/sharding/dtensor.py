@@ -26,6 +26,8 @@ from cpcompose.comm import CPGroup
 from cpcompose.layouts import Layout, LayoutSpec, resolve_layout
 from cpcompose.sharding.tensors import cp_shard, cp_unshard
 
+__all__ = ["cp_dim_name", "cp_distribute", "cp_from_local", "cp_full_tensor", "layout_mesh", "split_mismatch"]
+
 _TAG_SEP = "@"
 
 

@@ -27,6 +27,8 @@ from cpcompose.comm import CPGroup, all_gather
 from cpcompose.layouts import Layout, LayoutSpec, layout_error, resolve_layout
 from cpcompose.agreement import agree_across_ranks, dtype_code, shape_fields
 
+__all__ = ["cp_position_ids", "cp_shard", "cp_unshard", "dim_error"]
+
 
 def _gather_global(x: Tensor, cp: CPGroup, layout: Layout, dim: int) -> Tensor:
     """All ranks' shards of `x`, concatenated along `dim` in global order."""

@@ -37,6 +37,11 @@ from torch.optim import Optimizer
 
 from cpcompose.training.errors import TrainingError
 
+__all__ = [
+    "MANIFEST", "TRAINER_STATE", "CheckpointManager", "SavedCheckpoint", "earlier_run_message", "saved_step",
+    "verify", "write_manifest",
+]
+
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _TMP_DIR = re.compile(r"^step-(\d+)\.tmp$")
 TRAINER_STATE = "trainer_state.pt"

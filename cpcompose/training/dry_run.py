@@ -8,6 +8,8 @@ from cpcompose.config import JobConfig
 from cpcompose.distributed import ParallelDims
 from cpcompose.models import get_model_spec
 
+__all__ = ["describe_plan"]
+
 
 def describe_plan(config: JobConfig, world: int) -> str:
     """A readable summary: degrees, model size, per-rank tokens and state memory.

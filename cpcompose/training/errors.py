@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+__all__ = ["TrainingError"]
+
 
 class TrainingError(RuntimeError):
     """A one-line message naming what happened and what to change; printed once, without a traceback.

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal
 
+__all__ = ["FAULT_ENV", "Fault", "Progress", "describe_comm_failure", "is_comm_failure"]
+
 FAULT_ENV = "CPCOMPOSE_FAULT"
 _PREFIX = "cpcompose/progress/"
 

@@ -16,6 +16,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+__all__ = ["clip_grad_norm", "global_grad_norm"]
+
 
 def global_grad_norm(parameters: Iterable[nn.Parameter], *, pp_group: dist.ProcessGroup | None = None) -> Tensor:
     """The 2-norm of all gradients of the model (all stages), as a plain float32 tensor."""

@@ -24,6 +24,8 @@ import torch
 
 from cpcompose.config import JobConfig
 
+__all__ = ["CPU_ALLOCATOR_ENV", "GRACE_S", "launch_local", "planned_world_size"]
+
 # A high mmap threshold keeps large tensors in the heap instead of mapping and unmapping
 # them every step; a high trim threshold keeps freed memory for the next step. Measured here:
 # one step 5.4 s -> 2.2 s (README, "A note for CPU training").

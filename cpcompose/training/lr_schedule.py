@@ -7,6 +7,8 @@ import math
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 
+__all__ = ["build_lr_scheduler", "lr_factor"]
+
 
 def lr_factor(step: int, *, name: str, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
     """Multiplier of the base learning rate for optimizer step `step` (0-based)."""

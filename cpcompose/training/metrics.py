@@ -14,6 +14,8 @@ import torch
 
 from cpcompose.training.plot import plot_loss
 
+__all__ = ["MetricsLogger", "StepMetrics", "peak_memory_mib", "stamp"]
+
 
 def peak_memory_mib(device: torch.device) -> float:
     """Peak memory of this process: CUDA allocator peak, or the CPU resident-set high-water mark."""

@@ -12,6 +12,8 @@ from typing import Sequence
 
 from PIL import Image, ImageDraw
 
+__all__ = ["plot_loss"]
+
 _W, _H, _LEFT, _RIGHT, _TOP, _BOTTOM = 800, 480, 70, 20, 40, 50
 
 

@@ -20,6 +20,8 @@ from cpcompose.models import model_names
 from cpcompose.training.checkpoint import CheckpointManager, earlier_run_message, saved_step, verify
 from cpcompose.training.run_lock import LOCK_NAME, holder
 
+__all__ = ["check_choices", "preflight"]
+
 _SUFFIXES = (".txt", ".jsonl")
 
 

@@ -15,6 +15,8 @@ import socket
 import time
 from pathlib import Path
 
+__all__ = ["LOCK_NAME", "FolderLocked", "RunLock", "holder"]
+
 LOCK_NAME = ".cpcompose.lock"
 
 

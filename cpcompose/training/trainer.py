@@ -39,6 +39,8 @@ from cpcompose.training.lr_schedule import build_lr_scheduler
 from cpcompose.training.metrics import MetricsLogger, StepMetrics, peak_memory_mib, stamp
 from cpcompose.training.run_lock import FolderLocked, RunLock
 
+__all__ = ["Trainer"]
+
 
 @contextlib.contextmanager
 def _auto_choices_in_log(logger: MetricsLogger, *, enabled: bool):

@@ -23,6 +23,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, get_args
 
+__all__ = [
+    "CPU_DEFAULT", "EXECUTORS", "H100_CLUSTER", "LEVELS", "Calibration", "Executor", "Link", "Topology",
+    "default_calibration",
+]
+
 INTRA, INTER = "intra", "inter"  # link levels: inside a node, between nodes
 LEVELS: tuple[str, ...] = (INTRA, INTER)
 Executor = Literal["cuda_nccl", "cpu_gloo"]

@@ -14,6 +14,8 @@ import torch
 from cpcompose.attention.blocks import MaskSpec
 from cpcompose.layouts import Layout
 
+__all__ = ["AttentionCall"]
+
 
 def _dtype_name(dtype: torch.dtype | str) -> str:
     name = str(dtype).removeprefix("torch.")
