@@ -1,0 +1,18 @@
+"""Exact CP for the token mixers outside attention: causal convolutions and linear recurrences.
+
+Hybrid models (Mamba, gated delta-rule layers) mix tokens with short causal
+convolutions and linear recurrences. On a CP shard those read tokens other ranks
+hold; run on the local shard alone they are silently wrong. Each primitive here
+reads every rank's runs from the layout (no communication to learn the split),
+moves only what the exact result needs, and works for any layout, packed
+documents included. They are collectives: every rank of the CP group calls them
+with the same options, and, if any rank needs gradients, every rank runs the
+backward (which communicates too).
+"""
+
+from cpcompose.mixers.conv import cp_causal_conv1d
+from cpcompose.mixers.halo import fetch_positions
+from cpcompose.mixers.scan import cp_delta_rule, cp_linear_scan
+from cpcompose.mixers.states import cp_initial_states
+
+__all__ = ["cp_causal_conv1d", "cp_delta_rule", "cp_initial_states", "cp_linear_scan", "fetch_positions"]

@@ -1,0 +1,130 @@
+"""Fetching rows of the global sequence from whichever ranks hold them, differentiably.
+
+A mixer that reads a few positions outside a rank's runs (a causal conv's last
+width-1 tokens before each run) asks for them by global position. Every rank's
+request is computed from the layout, identically on every rank, so each rank
+knows what to send to whom without a metadata exchange: one all-to-all with
+uneven (often zero) splits moves the rows, positions a rank holds itself are
+copied locally, and the backward sends each row's gradient back to its owner,
+which adds it there.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor
+
+from cpcompose.comm import CommMeter, CPGroup, all_to_all_pieces
+from cpcompose.layouts import Layout
+
+__all__ = ["FetchPlan", "fetch_positions", "plan_fetch"]
+
+
+@dataclass(frozen=True)
+class FetchPlan:
+    """Which local rows this rank sends to each peer, and where the rows it receives land."""
+
+    send_rows: tuple[Tensor, ...]  # per peer: local rows to send it, in the order it asked (empty for self)
+    recv_slots: tuple[Tensor, ...]  # per peer: output slots of the rows it sends here (empty for self)
+    local_rows: Tensor  # rows of asked positions this rank holds itself ...
+    local_slots: Tensor  # ... and their output slots
+    count: int  # positions this rank asked for
+    moves: bool  # whether any rank sends to another (the same answer on every rank)
+
+
+def plan_fetch(
+    layout: Layout, seq_len: int, wanted: Sequence[Sequence[int]], rank: int, device: torch.device
+) -> FetchPlan:
+    """Plan `rank`'s part of the exchange in which rank d receives the rows at global positions `wanted[d]`."""
+    held = sorted((run.pos, run.length, r, run.row) for r in range(layout.world) for run in layout.runs(r, seq_len))
+    starts = [pos for pos, _, _, _ in held]
+    world = layout.world
+    send: list[list[int]] = [[] for _ in range(world)]
+    slots: list[list[int]] = [[] for _ in range(world)]
+    local_rows: list[int] = []
+    local_slots: list[int] = []
+    moves = False
+    for dst, positions in enumerate(wanted):
+        for slot, p in enumerate(positions):
+            pos, length, src, row = held[bisect.bisect_right(starts, p) - 1]
+            if not 0 <= p - pos < length:
+                raise ValueError(f"global position {p} is outside the sequence of {seq_len} tokens")
+            moves |= src != dst
+            if src == dst == rank:
+                local_rows.append(row + p - pos)
+                local_slots.append(slot)
+            elif src == rank:
+                send[dst].append(row + p - pos)
+            elif dst == rank:
+                slots[src].append(slot)
+
+    def index(values: list[int]) -> Tensor:
+        return torch.tensor(values, dtype=torch.long, device=device)
+
+    return FetchPlan(
+        tuple(map(index, send)), tuple(map(index, slots)), index(local_rows), index(local_slots),
+        len(wanted[rank]), moves,
+    )
+
+
+def _exchange(
+    src: Tensor, take: Sequence[Tensor], give: Sequence[Tensor], rest: torch.Size, cp: CPGroup,
+    meter: CommMeter | None,
+) -> list[Tensor]:
+    """Send `src[:, take[d]]` to each rank d; receive from each rank s as many rows as `give[s]` lists."""
+    batch = src.shape[0]
+    send = [[src.index_select(1, rows)] for rows in take]
+    shapes = [[torch.Size((batch, len(where), *rest))] for where in give]
+    return [pieces[0] for pieces in all_to_all_pieces(send, shapes, cp, meter)]
+
+
+class _Fetch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, plan: FetchPlan, cp: CPGroup, meter: CommMeter | None) -> Tensor:
+        ctx.plan, ctx.cp, ctx.meter, ctx.rows = plan, cp, meter, x.shape[1]
+        out = x.new_zeros((x.shape[0], plan.count, *x.shape[2:]))
+        out.index_copy_(1, plan.local_slots, x.index_select(1, plan.local_rows))
+        if plan.moves:
+            received = _exchange(x, plan.send_rows, plan.recv_slots, x.shape[2:], cp, meter)
+            for where, rows in zip(plan.recv_slots, received):
+                out.index_copy_(1, where, rows)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
+        plan = ctx.plan
+        grad_x = grad.new_zeros((grad.shape[0], ctx.rows, *grad.shape[2:]))
+        grad_x.index_add_(1, plan.local_rows, grad.index_select(1, plan.local_slots))
+        if plan.moves:  # the forward's exchange reversed: each row's gradient goes home
+            returned = _exchange(grad, plan.recv_slots, plan.send_rows, grad.shape[2:], ctx.cp, ctx.meter)
+            for rows, g in zip(plan.send_rows, returned):
+                grad_x.index_add_(1, rows, g)
+        return grad_x, None, None, None
+
+
+def fetch_positions(
+    x: Tensor, wanted: Sequence[Sequence[int]], *, cp: CPGroup, layout: Layout, seq_len: int,
+    meter: CommMeter | None = None,
+) -> Tensor:
+    """The rows of the global sequence at positions `wanted[cp.rank]`, from whichever ranks hold them.
+
+    A collective: every rank calls it with the same `wanted` (every rank's request,
+    computed from the layout) and, if it needs gradients, runs the backward. It does
+    not check its arguments across ranks; public entry points agree first.
+
+    Args:
+        x: this rank's shard, `(batch, seq_local, ...)`, its runs in increasing position.
+        wanted: `wanted[d]` are the global positions rank d asks for (any order, repeats allowed).
+        cp: the CP group; `layout.world` ranks.
+        layout: the split `x` was cut by; `seq_len`: the global sequence length.
+        meter: counts the bytes sent (the forward's rows and the backward's gradients).
+
+    Returns:
+        `(batch, len(wanted[cp.rank]), ...)`, differentiable with respect to `x` on every rank.
+    """
+    plan = plan_fetch(layout, seq_len, wanted, cp.rank, x.device)
+    return _Fetch.apply(x, plan, cp, meter)
