@@ -16,7 +16,7 @@ from torch import Tensor
 
 from cpcompose.comm import CPGroup
 from cpcompose.layouts import Layout, LayoutSpec, layout_error, resolve_layout
-from cpcompose.validation import Field, agree_across_ranks, dtype_code, shape_fields
+from cpcompose.agreement import Field, agree_across_ranks, dtype_code, shape_fields
 
 __all__ = ["agree", "float_tensors_error", "layout_fields", "local_layout", "seq_layout", "shape_of"]
 
