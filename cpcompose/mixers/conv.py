@@ -58,7 +58,7 @@ def _conv_error(x: Tensor, weight: Tensor, bias: Tensor | None, activation: obje
 
 def cp_causal_conv1d(
     x: Tensor, weight: Tensor, bias: Tensor | None = None, *, mesh: DeviceMesh, layout: LayoutSpec = None,
-    activation: Activation | None = None, meter: CommMeter | None = None,
+    activation: Activation | None = None, meter: CommMeter | None = None, caller_error: str | None = None,
 ) -> Tensor:
     """A causal depthwise conv over the global sequence, restarting at each document, on this rank's shard.
 
@@ -74,6 +74,7 @@ def cp_causal_conv1d(
         layout: "zigzag" (default), "contiguous", or a `Layout` such as a `PackedLayout`.
         activation: None, or "silu" after the conv (what Mamba does).
         meter: counts the halo bytes sent (forward rows and backward gradients).
+        caller_error: the caller's own complaint about this call, raised on every rank.
 
     Returns:
         `(batch, seq_local, channels)`, differentiable w.r.t. `x`, `weight` and `bias`.
@@ -84,7 +85,7 @@ def cp_causal_conv1d(
     cp = CPGroup.from_mesh(mesh)
     seq_local = x.shape[1] if isinstance(x, Tensor) and x.ndim == 3 else 0
     split, error = local_layout(layout, cp, seq_local)
-    error = error or _conv_error(x, weight, bias, activation)
+    error = caller_error or error or _conv_error(x, weight, bias, activation)
     grad = torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad for t in (x, weight, bias))
     signature = layout_fields(split, getattr(x, "dtype", None), grad, ("x", shape_of(x)), ("weight", shape_of(weight)))
     signature += [("bias", int(bias is not None)), ("activation", ACTIVATIONS.index(activation)

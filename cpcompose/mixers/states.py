@@ -25,7 +25,7 @@ from cpcompose.layouts import Layout, LayoutSpec, Run
 from cpcompose.mixers._checks import agree, float_tensors_error, layout_fields, seq_layout, shape_of
 from cpcompose.precision import accumulation_dtype
 
-__all__ = ["KINDS", "cp_initial_states", "initial_states"]
+__all__ = ["KINDS", "Kind", "continued_runs", "cp_initial_states", "initial_states", "tie"]
 
 Kind = Literal["diagonal", "matrix"]
 KINDS: tuple[str, ...] = ("diagonal", "matrix")
@@ -61,6 +61,12 @@ class _Tie(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor]:
         shape, dtype, device = ctx.dep
         return grad, torch.zeros(shape, dtype=dtype, device=device)
+
+
+def tie(out: Tensor, dep: Tensor) -> Tensor:
+    """`out`, with `dep` (the composed states) in its graph: every rank's backward then reaches the
+    summaries' all-gather and joins its reduce-scatter, whether or not its result read them."""
+    return _Tie.apply(out, dep)  # type: ignore[no-any-return]
 
 
 def _summary_error(final: Tensor, transition: Tensor, kind: object, runs: int) -> str | None:

@@ -1,4 +1,4 @@
-"""Hugging Face transformers models under CP: `attn_implementation="cpcompose"`.
+"""Hugging Face attention under CP: the "cpcompose" attention and mask functions.
 
 Importing this module registers "cpcompose" with transformers' attention interface
 and with its mask interface. A user's whole change to a training step:
@@ -46,20 +46,10 @@ except ImportError as e:  # an optional dependency: say which extra brings it
 
 from cpcompose import _compat
 from cpcompose.comm import CPGroup
-from cpcompose.integrations._hf_batch import PackedBatch, cu_seqlens_from_position_ids, pack_batch, shift_labels
 from cpcompose.layouts import Layout, PackedLayout
 from cpcompose.parallel.dispatch import CPAttentionMode, active_cp_region
 
-__all__ = [
-    "ATTN_IMPLEMENTATION",
-    "PackedBatch",
-    "cpcompose_attention_forward",
-    "cpcompose_mask",
-    "cu_seqlens_from_position_ids",
-    "hf_window",
-    "pack_batch",
-    "shift_labels",
-]
+__all__ = ["ATTN_IMPLEMENTATION", "cpcompose_attention_forward", "cpcompose_mask", "hf_window"]
 
 ATTN_IMPLEMENTATION = "cpcompose"
 """The name to pass as `attn_implementation=` (registered on import)."""
@@ -75,7 +65,7 @@ def hf_window(sliding_window: int | None, causal: bool) -> tuple[int, int] | Non
     transformers counts the query itself: query i sees keys i-W+1 .. i (causal), or
     |i - j| <= W-1 (bidirectional local layers: Gemma 3's, and ModernBERT's, whose
     module stores its config's half-window + 1). Its flash-attention path passes
-    `(W-1, W-1)`, its eager/sdpa masks agree (checked in tests/test_hf_integration.py).
+    `(W-1, W-1)`, its eager/sdpa masks agree (checked in the integration's tests).
     """
     if sliding_window is None:
         return None
