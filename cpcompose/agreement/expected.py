@@ -53,7 +53,6 @@ from typing import TypeVar
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
 
 from cpcompose.agreement.agree import agree_across_ranks
 from cpcompose.agreement.signature import Field

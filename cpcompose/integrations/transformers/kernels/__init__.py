@@ -1,0 +1,27 @@
+"""Token mixers outside attention under CP: transformers' kernel functions, routed inside a CP region.
+
+transformers 5.x computes each token mixer of its hybrid models (Mamba, Mamba2, Gated
+DeltaNet, short convolutions, ...) through a few module-level *kernel functions* of the
+model's modeling file, each with one fixed API that mamba-ssm, causal-conv1d or
+flash-linear-attention also implement: `causal_conv1d_fn`, `mamba2_chunk_scan`
+(mamba_ssm's `mamba_chunk_scan_combined`), `torch_chunk_gated_delta_rule` (fla's
+`chunk_gated_delta_rule`), ... Only these functions see more than one token of the
+sequence; the model's own code around them (projections, norms, gates) is per token.
+
+So the integration wraps each of them, in every modeling module that has one: outside a
+CP region the wrapper calls the original (transformers is unchanged); inside one it calls
+cpcompose's CP version (`ROUTES`), which is exact over the global sequence under the
+region's layout (documents of a pack restart), running the original on this rank's runs
+where it can, so a fast kernel that is installed stays in use. A fused path that would
+see only the local shard (`mamba2_split_conv1d_scan_combined`, `mamba_inner_fn`) returns
+None inside a region, which transformers reads as "not available".
+
+Module classes that mix tokens by their own code and have no CP version are refused by
+class inside a region (`REFUSED`), on every rank alike; anything else that mixes tokens
+outside attention is what `cpcompose.parallel.verify` finds.
+"""
+
+from cpcompose.integrations.transformers.kernels.registry import MODELING_MODULES, REFUSED, ROUTES
+from cpcompose.integrations.transformers.kernels.routing import install, refused_in, routed_functions
+
+__all__ = ["MODELING_MODULES", "REFUSED", "ROUTES", "install", "refused_in", "routed_functions"]

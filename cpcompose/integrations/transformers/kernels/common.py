@@ -1,0 +1,38 @@
+"""What every CP kernel shares: whether a backward will run, what it refuses, its signature fields."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from cpcompose.agreement import Field
+
+__all__ = ["needs_grad", "tensor_fields", "whole_pack_refusal"]
+
+
+def needs_grad(*tensors: object) -> bool:
+    """Whether a backward will run through these inputs (it communicates, so every rank must agree)."""
+    return torch.is_grad_enabled() and any(isinstance(t, Tensor) and t.requires_grad for t in tensors)
+
+
+def whole_pack_refusal(function: str, kwargs: Mapping[str, Any], *, state: object = None, final: bool = False
+                        ) -> str | None:
+    """Why a kernel call carries what only a single-process call can honour (a cache's states, the whole pack's
+    document boundaries), or None."""
+    if state is not None or final:
+        return (f"{function} got an initial state or was asked for its final state (a generation cache): under CP "
+                "call the model with use_cache=False and no cache")
+    if any(kwargs.get(name) is not None for name in ("seq_idx", "cu_seqlens")):
+        return (f"{function} got seq_idx/cu_seqlens, which describe the whole pack: under CP the documents come "
+                "from the layout (pack_batch), so call the model without them")
+    return None
+
+
+def tensor_fields(name: str, t: Tensor) -> list[Field]:
+    """A tensor's shape as signature fields (its dims, then their count)."""
+    return [(name, int(d)) for d in t.shape] + [(name, t.ndim)]
+
+

@@ -1,0 +1,54 @@
+"""Mamba2's SSD scan (`mamba2_chunk_scan`, mamba_ssm's `mamba_chunk_scan_combined`) under CP.
+
+Used by every Mamba2-style mixer transformers ships (Mamba2, Bamba, Falcon-H1,
+GraniteMoeHybrid, Nemotron-H, Zamba2).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from cpcompose.integrations.transformers.kernels.common import needs_grad, tensor_fields, whole_pack_refusal
+from cpcompose.mixers.chunked import cp_chunked_recurrence
+from cpcompose.parallel.dispatch import CPAttentionMode
+
+__all__ = ["cp_mamba2_chunk_scan"]
+
+
+def cp_mamba2_chunk_scan(
+    original: Callable[..., Any], region: CPAttentionMode, hidden_states: Tensor, dt: Tensor, A: Tensor, B: Tensor,
+    C: Tensor, chunk_size: int, D: Tensor | None = None, dt_bias: Tensor | None = None,
+    initial_states: Tensor | None = None, dt_softplus: bool = False,
+    dt_limit: tuple[float, float] = (0.0, math.inf), return_final_states: bool = False, **kwargs: Any,
+) -> Tensor:
+    """Mamba2's SSD scan (`mamba_chunk_scan_combined`'s API) under CP: the state passed between runs.
+
+    The state `(batch, heads, head_dim, state)` decays by one scalar per head and token,
+    `exp(dt * A)` after `dt`'s bias, softplus and clamp, as the kernel applies them; a run's
+    transition is the product over its tokens (`cpcompose.mixers.cp_chunked_recurrence`).
+    """
+    error = whole_pack_refusal("mamba2_chunk_scan", kwargs, state=initial_states, final=return_final_states)
+
+    def kernel(rows: slice, init: Tensor | None) -> tuple[Tensor, Tensor]:
+        return original(hidden_states[:, rows], dt[:, rows], A, B[:, rows], C[:, rows], chunk_size, D=D,
+                        dt_bias=dt_bias, initial_states=init, dt_softplus=dt_softplus, dt_limit=dt_limit,
+                        return_final_states=True)
+
+    def transition(rows: slice) -> Tensor:
+        step = dt[:, rows] if dt_bias is None else dt[:, rows] + dt_bias.to(dt.dtype)
+        step = torch.clamp(F.softplus(step) if dt_softplus else step, min=dt_limit[0], max=dt_limit[1])
+        return torch.exp((step.float() * A.float()).sum(dim=1))[..., None, None]  # (batch, heads, 1, 1)
+
+    return cp_chunked_recurrence(
+        kernel, transition, mesh=region.mesh, layout=region.options.layout, seq_local=hidden_states.shape[1],
+        kind="diagonal", out_dim=1, what="mamba2_chunk_scan", device=hidden_states.device,
+        dtype=hidden_states.dtype, grad=needs_grad(hidden_states, dt, A, B, C, D, dt_bias),
+        signature=[*tensor_fields("hidden_states", hidden_states), *tensor_fields("B", B), ("chunk_size", int(chunk_size))],
+        caller_error=error, meter=region.options.meter,
+    )
