@@ -1,0 +1,28 @@
+"""Hugging Face hybrid models (state-space, linear-attention and short-convolution layers) exact under CP.
+
+Loss and every gradient equal transformers' own single-process run, at P = 2 and 4, under
+each attention strategy, on a zigzag-split batch and on a packed row of documents
+(`pack_batch`), at the tolerance each family's kernels allow (`hybrid_cases`).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests import hybrid_cases as cases
+
+NAMES = sorted(cases.HYBRIDS)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("name", NAMES)
+def test_hybrid_is_exact(pools, name: str, world: int) -> None:
+    want, state = cases.reference_plain(name)
+    cases.assert_matches(want, pools.get(world).run(cases.cp_plain, name, state), name, f"P={world} plain")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("name", NAMES)
+def test_hybrid_packed_documents_are_exact(pools, name: str, world: int) -> None:
+    want, state = cases.reference_packed(name)
+    cases.assert_matches(want, pools.get(world).run(cases.cp_packed, name, state), name, f"P={world} packed")
