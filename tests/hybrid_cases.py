@@ -39,6 +39,7 @@ class Hybrid:
     config: Callable[[], hf.PretrainedConfig]
     attention: bool = True  # False: a pure state-space model (built without attn_implementation)
     tolerance: dict = field(default_factory=lambda: dict(FLOAT32_KERNEL))
+    reference_attention: str = "sdpa"  # the single-process run's attention ("eager" where sdpa is refused)
 
 
 HYBRIDS: dict[str, Hybrid] = {
@@ -74,6 +75,10 @@ HYBRIDS: dict[str, Hybrid] = {
         vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=3,
         num_attention_heads=4, num_key_value_heads=2, layer_types=["conv", "full_attention", "conv"],
         conv_L_cache=3, num_dense_layers=1, num_experts=2, num_experts_per_tok=1, **SPECIAL), tolerance=FLOAT64),
+    "gpt_oss": Hybrid(lambda: hf.GptOssConfig(  # attention sinks, sliding and full layers, MoE
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+        num_local_experts=2, num_experts_per_tok=1, **SPECIAL), tolerance=FLOAT64, reference_attention="eager"),
 }
 
 
@@ -81,7 +86,7 @@ def build(name: str, state: dict | None = None, *, cp: bool = True) -> torch.nn.
     """The family's tiny model in float64 (with "cpcompose" attention when it has attention and `cp`)."""
     hybrid = HYBRIDS[name]
     torch.manual_seed(0)
-    impl = {"attn_implementation": "cpcompose" if cp else "sdpa"} if hybrid.attention else {}
+    impl = {"attn_implementation": "cpcompose" if cp else hybrid.reference_attention} if hybrid.attention else {}
     # Mixture-of-experts layers: transformers' grouped matmul has no float64 kernel, its eager loop does.
     model = hf.AutoModelForCausalLM.from_config(hybrid.config(), dtype=torch.float64, experts_implementation="eager",
                                                 **impl)

@@ -8,6 +8,7 @@ each attention strategy, on a zigzag-split batch and on a packed row of document
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests import hybrid_cases as cases
 
@@ -26,3 +27,13 @@ def test_hybrid_is_exact(pools, name: str, world: int) -> None:
 def test_hybrid_packed_documents_are_exact(pools, name: str, world: int) -> None:
     want, state = cases.reference_packed(name)
     cases.assert_matches(want, pools.get(world).run(cases.cp_packed, name, state), name, f"P={world} packed")
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if cases.HYBRIDS[n].attention])
+def test_outside_a_region_the_model_is_transformers_own(name: str) -> None:
+    """The same "cpcompose" model on one process, with no CP region, computes what transformers' own attention does
+    (gpt-oss's sinks included, which transformers' sdpa path would drop)."""
+    ids, _ = cases.plain_batch()
+    reference = cases.build(name, cp=False)
+    model = cases.build(name, reference.state_dict())
+    torch.testing.assert_close(model(input_ids=ids).logits, reference(input_ids=ids).logits, **cases.FLOAT64)

@@ -19,7 +19,7 @@ from cpcompose.attention.cost.model import RING_FAMILY
 from cpcompose.attention.execute import backward_blocks, forward_blocks
 from cpcompose.attention.heads import HeadGroup, HeadPlan, HeadRange, gather_grads, head_plan, heads_to_seq, seq_to_heads
 from cpcompose.attention.kernels import attention_backward, attention_forward
-from cpcompose.attention.merge import SoftmaxAccumulator, keep_nan_rows
+from cpcompose.attention.merge import SoftmaxAccumulator, fold_sinks, keep_nan_rows
 from cpcompose.attention.strategy import Strategy
 
 __all__ = ["ALLTOALL", "AllToAllAttention"]
@@ -39,8 +39,9 @@ def _heads_to_seq(tensors: list[Tensor], ranges: list[list[HeadRange]], setup: A
     return heads_to_seq(rank_major, ranges, setup.cp, setup.meter, group)
 
 
-def _attend(q: Tensor, k: Tensor, v: Tensor, setup: AttentionSetup) -> tuple[Tensor, Tensor]:
-    """Full-sequence attention of this rank's heads (global order), masked by the layout's documents."""
+def _attend(q: Tensor, k: Tensor, v: Tensor, setup: AttentionSetup, sinks: Tensor | None) -> tuple[Tensor, Tensor]:
+    """Full-sequence attention of this rank's heads (global order), masked by the layout's documents, with
+    their `sinks` folded in."""
     if q.shape[1] == 0:  # more ranks than query heads: this rank has nothing to attend
         return q.new_empty((*q.shape[:3], v.shape[-1])), q.new_empty(q.shape[:3], dtype=float_zeros(q).dtype)
     tasks = setup.tasks_full_sequence(q.shape[2])
@@ -50,10 +51,15 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, setup: AttentionSetup) -> tuple[Ten
             softcap=setup.kernel.softcap,
         )
         keep_nan_rows(q, out, lse)
+        if sinks is not None:
+            merged, lse = fold_sinks(out.to(lse.dtype), lse, sinks)
+            out = merged.to(q.dtype)
         return out, lse
     acc = SoftmaxAccumulator(q, v.shape[-1])
     forward_blocks(acc, q, k, v, tasks, setup.kernel)
     out, lse = acc.finish()
+    if sinks is not None:
+        out, lse = fold_sinks(out, lse, sinks)
     return out.to(q.dtype), lse
 
 
@@ -81,7 +87,8 @@ class AllToAllAttention(torch.autograd.Function):
         plan = head_plan(q.shape[1], k.shape[1], setup.cp.world, setup.cp.rank, q.device)
         ranges = [plan.q_ranges, plan.kv_ranges, plan.kv_ranges]
         qh, kh, vh = _seq_to_heads([q, k, v], ranges, setup)
-        out_h, lse_h = _attend(qh, plan.local_kv(kh), plan.local_kv(vh), setup)
+        sinks = setup.head_sinks(plan.q_ranges[setup.cp.rank])
+        out_h, lse_h = _attend(qh, plan.local_kv(kh), plan.local_kv(vh), setup, sinks)
         (out_parts,) = zip(*_heads_to_seq([out_h], [plan.q_ranges], setup))
         if setup.need_lse:
             (lse_parts,) = zip(*_heads_to_seq([lse_h.unsqueeze(-1)], [plan.q_ranges], setup))

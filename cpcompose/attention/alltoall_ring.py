@@ -33,7 +33,7 @@ from torch import Tensor
 from cpcompose.attention.call_setup import AttentionSetup
 from cpcompose.attention.cost.model import RING_FAMILY
 from cpcompose.attention.heads import HeadGroup, HeadPlan, gather_grads, head_plan, heads_to_seq, seq_to_heads
-from cpcompose.attention.merge import SoftmaxAccumulator
+from cpcompose.attention.merge import SoftmaxAccumulator, fold_sinks
 from cpcompose.attention.ring_loop import RingView, Rounds, ring_backward, ring_forward
 from cpcompose.attention.strategy import Strategy
 from cpcompose.comm import RingComm
@@ -88,6 +88,9 @@ class AllToAllRingAttention(torch.autograd.Function):
             comm = RingComm(setup.cp, setup.meter)
             ring_forward(acc, qh, kh, vh, mesh.rounds(qh.shape[2]), comm, setup.kernel, plan)
         out_h, lse_h = acc.finish()
+        sinks = setup.head_sinks(plan.q_ranges[mesh.group.index])
+        if sinks is not None:
+            out_h, lse_h = fold_sinks(out_h, lse_h, sinks)
         out_h = out_h.to(q.dtype)
         (out_parts,) = zip(*mesh.to_seq([out_h], [plan.q_ranges]))
         if setup.need_lse:

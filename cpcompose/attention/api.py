@@ -27,6 +27,7 @@ def cp_attention(
     softcap: float | None = None,
     options: CPOptions | None = None,
     return_lse: bool = False,
+    sinks: Tensor | None = None,
     **overrides: Any,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Exact attention over the global sequence, given this rank's shards.
@@ -42,6 +43,10 @@ def cp_attention(
             Gemma 2); None = no cap.
         options: a `CPOptions` (strategy, layout, window_size, backend, meter, validate).
         return_lse: also return the float32 log-sum-exp `(batch, heads, seq_local)`.
+        sinks: attention sinks (gpt-oss): one logit per query head `(heads,)` that joins
+            every row's softmax with no value; the LSE returned then includes it. Its
+            gradient is this rank's share (sum it over the CP ranks, as every replicated
+            parameter's: `allreduce_gradients` or FSDP over the CP mesh do).
         **overrides: any `CPOptions` field by name, e.g. `strategy="alltoall"`,
             `strategy="alltoall_ring", alltoall_size=2` (2-D), `strategy="auto"` (the
             cost model picks per call signature, `cpcompose.attention.auto`),
@@ -66,7 +71,8 @@ def cp_attention(
             raise TypeError("cp_attention got a CPContext and options: give the options to the CPContext")
         if torch.compiler.is_compiling():  # dynamo cannot trace the agreement: hide it in the custom op
             return compiled_attention(
-                q, k, v, context=mesh, is_causal=is_causal, scale=scale, softcap=softcap, return_lse=return_lse
+                q, k, v, context=mesh, is_causal=is_causal, scale=scale, softcap=softcap, return_lse=return_lse,
+                caller_error=_COMPILED_SINKS if sinks is not None else None,
             )
         mesh, opts = mesh.mesh, mesh.options()
     elif torch.compiler.is_compiling():
@@ -78,7 +84,8 @@ def cp_attention(
     else:
         opts = (options or CPOptions()).replace(**overrides)
     return attend(
-        q, k, v, mesh=mesh, is_causal=is_causal, scale=scale, softcap=softcap, options=opts, return_lse=return_lse
+        q, k, v, mesh=mesh, is_causal=is_causal, scale=scale, softcap=softcap, options=opts, return_lse=return_lse,
+        sinks=sinks,
     )
 
 
@@ -94,6 +101,7 @@ def attend(
     softcap: float | None = None,
     return_lse: bool = False,
     caller_error: str | None = None,
+    sinks: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """`cp_attention` for callers that checked inputs of their own (`caller_error`: their complaint).
 
@@ -102,7 +110,38 @@ def attend(
     """
     out, lse = checked_call(
         q, k, v, mesh=mesh, is_causal=is_causal, scale=scale, options=options, softcap=softcap,
-        return_lse=return_lse, caller_error=caller_error,
+        return_lse=return_lse, caller_error=caller_error, sinks=sinks,
         run=lambda setup: STRATEGIES[setup.strategy].apply(q, k, v, setup),
     )
+    if sinks is not None:
+        out = SinkGradient.apply(out, sinks, lse)
     return (out, lse) if return_lse else out
+
+
+_COMPILED_SINKS = (
+    "attention sinks are not supported inside torch.compile yet (they would need the compiled op's own "
+    "gradient); run this model eagerly"
+)
+
+
+class SinkGradient(torch.autograd.Function):
+    """The output unchanged; the sinks' gradient in backward.
+
+    The strategy folded the sinks into the `(out, lse)` its backward reads
+    (`merge.fold_sinks`), so q, k and v get the gradients of the softmax with the sink.
+    The sink, a logit with no value, gets `-sum_i exp(sink - lse_i) * (dout_i . out_i)`
+    over this rank's rows (the flash-attention backward's `D_i` term of a key whose value is 0).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, out: Tensor, sinks: Tensor, lse: Tensor) -> Tensor:
+        ctx.save_for_backward(out, sinks, lse)
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx: Any, dout: Tensor) -> tuple[Tensor, Tensor, None]:
+        out, sinks, lse = ctx.saved_tensors
+        acc = lse.dtype
+        d = (dout.to(acc) * out.to(acc)).sum(dim=-1)  # (B, H, S)
+        weight = torch.exp(sinks.to(acc).view(1, -1, 1) - lse)
+        return dout, (-(weight * d).sum(dim=(0, 2))).to(sinks.dtype), None

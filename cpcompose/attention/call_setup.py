@@ -9,7 +9,7 @@ from torch import Tensor
 
 from cpcompose.attention.blocks import BlockTask, MaskSpec
 from cpcompose.attention.kernels import KernelArgs
-from cpcompose.attention.merge import SoftmaxAccumulator
+from cpcompose.attention.merge import SoftmaxAccumulator, fold_sinks
 from cpcompose.attention.plans import (
     GLOBAL, cached_gathered_plan, cached_halves, cached_plan, gathered_rows, gathered_width,
 )
@@ -32,6 +32,11 @@ class AttentionSetup:
     need_lse: bool = True  # the caller wants the LSE back (all-to-all must then send it home)
     alltoall_size: int | None = None  # ranks per all-to-all block ("alltoall_ring" only)
     strategy: str = "ring"  # the strategy that runs (what "auto" chose, for an "auto" call)
+    sinks: Tensor | None = None  # per-head sink logits (H,), detached (`merge.fold_sinks`); None: no sinks
+
+    def head_sinks(self, heads: tuple[int, int]) -> Tensor | None:
+        """The sinks of query heads `[lo, hi)` (a head-sharded strategy's own), or None."""
+        return None if self.sinks is None else self.sinks[heads[0]:heads[1]]
 
     def seq_len(self, local_seq: int) -> int:
         return local_seq * self.cp.world
@@ -67,8 +72,10 @@ def float_zeros(like: Tensor) -> Tensor:
 
 
 def finish_forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, acc: SoftmaxAccumulator, setup: AttentionSetup):
-    """Cast the merged output, save what the backward needs; returns `(out, lse)`."""
+    """Fold in the sinks, cast the merged output, save what the backward needs; returns `(out, lse)`."""
     merged, lse = acc.finish()
+    if setup.sinks is not None:
+        merged, lse = fold_sinks(merged, lse, setup.sinks)
     out = merged.to(q.dtype)
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.setup = setup

@@ -28,8 +28,9 @@ from cpcompose.attention.registry import STRATEGIES
 from cpcompose.attention.strategy import Strategy
 from cpcompose.comm import CommMeter, CPGroup
 from cpcompose.layouts import Layout, resolve_layout
+from cpcompose.precision import accumulation_dtype
 
-__all__ = ["checked_call", "setup_for", "tensor_error", "window_pair"]
+__all__ = ["checked_call", "setup_for", "sinks_error", "tensor_error", "window_pair"]
 
 R = TypeVar("R")
 
@@ -47,6 +48,7 @@ def checked_call(
     return_lse: bool,
     caller_error: str | None,
     run: Callable[[AttentionSetup], R],
+    sinks: Tensor | None = None,
 ) -> R:
     """Check one call on every rank, then `run(setup)`; the one path every CP attention takes.
 
@@ -63,6 +65,7 @@ def checked_call(
     error = (
         caller_error or options.error(cp.world) or window_error
         or tensor_error(q, k, v) or _positive_error("scale", scale) or _positive_error("softcap", softcap)
+        or sinks_error(sinks, q)
     )
     if error is None:
         layout = resolve_layout(options.layout, cp.world)
@@ -73,6 +76,7 @@ def checked_call(
         except ValueError as e:
             error = str(e)
     signature = _signature(q, k, v, is_causal, scale, softcap, window, options, layout, return_lse)
+    signature.flag("sinks", sinks is not None)
     _auto_fields(signature, options, q)  # on every rank, auto or not: the agreement's size is fixed
     if options.strategy == AUTO:
         options, error = _resolve_auto(options, q, k, v, layout, is_causal, window, return_lse, cp, error)
@@ -80,7 +84,7 @@ def checked_call(
 
     def setup(meter: CommMeter | None) -> AttentionSetup:
         return setup_for(q, mesh=mesh, is_causal=is_causal, scale=scale, softcap=softcap,
-                         options=options.replace(meter=meter), return_lse=return_lse)
+                         options=options.replace(meter=meter), return_lse=return_lse, sinks=sinks)
 
     def spec() -> CallSpec:  # what this rank replays on zeros if it deviates from this call later
         s = setup(None)  # the group stays out of it: the history it goes into is owned by the group
@@ -128,9 +132,12 @@ def _auto_fields(signature: Signature, options: CPOptions, q: Tensor) -> None:
 
 def setup_for(
     q: Tensor, *, mesh: DeviceMesh, is_causal: bool, scale: float | None, softcap: float | None,
-    options: CPOptions, return_lse: bool,
+    options: CPOptions, return_lse: bool, sinks: Tensor | None = None,
 ) -> AttentionSetup:
-    """The group, layout, mask and kernel of a call that was already checked (no communication)."""
+    """The group, layout, mask and kernel of a call that was already checked (no communication).
+
+    With sinks the LSE always comes back to the queries' rank: their gradient needs it.
+    """
     cp = CPGroup.from_mesh(mesh)
     kernel = KernelArgs(
         scale=scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]),
@@ -138,8 +145,9 @@ def setup_for(
     )
     mask = MaskSpec(is_causal, *window_pair(options.window_size, is_causal)[0])
     return AttentionSetup(
-        cp, resolve_layout(options.layout, cp.world), mask, kernel, options.meter, return_lse, options.alltoall_size,
-        options.strategy,
+        cp, resolve_layout(options.layout, cp.world), mask, kernel, options.meter, return_lse or sinks is not None,
+        options.alltoall_size, options.strategy,
+        None if sinks is None else sinks.detach().to(accumulation_dtype(q.dtype)),
     )
 
 
@@ -212,6 +220,18 @@ def tensor_error(q: Tensor, k: Tensor, v: Tensor) -> str | None:
     empty = [name for name, n in sizes if n == 0]
     if empty:
         return f"q, k, v have no {' or '.join(empty)} (size 0): attention needs at least one of each"
+    return None
+
+
+def sinks_error(sinks: object, q: object) -> str | None:
+    """Why `sinks` are not one finite-or-not float logit per query head of `q`, on q's device, or None."""
+    if sinks is None or not isinstance(q, Tensor) or q.ndim != 4:
+        return None
+    if not isinstance(sinks, Tensor) or sinks.ndim != 1 or sinks.numel() != q.shape[1]:
+        return (f"sinks must be a 1-D tensor of one logit per query head ({q.shape[1]}), got "
+                f"{getattr(sinks, 'shape', type(sinks).__name__)}")
+    if not sinks.is_floating_point() or sinks.device != q.device:
+        return f"sinks must be floating point on q's device ({q.device}), got {sinks.dtype} on {sinks.device}"
     return None
 
 

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 from cpcompose.precision import accumulation_dtype
 
-__all__ = ["SoftmaxAccumulator", "keep_nan_rows"]
+__all__ = ["SoftmaxAccumulator", "fold_sinks", "keep_nan_rows"]
 
 
 class SoftmaxAccumulator:
@@ -64,6 +64,23 @@ class SoftmaxAccumulator:
         """The merged `(out, lse)`, NaN wherever a query row holds a NaN (see `keep_nan_rows`)."""
         keep_nan_rows(self._queries, self.out, self.lse)
         return self.out, self.lse
+
+
+def fold_sinks(out: Tensor, lse: Tensor, sinks: Tensor) -> tuple[Tensor, Tensor]:
+    """Attention sinks joined to a merged `(out, lse)`, once: a per-head logit with no value (gpt-oss).
+
+    The softmax then runs over the keys and the sink, so every row's weights shrink by
+    `exp(lse - lse')` with `lse' = logaddexp(lse, sink)`. A strategy folds them in before it
+    saves `(out, lse)` for its backward: the kernels' backward, given the folded pair,
+    computes exactly the gradients of the softmax with the sink (the sink's own gradient,
+    `-sum_i exp(sink - lse'_i) * (dout_i . out_i)`, is `SinkGradient`'s in `api.py`).
+
+    Args:
+        out, lse: the merged float32 (float64) `(B, H, S, Dv)` and `(B, H, S)`.
+        sinks: `(H,)`, this call's heads' sink logits.
+    """
+    total = torch.logaddexp(lse, sinks.to(lse.dtype).view(1, -1, 1))
+    return out * torch.exp(lse - total).unsqueeze(-1), total
 
 
 def keep_nan_rows(q: Tensor, out: Tensor, lse: Tensor) -> None:

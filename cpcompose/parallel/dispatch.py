@@ -123,7 +123,8 @@ class CPAttentionMode(TorchFunctionMode):
 
     def attend(
         self, q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool, scale: float | None = None,
-        softcap: float | None = None, caller_error: str | None = None, **overrides: Any,
+        softcap: float | None = None, caller_error: str | None = None, sinks: Tensor | None = None,
+        **overrides: Any,
     ) -> Tensor:
         """CP attention of local shards under this region's options (with per-call `overrides`,
         e.g. a layer's `window_size`); counts the call for `check_routed`.
@@ -139,11 +140,13 @@ class CPAttentionMode(TorchFunctionMode):
                     f"per-call CP options {changed} (e.g. a Hugging Face layer's window) are not supported "
                     "under torch.compile yet; run this model eagerly"
                 )
+            if sinks is not None and caller_error is None:
+                caller_error = "attention sinks are not supported under torch.compile yet; run this model eagerly"
             out = compiled_attention(q, k, v, context=self.context, is_causal=is_causal, scale=scale,
                                      softcap=softcap, caller_error=caller_error)
         else:
             out = attend(q, k, v, mesh=self.mesh, is_causal=is_causal, scale=scale, softcap=softcap,
-                         options=self.options.replace(**overrides), caller_error=caller_error)
+                         options=self.options.replace(**overrides), caller_error=caller_error, sinks=sinks)
         assert isinstance(out, Tensor)
         return out
 

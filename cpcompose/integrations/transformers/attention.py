@@ -157,7 +157,9 @@ def cpcompose_attention_forward(
     )
     if error:
         error = f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}): {error}"
+    sinks = kwargs.get("s_aux")  # gpt-oss's attention sinks: one logit per head, joining every row's softmax
     out = region.attend(query, key, value, is_causal=causal, scale=scaling, softcap=softcap, caller_error=error,
+                        sinks=sinks if isinstance(sinks, Tensor) and not error else None,
                         window_size=None if error else window)
     return out.transpose(1, 2).contiguous(), None
 
@@ -189,9 +191,11 @@ def _feature_refusal(
             f"a KV cache (keys hold {key.shape[2]} tokens, queries {query.shape[2]}) cannot be split across CP "
             "ranks; call the model with use_cache=False and no past_key_values"
         )
-    for name, what in (("s_aux", "attention sinks"), ("position_bias", "an additive position bias")):
-        if kwargs.get(name) is not None:
-            return f"{what} ({name}=...) is not supported by CP attention"
+    if kwargs.get("position_bias") is not None:
+        return "an additive position bias (position_bias=...) is not supported by CP attention"
+    sinks = kwargs.get("s_aux")
+    if sinks is not None and (not isinstance(sinks, Tensor) or sinks.shape != (query.shape[1],)):
+        return f"attention sinks (s_aux) must be one logit per query head ({query.shape[1]}), got {sinks!r}"
     if any(kwargs.get(name) is not None for name in _FLASH_VARLEN_KWARGS):
         return (
             "flash-attention varlen kwargs (cu_seq_lens_q/k, max_length_q/k) describe the whole pack, not a shard; "
@@ -250,7 +254,8 @@ def _single_process(
     does: SDPA's math kernel turns a fully masked row (a padding query under a sliding
     window) into NaN, which then reaches real tokens through the next layer's 0 * NaN.
     """
-    if softcap is None and attention_mask is None:
+    sinks = kwargs.get("s_aux")
+    if softcap is None and attention_mask is None and sinks is None:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
         )
@@ -267,7 +272,12 @@ def _single_process(
         scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
     elif attention_mask is not None:  # an additive float mask given by the caller
         scores = scores + attention_mask
-    probs = torch.nn.functional.dropout(scores.softmax(dim=-1), p=dropout, training=dropout > 0)
+    if sinks is not None:  # a logit per head with no value (gpt-oss): it joins the softmax and is dropped
+        column = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+        probs = torch.cat([scores, column], dim=-1).softmax(dim=-1)[..., :-1]
+    else:
+        probs = scores.softmax(dim=-1)
+    probs = torch.nn.functional.dropout(probs, p=dropout, training=dropout > 0)
     return (probs @ value).transpose(1, 2).contiguous(), None
 
 
