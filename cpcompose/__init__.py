@@ -11,6 +11,7 @@ from cpcompose.parallel import (
     cp_cross_entropy,
     parallelize_module,
     recompute_context,
+    verify,
 )
 from cpcompose.sharding import (
     PackedShard,
@@ -50,5 +51,6 @@ __all__ = [
     "parallelize_module",
     "recompute_context",
     "resolve_layout",
+    "verify",
 ]
 __version__ = "0.1.0"

@@ -6,7 +6,9 @@ means a torch upgrade is checked, and fixed, in one place.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
 
@@ -23,7 +25,8 @@ __all__ = [
     "cpu_flash_forward", "cuda_cudnn_backward", "cuda_cudnn_forward", "cuda_efficient_backward",
     "cuda_efficient_forward", "cuda_flash_backward", "cuda_flash_forward", "default_store", "flash_attn_backward",
     "flash_attn_forward", "flash_attn_varlen_backward", "flash_attn_varlen_forward", "flatten_mesh",
-    "function_mode_stack", "group_timeout", "has_flash_attn", "has_flash_attn_varlen", "import_flash_attn",
+    "function_mode_stack", "function_modes_suspended", "group_timeout", "has_flash_attn", "has_flash_attn_varlen",
+    "import_flash_attn",
     "in_backward", "reduce_scatter_flat", "register_opaque_type",
 ]
 
@@ -146,6 +149,20 @@ def default_store() -> Any:
 def function_mode_stack() -> list[Any]:
     """The active TorchFunctionModes, outermost first (`torch.overrides`' private accessor in torch 2.13)."""
     return list(torch.overrides._get_current_function_mode_stack())
+
+
+@contextlib.contextmanager
+def function_modes_suspended() -> Iterator[None]:
+    """Run a block with no TorchFunctionMode active (the stack popped, and pushed back after; private accessors).
+
+    The exactness probe's single-process run, started from inside a CP region, must not be routed by it.
+    """
+    popped = [torch._C._pop_torch_function_stack() for _ in range(torch._C._len_torch_function_stack())]
+    try:
+        yield
+    finally:
+        for mode in reversed(popped):
+            torch._C._push_on_torch_function_stack(mode)
 
 
 def in_backward() -> bool:

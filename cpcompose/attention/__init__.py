@@ -1,4 +1,5 @@
-"""Context-parallel attention: kernels, block planning, the strategies (ring, all-gather, all-to-all, 2-D) and their cost model."""
+"""Context-parallel attention: kernels, block planning, the strategies (ring, all-gather, all-to-all, 2-D)
+and their cost model."""
 
 from cpcompose.attention.api import cp_attention
 from cpcompose.attention.op import CPContext

@@ -17,7 +17,9 @@ from cpcompose.attention.blocks import one_kernel_call
 from cpcompose.attention.call_setup import AttentionSetup, float_zeros
 from cpcompose.attention.cost.model import RING_FAMILY
 from cpcompose.attention.execute import backward_blocks, forward_blocks
-from cpcompose.attention.heads import HeadGroup, HeadPlan, HeadRange, gather_grads, head_plan, heads_to_seq, seq_to_heads
+from cpcompose.attention.heads import (
+    HeadGroup, HeadPlan, HeadRange, gather_grads, head_plan, heads_to_seq, seq_to_heads,
+)
 from cpcompose.attention.kernels import attention_backward, attention_forward
 from cpcompose.attention.merge import SoftmaxAccumulator, fold_sinks, keep_nan_rows
 from cpcompose.attention.strategy import Strategy

@@ -127,7 +127,9 @@ class AllToAllRingAttention(torch.autograd.Function):
 def _alltoall_size(world: int, alltoall_size: int | None) -> int:
     """The block size the options name (checked by `CPOptions.error` before any call runs)."""
     if alltoall_size is None or isinstance(alltoall_size, bool) or alltoall_size < 1 or world % alltoall_size:
-        raise ValueError(f"alltoall_ring needs an alltoall_size dividing the CP group size {world}, got {alltoall_size}")
+        raise ValueError(
+            f"alltoall_ring needs an alltoall_size dividing the CP group size {world}, got {alltoall_size}"
+        )
     return alltoall_size
 
 

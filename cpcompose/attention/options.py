@@ -66,6 +66,9 @@ class CPOptions:
             device type. Its fingerprint joins the agreement: every rank must use the same.
         topology: "auto" only: which CP ranks share a node (`cpcompose.attention.cost.Topology`);
             None = LOCAL_WORLD_SIZE ranks per node when torchrun sets it, else one node.
+        verify: run the exactness probe (`cpcompose.verify`) where a front end offers it: the
+            Hugging Face integration on a model's first forward in a CP region, the trainer
+            at start. False skips it (it costs two forwards at a short length, once).
     """
 
     strategy: str = "ring"
@@ -77,6 +80,7 @@ class CPOptions:
     alltoall_size: int | None = None
     calibration: Calibration | None = None
     topology: Topology | None = None
+    verify: bool = True
 
     def replace(self, **changes: Any) -> "CPOptions":
         """A copy with `changes` (TypeError names an unknown option, as a function call would)."""
@@ -106,6 +110,8 @@ class CPOptions:
             return broken("strategy", f"{key('strategy')}={self.strategy!r} is unknown; choose one of {CHOICES}")
         if self.meter is not None and not isinstance(self.meter, CommMeter):
             return broken("meter", f"{key('meter')} must be a cpcompose.CommMeter, got {type(self.meter).__name__}")
+        if not isinstance(self.verify, bool):
+            return broken("verify", f"{key('verify')} must be True or False, got {self.verify!r}")
         if self.validate not in VALIDATE_MODES:
             return broken("validate", f"{key('validate')}={self.validate!r} is unknown; choose one of {VALIDATE_MODES}")
         size = self._alltoall_size_error(world, key)

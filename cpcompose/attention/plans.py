@@ -56,7 +56,9 @@ def gathered_rows(layout: Layout, mask: MaskSpec, seq_len: int, world: int) -> t
     if world > COMPACT_GATHER_MAX_WORLD:
         return tuple((slice(0, sum(r.length for r in layout.runs(src, seq_len))),) for src in range(world))
     return tuple(
-        tuple(needed_rows([t for dst in range(world) if dst != src for t in cached_plan(layout, mask, seq_len, dst, src)]))
+        tuple(needed_rows(
+            [t for dst in range(world) if dst != src for t in cached_plan(layout, mask, seq_len, dst, src)]
+        ))
         for src in range(world)
     )
 

@@ -116,6 +116,10 @@ class Parallelism:
     cp_calibration: str | None = None
     """cp_strategy = "auto" only: a JSON of machine constants written by scripts/calibrate_cost_model.py
     (unset: the shipped defaults for the device type; see docs/strategy_choice.md)."""
+    cp_verify: bool = True
+    """Run the exactness probe at start (two forwards of a copy of the model at 16 tokens per CP rank, before
+    FSDP): every module's output under CP must equal the single-process one, or the run stops naming the first
+    module that differs (a token mixer that is not CP-aware)."""
     cp_validate: Validate = "first_call"
     """first_call: the blocking cross-rank check of each attention call's shapes and options runs
     for a new call signature only (no host sync at steady state); every_call: on every call, a
@@ -141,14 +145,14 @@ class Parallelism:
         calibration = None if self.cp_calibration is None else Calibration.load(self.cp_calibration)
         return CPOptions(
             strategy=self.cp_strategy, layout=self.cp_layout, meter=meter, alltoall_size=self.cp_alltoall_size,
-            validate=self.cp_validate, calibration=calibration,
+            validate=self.cp_validate, calibration=calibration, verify=self.cp_verify,
         )
 
 
 CP_OPTION_KEYS = {
     "strategy": "parallelism.cp_strategy", "layout": "parallelism.cp_layout",
     "alltoall_size": "parallelism.cp_alltoall_size", "validate": "parallelism.cp_validate",
-    "calibration": "parallelism.cp_calibration",
+    "calibration": "parallelism.cp_calibration", "verify": "parallelism.cp_verify",
 }
 """The key of each `CPOptions` field these settings set: option errors name them."""
 

@@ -303,4 +303,6 @@ def __getattr__(name: str) -> Callable[[], CPComposeTrainer.Config]:
         make = getattr(registry, name, None)
         if callable(make):
             return _wrapped(make)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r} (nor do torchtitan's {_REGISTRIES} registries)")
+    raise AttributeError(
+        f"module {__name__!r} has no attribute {name!r} (nor do torchtitan's {_REGISTRIES} registries)"
+    )

@@ -17,5 +17,6 @@ from cpcompose.mixers.scan import cp_delta_rule, cp_linear_scan
 from cpcompose.mixers.states import cp_initial_states
 
 __all__ = [
-    "cp_causal_conv1d", "cp_chunked_recurrence", "cp_delta_rule", "cp_initial_states", "cp_linear_scan", "fetch_positions",
+    "cp_causal_conv1d", "cp_chunked_recurrence", "cp_delta_rule", "cp_initial_states", "cp_linear_scan",
+    "fetch_positions",
 ]

@@ -1,4 +1,4 @@
-"""Composable CP: the SDPA dispatch, the ParallelStyle, the context manager, the loss."""
+"""Composable CP: the SDPA dispatch, the ParallelStyle, the context manager, the loss, the exactness probe."""
 
 from cpcompose.parallel.context import context_parallel, context_parallel_unshard
 from cpcompose.parallel.dispatch import CPAttentionMode, active_cp_region
@@ -6,6 +6,7 @@ from cpcompose.parallel.loss import allreduce_gradients, cp_cross_entropy, globa
 from cpcompose.parallel.parallelize import parallelize_module
 from cpcompose.parallel.recompute import recompute_context
 from cpcompose.parallel.style import ContextParallel
+from cpcompose.parallel.verify import verify
 
 __all__ = [
     "CPAttentionMode",
@@ -18,4 +19,5 @@ __all__ = [
     "global_token_count",
     "parallelize_module",
     "recompute_context",
+    "verify",
 ]

@@ -54,8 +54,10 @@ def context_parallel(
     Raises:
         ValueError: on every rank, before any buffer changes: buffers and dims differ
             in number, a dim is out of range, or a buffer's sequence cannot be split.
-            On exit, if no attention call inside went through CP (the model's
-            attention would have run on this rank's tokens only).
+            On exit, if a module ran inside but no attention call went through CP (the
+            model's attention would have run on this rank's tokens only). A region that
+            only shards and restores buffers, running no module, is fine (PyTorch's
+            `context_parallel` allows it too).
     """
     opts = (options or CPOptions()).replace(**overrides)
     cp = CPGroup.from_mesh(mesh)
@@ -69,22 +71,34 @@ def context_parallel(
             error = dim_error(dim, buf.ndim) or seq_layout.split_error(
                 buf.shape[dim], what=f"buffers[{i}] sequence length (dim {dim})"
             )
-    signature = [("buffers", len(buffers)), ("layout", -1 if seq_layout is None else seq_layout.identity)]
+    signature = [("buffers", len(buffers)), ("layout", -1 if seq_layout is None else seq_layout.identity),
+                 ("verify", int(opts.verify is True))]
     signature += [f for b in buffers for f in shape_fields("buffer shape", b.shape, 6)]
     device = buffers[0].device if buffers else torch.device("cpu")
     agree_across_ranks(cp, error, signature, what="context_parallel", device=device)
     assert seq_layout is not None
     keep = {id(b) for b in (no_restore_buffers or ())}
-    originals = [None if id(b) in keep else b.clone() for b in buffers]
+    full = [b.clone() for b in buffers]
+    originals = [None if id(b) in keep else f for b, f in zip(buffers, full)]
     shards = [seq_layout.shard(b, dim, cp.rank) for b, dim in zip(buffers, dims)]
     with torch.no_grad():
         for buf, shard in zip(buffers, shards):
             buf.resize_(shard.shape).copy_(shard)
-    mode = CPAttentionMode(mesh, opts)
+    mode = CPAttentionMode(mesh, opts, full_buffers={id(b): (f, d) for b, f, d in zip(buffers, full, dims)})
+    modules = [0]  # module calls inside the region: did a model run?
+
+    def count(module: torch.nn.Module, args: Any) -> None:
+        modules[0] += 1
+
     try:
-        with mode:
-            yield
-        mode.check_routed("context_parallel")
+        handle = torch.nn.modules.module.register_module_forward_pre_hook(count)
+        try:
+            with mode:
+                yield
+        finally:
+            handle.remove()
+        if modules[0] or mode.local_only:
+            mode.check_routed("context_parallel")
     finally:
         with torch.no_grad():
             for buf, original in zip(buffers, originals):

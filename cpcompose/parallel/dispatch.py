@@ -36,6 +36,7 @@ from cpcompose import _compat
 from cpcompose.attention.api import attend
 from cpcompose.attention.op import CPContext, compiled_attention
 from cpcompose.attention.options import CPOptions
+from cpcompose.comm import CPGroup
 from cpcompose.sharding.dtensor import cp_dim_name, split_mismatch
 from cpcompose.layouts import Layout, resolve_layout
 from cpcompose.parallel.mha import multi_head_attention_forward
@@ -60,9 +61,11 @@ class CPAttentionMode(TorchFunctionMode):
     style's hook) must be given its owner's context, since dynamo cannot create one.
     """
 
-    def __init__(self, mesh: DeviceMesh, options: CPOptions, context: CPContext | None = None) -> None:
+    def __init__(self, mesh: DeviceMesh, options: CPOptions, context: CPContext | None = None,
+                 full_buffers: dict[int, tuple[Tensor, int]] | None = None) -> None:
         super().__init__()
         self.mesh, self.options = mesh, options
+        self._full_buffers = full_buffers or {}  # id(buffer) -> (full-sequence contents, seq dim): context_parallel's
         self.context = context if context is not None else CPContext(mesh, options)
         self.world = self.context.world
         self.routed = 0
@@ -91,6 +94,26 @@ class CPAttentionMode(TorchFunctionMode):
             )
         if self.routed == 0:
             raise ValueError(f"{where}: {NO_ATTENTION_ROUTED}")
+
+    def full_buffer(self, shard: object) -> Tensor | None:
+        """The full-sequence contents of a buffer this region sharded (the same on every rank), or None.
+
+        What a rank's shard cannot tell (where a padding mask's zeros lie in the global
+        sequence) its full copy can, with no communication. `shard` is the buffer itself or
+        a copy of its values (transformers casts a mask before reading it): a copy is
+        matched by content, and only when every buffer it matches holds the same contents.
+        """
+        if id(shard) in self._full_buffers:
+            return self._full_buffers[id(shard)][0]
+        layout = self.layout()
+        if not isinstance(shard, Tensor) or layout is None:
+            return None
+        rank = CPGroup.from_mesh(self.mesh).rank
+        found = [full for full, dim in self._full_buffers.values()
+                 if full.shape[:dim] + full.shape[dim + 1:] == shard.shape[:dim] + shard.shape[dim + 1:]
+                 and full.ndim == shard.ndim and full.shape[dim] == shard.shape[dim] * layout.world
+                 and torch.equal(layout.shard(full, dim, rank), shard.to(full.dtype))]
+        return found[0] if found and all(torch.equal(f, found[0]) for f in found) else None
 
     def layout(self) -> Layout | None:
         """The region's split, or None if the options name none (the attention then reports why)."""

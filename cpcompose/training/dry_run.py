@@ -20,7 +20,8 @@ def describe_plan(config: JobConfig, world: int) -> str:
     p, t = config.parallelism, config.training
     dims = ParallelDims.from_config(p, world)
     with torch.device("meta"):
-        n_params = sum(x.numel() for x in get_model_spec(config.model.name).build(config.model, max_seq_len=config.max_seq_len()).parameters())
+        model = get_model_spec(config.model.name).build(config.model, max_seq_len=config.max_seq_len())
+        n_params = sum(x.numel() for x in model.parameters())
     shards = dims.fsdp_size * dims.tp * dims.pp  # FSDP shards over dp_shard x cp, TP and PP split too
     state_gib = n_params * 16 / shards / 2**30  # fp32 params + grads + Adam moments
     local_seq = t.seq_len // p.cp

@@ -30,7 +30,7 @@ from cpcompose.distributed import ParallelDims, build_pipeline_schedule, build_p
 from cpcompose.layouts import PackedLayout, resolve_layout
 from cpcompose.models import get_model_spec
 from cpcompose.sharding.packed import pack_documents
-from cpcompose.parallel import ContextParallel, cp_cross_entropy
+from cpcompose.parallel import ContextParallel, cp_cross_entropy, verify
 from cpcompose.training.checkpoint import CheckpointManager
 from cpcompose.training.errors import TrainingError
 from cpcompose.training.faults import Fault, Progress, describe_comm_failure, is_comm_failure
@@ -134,10 +134,28 @@ class Trainer:
                 model, num_stages=self.dims.pp, stage_index=self.mesh["pp"].get_local_rank()
             )
         model.to(self.device)
+        if self.dims.cp_enabled and c.parallelism.cp_verify and not self.dims.pp_enabled:
+            self._verify(model)
         return spec.parallelize(
             model, parallel_dims=self.dims, mesh=self.mesh, cp=self.cp_style,
             activation_checkpoint=c.activation_checkpoint.mode == "full", torch_compile=c.training.compile,
         )
+
+    def _verify(self, model: torch.nn.Module) -> None:
+        """The exactness probe on the whole model before it is parallelized (see `parallelism.cp_verify`).
+
+        A pipeline stage holds part of the model, so the probe runs only without pipelining.
+        """
+        p = self.config.parallelism
+        cp = self.dims.cp
+        length = 2 * cp * 8
+        tokens = torch.randint(0, self.config.model.vocab_size, (1, length), generator=torch.Generator().manual_seed(0))
+        positions = torch.arange(length)[None]
+        try:
+            verify(model, self.mesh["cp"], [tokens.to(self.device), positions.to(self.device)],
+                   options=p.cp_options().replace(layout=p.cp_layout, meter=None))
+        except ValueError as e:  # raised on every rank alike: a configuration-like error, printed once
+            raise TrainingError(f"parallelism.cp_verify: {e}", exit_code=2) from None
 
     def _build_schedule(self):  # -> a torch.distributed.pipelining schedule
         p = self.config.parallelism

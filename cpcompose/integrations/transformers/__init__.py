@@ -2,8 +2,9 @@
 
 Importing this package registers "cpcompose" with transformers' attention and mask
 interfaces (`attention.py`) and routes the kernel functions of its hybrid models' token
-mixers (`kernels.py`); `pack_batch` (`batch.py`) turns a batch into one packed row of
-documents for CP. A user's whole change to a training step:
+mixers (`kernels/`); `pack_batch` (`batch.py`) turns a batch into one packed row of
+documents for CP; `verify` (`probe.py`) checks a model is exact under CP, and runs by
+itself on a model's first forward in a CP region. A user's whole change to a training step:
 
     import cpcompose.integrations.transformers as cphf
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="cpcompose")
@@ -28,8 +29,10 @@ from cpcompose.integrations.transformers.batch import (
     shift_labels,
 )
 from cpcompose.integrations.transformers.kernels import install
+from cpcompose.integrations.transformers.probe import install_first_use_probe, verify
 
 install()
+install_first_use_probe()
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -40,4 +43,5 @@ __all__ = [
     "hf_window",
     "pack_batch",
     "shift_labels",
+    "verify",
 ]

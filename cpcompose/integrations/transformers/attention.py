@@ -49,10 +49,19 @@ from cpcompose.comm import CPGroup
 from cpcompose.layouts import Layout, PackedLayout
 from cpcompose.parallel.dispatch import CPAttentionMode, active_cp_region
 
-__all__ = ["ATTN_IMPLEMENTATION", "cpcompose_attention_forward", "cpcompose_mask", "hf_window"]
+__all__ = ["ATTN_IMPLEMENTATION", "OWN_ATTENTION", "cpcompose_attention_forward", "cpcompose_mask", "hf_window"]
 
 ATTN_IMPLEMENTATION = "cpcompose"
 """The name to pass as `attn_implementation=` (registered on import)."""
+
+OWN_ATTENTION = {
+    "mpt": (
+        "MPT computes attention in its own code (an explicit softmax with an ALiBi bias), not through "
+        "transformers' attention interface, so attn_implementation='cpcompose' cannot reach it, and cpcompose "
+        "has no ALiBi: on one process build MPT with attn_implementation='eager'; under CP it is not supported"
+    ),
+}
+"""Model types whose attention never calls the attention interface: refused where their mask is built."""
 
 _UNDER_CP_ATTR = "_cpcompose_forward_under_cp"  # set on attention modules by each forward
 _REFUSAL_ATTR = "_cpcompose_refusal"  # set on the marker mask the hook returns for what CP cannot honour
@@ -80,7 +89,11 @@ def cpcompose_mask(*args: Any, **kwargs: Any) -> Tensor | None:
     a local shard cannot express (padding, a custom mask overlay), a marker that the
     attention function refuses on every rank.
     """
-    if active_cp_region() is None:
+    own = OWN_ATTENTION.get(getattr(kwargs.get("config"), "model_type", None))
+    if own is not None:  # raised where transformers builds the mask: before any layer, on every rank alike
+        raise ValueError(own)
+    region = active_cp_region()
+    if region is None:
         return sdpa_mask(*args, **kwargs)
     padding, local_size = kwargs.get("attention_mask"), kwargs.get("local_size")
     if local_size is not None and local_size != getattr(kwargs.get("config"), "sliding_window", None):
@@ -93,17 +106,55 @@ def cpcompose_mask(*args: Any, **kwargs: Any) -> Tensor | None:
             "the model combines its mask with a custom mask function (or_mask_function/and_mask_function, "
             "e.g. image-token or bidirectional overlays), which CP attention cannot read from a shard"
         )
-    elif isinstance(padding, Tensor) and not bool(padding.all()):
-        reason = (
-            "attention_mask has padding (zeros); a rank holds only a shard, so it cannot place them in the "
-            "global sequence: build the batch with cpcompose.integrations.transformers.pack_batch (rows "
-            "become documents, padding carries no loss), or pass no attention_mask"
-        )
+    elif isinstance(padding, Tensor):
+        reason = _padding_refusal(padding, region.full_buffer(padding), kwargs.get("mask_function"))
+        if reason is None:
+            return None
     else:
         return None
     marker = torch.zeros(1, 1, 1, 1, dtype=torch.bool, device=kwargs.get("device", "cpu"))
     setattr(marker, _REFUSAL_ATTR, reason)
     return marker
+
+
+def _padding_refusal(shard: Tensor, full: Tensor | None, mask_function: object) -> str | None:
+    """Why a padding mask cannot be honoured under CP, or None when no real token's result depends on it.
+
+    Given as a `context_parallel` buffer, the mask's full contents are known on every rank
+    (the region keeps them). Right padding under a causal mask is then exact with no mask
+    at all: every real token comes before its row's padding, so no real token attends to a
+    padding key (padding positions' own outputs carry no loss, as with transformers'
+    padding). Anything else would need keys masked per row, while a CP layout is one split
+    for every row of the batch.
+    """
+    pack = "build the batch with cpcompose.integrations.transformers.pack_batch (each row's real tokens become a " \
+           "document and the padding is dropped)"
+    if full is None:
+        if bool(shard.all()):
+            return None
+        return ("attention_mask has padding (zeros) but is not a context_parallel buffer, so no rank knows where "
+                f"the others' zeros lie: pass it in buffers=, or {pack}")
+    if bool(full.all()):
+        return None
+    if full.ndim != 2:
+        return f"attention_mask of shape {tuple(full.shape)} is not a (batch, seq) padding mask: {pack}"
+    right_padded = bool((full[:, 1:] <= full[:, :-1]).all())
+    if not right_padded:
+        return (f"attention_mask has left (or inner) padding: real tokens would attend to padding keys before them, "
+                f"and a CP layout is one split for every row, so keys cannot be masked per row: {pack}")
+    if not _is_causal(mask_function):
+        return ("attention_mask has padding in a bidirectional model: real tokens would attend to the padding "
+                "keys after them, and a CP layout is one split for every row, so keys cannot be masked per row: "
+                f"{pack}")
+    return None
+
+
+def _is_causal(mask_function: object) -> bool:
+    """Whether transformers' mask function hides the next key from a query (causal and sliding-window causal)."""
+    if not callable(mask_function):
+        return False
+    zero, one = torch.tensor(0), torch.tensor(1)
+    return not bool(mask_function(zero, zero, zero, one)) and bool(mask_function(zero, zero, one, zero))
 
 
 def cpcompose_attention_forward(

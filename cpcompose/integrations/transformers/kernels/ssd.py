@@ -49,6 +49,7 @@ def cp_mamba2_chunk_scan(
         kernel, transition, mesh=region.mesh, layout=region.options.layout, seq_local=hidden_states.shape[1],
         kind="diagonal", out_dim=1, what="mamba2_chunk_scan", device=hidden_states.device,
         dtype=hidden_states.dtype, grad=needs_grad(hidden_states, dt, A, B, C, D, dt_bias),
-        signature=[*tensor_fields("hidden_states", hidden_states), *tensor_fields("B", B), ("chunk_size", int(chunk_size))],
+        signature=[*tensor_fields("hidden_states", hidden_states), *tensor_fields("B", B),
+                   ("chunk_size", int(chunk_size))],
         caller_error=error, meter=region.options.meter,
     )

@@ -1,0 +1,241 @@
+"""The exactness probe: run a model once under CP and once whole, and name the first module that differs.
+
+Attention is not the only layer that mixes tokens: convolutions, recurrences, a pooling
+or a cumulative sum over the sequence do too, and a model under CP that runs one of them
+on this rank's shard alone is silently wrong. No list of known layers can be complete,
+so `verify` measures instead: on every rank it runs the same full-sequence inputs through
+the model on one process (no CP region), and then, sharded by the layout, inside a
+`context_parallel` region; every module's output is recorded both times, and the CP
+output (this rank's shard) is compared with the same shard of the full output, in the
+order the CP run finished the modules (a module finishes after the modules it calls, so
+the first to differ is the innermost culprit). Every rank then raises the same error
+naming it (one tiny all-gather of each rank's first difference).
+
+It costs two forwards of the model at the probe's length, under `torch.no_grad()`, plus a
+copy of every module's output: run it at a short length (a few tokens per rank).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from cpcompose.attention.options import CPOptions
+from cpcompose.comm import CPGroup, all_gather
+from cpcompose.layouts import Layout, resolve_layout
+from cpcompose.parallel.context import context_parallel
+
+__all__ = ["Difference", "relative_error", "tolerance_for", "verify"]
+
+TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 5e-2}
+"""Largest relative error (max |cp - full| / max |full|) a module's output may show, by its dtype: what
+CP's different summation order leaves (float64 ~1e-13, float32 ~1e-6 across a few layers), with margin."""
+
+
+def tolerance_for(dtype: torch.dtype) -> float:
+    return TOLERANCE.get(dtype, 5e-2)
+
+
+def relative_error(got: Tensor, want: Tensor) -> float:
+    """`max |got - want| / max |want|` in float64 (NaN and inf positions must agree, else inf)."""
+    got, want = got.double(), want.double()
+    finite = torch.isfinite(want)
+    if not torch.equal(finite, torch.isfinite(got)) or not torch.equal(got[~finite].nan_to_num(), want[~finite]
+                                                                       .nan_to_num()):
+        return math.inf
+    if not finite.any():
+        return 0.0
+    scale = want[finite].abs().max().item()
+    return (got[finite] - want[finite]).abs().max().item() / max(scale, 1e-30)
+
+
+@dataclass(frozen=True)
+class Difference:
+    """The first module whose CP output differs from the full run's."""
+
+    index: int  # in the order the CP run finished modules
+    name: str
+    cls: str
+    error: float
+    what: str  # which output, and why it could not be compared when that is the problem
+    tolerance: float = 0.0
+
+
+def _tensors(output: Any, prefix: str = "output") -> list[tuple[str, Tensor]]:
+    """Every tensor in a module's output (tuples, lists, dicts and ModelOutputs), with a path to name it."""
+    if isinstance(output, Tensor):
+        return [(prefix, output)]
+    if isinstance(output, Mapping):
+        return [t for k, v in output.items() for t in _tensors(v, f"{prefix}[{k!r}]")]
+    if isinstance(output, (tuple, list)):
+        return [t for i, v in enumerate(output) for t in _tensors(v, f"{prefix}[{i}]")]
+    return []
+
+
+class _Recorder:
+    """Every module call's inputs and outputs, in the order the modules finish (a module called twice appears twice)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.names = {id(m): name or type(m).__name__ for name, m in model.named_modules()}
+        self.calls: list[tuple[str, str, list[tuple[str, Tensor]], list[tuple[str, Tensor]]]] = []
+        self._inputs: dict[int, list[list[tuple[str, Tensor]]]] = {}
+        self.handles = [h for m in model.modules() for h in (
+            m.register_forward_pre_hook(self._enter, with_kwargs=True), m.register_forward_hook(self._record))]
+
+    @staticmethod
+    def _kept(value: Any, prefix: str) -> list[tuple[str, Tensor]]:
+        return [(path, t.detach().clone()) for path, t in _tensors(value, prefix) if t.is_floating_point()]
+
+    def _enter(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        self._inputs.setdefault(id(module), []).append(self._kept(args, "input") + self._kept(kwargs, "input"))
+
+    def _record(self, module: nn.Module, args: Any, output: Any) -> None:
+        inputs = self._inputs[id(module)].pop()
+        self.calls.append((self.names[id(module)], type(module).__name__, inputs, self._kept(output, "output")))
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+    def by_name(self) -> dict[tuple[str, int], tuple[list[tuple[str, Tensor]], list[tuple[str, Tensor]]]]:
+        """(module name, its k-th call) -> (inputs, outputs)."""
+        seen: dict[str, int] = {}
+        out = {}
+        for name, _, inputs, outputs in self.calls:
+            k = seen[name] = seen.get(name, -1) + 1
+            out[(name, k)] = (inputs, outputs)
+        return out
+
+
+def _shard_like(full: Tensor, local: Tensor, layout: Layout, rank: int) -> Tensor | None:
+    """This rank's part of a full-sequence tensor, shaped as its CP counterpart, or None if no dim is the sequence.
+
+    The sequence dim is the one the CP tensor holds 1/P of (with batch 1, a flattened
+    (batch x sequence) token dim counts too); a tensor with no such dim is compared whole.
+    """
+    if layout.world == 1:
+        return full
+    for dim in range(full.ndim):
+        if full.shape[dim] == local.shape[dim] * layout.world and all(
+            full.shape[d] == local.shape[d] for d in range(full.ndim) if d != dim
+        ):
+            return layout.shard(full, dim, rank)
+    return full if full.shape == local.shape else None
+
+
+def _compare(got: list[tuple[str, Tensor]], want: list[tuple[str, Tensor]], layout: Layout, rank: int
+             ) -> tuple[float, float, str] | None:
+    """The first tensor (error, tolerance, what) that differs beyond its dtype's tolerance, or None."""
+    for (path, mine), (_, full) in zip(got, want):
+        part = _shard_like(full, mine, layout, rank)
+        if part is None:
+            return math.inf, 0.0, f"{path}: shape {tuple(mine.shape)} under CP is not a sequence shard of " \
+                                  f"{tuple(full.shape)}"
+        error, allowed = relative_error(mine, part), tolerance_for(full.dtype)
+        if error > allowed:
+            return error, allowed, path
+    return None
+
+
+def _first_difference(full: _Recorder, cp: _Recorder, layout: Layout, rank: int) -> Difference | None:
+    """The first module (in the CP run's finish order) whose inputs agree with the full run's and outputs do not.
+
+    A module fed a differing input is not where the difference arose (its caller, which
+    finishes later, or an earlier module is); one called only in one run (a CP-aware
+    module calling cpcompose's primitive instead of a submodule) cannot be compared.
+    """
+    reference = full.by_name()
+    seen: dict[str, int] = {}
+    for i, (name, cls, inputs, outputs) in enumerate(cp.calls):
+        k = seen[name] = seen.get(name, -1) + 1
+        if (name, k) not in reference:
+            continue
+        want_inputs, want_outputs = reference[(name, k)]
+        if _compare(inputs, want_inputs, layout, rank) is not None:
+            continue
+        differs = _compare(outputs, want_outputs, layout, rank)
+        if differs is not None:
+            return Difference(i, name, cls, differs[0], differs[2], differs[1])
+    return None
+
+
+def verify(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    inputs: Sequence[Tensor] | Mapping[str, Tensor],
+    *,
+    seq_dims: int | Sequence[int] | Mapping[str, int] = 1,
+    options: CPOptions | None = None,
+    forward: Callable[..., Any] | None = None,
+    **overrides: Any,
+) -> None:
+    """Check that `model` under CP computes what it computes on one process, module by module.
+
+    Args:
+        model: the model, not yet wrapped in anything that communicates on its own (run it
+            before FSDP or pipelining; `ContextParallel` styles are fine: the probe's CP run
+            is its own `context_parallel` region).
+        mesh: the 1-D CP mesh.
+        inputs: the full-sequence inputs, the same on every rank: positional (a sequence) or
+            keyword (a mapping) arguments of `forward`. Use batch 1 and a short length.
+        seq_dims: each input's sequence dim (one int for all).
+        options, **overrides: the CP options of the run to check (`strategy=`, `layout=`, ...).
+        forward: what to call (default `model`).
+
+    Raises:
+        ValueError: on every rank, naming the first module (in the order the CP run finished
+            them) whose output differs beyond the tolerance of its dtype (`TOLERANCE`), and
+            the likely cause.
+    """
+    cp = CPGroup.from_mesh(mesh)
+    opts = (options or CPOptions()).replace(**overrides)
+    layout = resolve_layout(opts.layout, cp.world)
+    call = forward or model
+    names = list(inputs) if isinstance(inputs, Mapping) else list(range(len(inputs)))
+    values = [inputs[n] for n in names] if isinstance(inputs, Mapping) else list(inputs)
+    dims = ([seq_dims[n] for n in names] if isinstance(seq_dims, Mapping)
+            else [seq_dims] * len(values) if isinstance(seq_dims, int) else list(seq_dims))
+
+    def run(args: list[Tensor]) -> None:
+        if isinstance(inputs, Mapping):
+            call(**dict(zip(names, args)))
+        else:
+            call(*args)
+
+    with torch.no_grad():
+        full = _Recorder(model)
+        try:
+            run([v.clone() for v in values])
+        finally:
+            full.remove()
+        buffers = [v.clone() for v in values]
+        sharded = _Recorder(model)
+        try:
+            with context_parallel(mesh, buffers=buffers, buffer_seq_dims=dims, options=opts):
+                run(buffers)
+        finally:
+            sharded.remove()
+    found = _first_difference(full, sharded, layout, cp.rank)
+    device = values[0].device if values else torch.device("cpu")
+    mine = torch.tensor([found.index if found is not None else 1 << 62], dtype=torch.int64, device=device)
+    first = int(all_gather(mine, cp).min().item())
+    if first == 1 << 62:
+        return
+    reports: list[Difference | None] = [None] * cp.world
+    dist.all_gather_object(reports, found if found is not None and found.index == first else None, group=cp.group)
+    report = next(r for r in reports if r is not None)
+    raise ValueError(
+        f"cpcompose.verify: module '{report.name}' ({report.cls}) computes something else under CP than on one "
+        f"process ({report.what}: relative error {report.error:.3g}, tolerance {report.tolerance:g}). "
+        "It is the first module to differ, in the order the CP run finished them: most likely it mixes tokens "
+        "outside attention (a convolution, recurrence, pooling or cumulative op over the sequence) and is not "
+        "CP-aware, so it saw only this rank's shard; or its attention does not go through "
+        "F.scaled_dot_product_attention. Route it through cpcompose (cpcompose.mixers) or refuse CP for this model"
+    )
