@@ -26,10 +26,20 @@ DOCS = (5, 19, 1, 3, 12, 9, 23)  # 72 tokens: documents shorter and longer than 
 SPECIAL = dict(pad_token_id=0, bos_token_id=1, eos_token_id=1)
 
 FLOAT32_KERNEL = dict(rtol=1e-5, atol=1e-7)
-"""transformers' SSM kernels compute in float32 inside a float64 model: CP splits their sums
-differently, so results agree to float32's rounding (measured ~1e-8 absolute on gradients)."""
+"""transformers' SSM and delta-rule kernels compute in float32 inside a float64 model: CP splits
+their sums differently, so results agree to float32's rounding (measured ~1e-8 absolute on
+gradients; the delta-rule families at most 2e-8, an eighth of this allowance, while leaving a
+rank's state at zero misses by 1.4x to 500x of it). tests/test_hf_kernels_delta_rule.py holds
+the delta-rule CP kernels to 1e-12 in float64."""
 FLOAT64 = dict(rtol=0.0, atol=1e-12)
 """A model computed in float64 throughout: only summation order differs."""
+
+
+_GDN = dict(  # the Gated DeltaNet families' shared tiny shape
+    vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+    layer_types=["linear_attention", "full_attention"], linear_conv_kernel_dim=4, linear_key_head_dim=8,
+    linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+)
 
 
 @dataclass(frozen=True)
@@ -79,6 +89,25 @@ HYBRIDS: dict[str, Hybrid] = {
         vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=8, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
         num_local_experts=2, num_experts_per_tok=1, **SPECIAL), tolerance=FLOAT64, reference_attention="eager"),
+    # Gated DeltaNet (short conv + `torch_chunk_gated_delta_rule`) beside attention; 4 value heads
+    # over 2 key heads, so the kernels' grouped values are covered.
+    "qwen3_next": Hybrid(lambda: hf.Qwen3NextConfig(
+        **_GDN, intermediate_size=64, num_experts=2, num_experts_per_tok=1, moe_intermediate_size=16,
+        shared_expert_intermediate_size=16, **SPECIAL)),
+    "qwen3_5": Hybrid(lambda: hf.Qwen3_5TextConfig(**_GDN, intermediate_size=64, **SPECIAL)),
+    "qwen3_5_moe": Hybrid(lambda: hf.Qwen3_5MoeTextConfig(
+        **_GDN, num_experts=2, num_experts_per_tok=1, moe_intermediate_size=16, shared_expert_intermediate_size=16,
+        **SPECIAL)),
+    "olmo_hybrid": Hybrid(lambda: hf.OlmoHybridConfig(  # beta in (0, 2): negative eigenvalues
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8, **SPECIAL)),
+    "kimi_linear": Hybrid(lambda: hf.KimiLinearConfig(  # KDA (per-channel gates) beside MLA attention
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=4,
+        qk_nope_head_dim=8, v_head_dim=8, num_local_experts=2, num_experts_per_tok=1, n_shared_experts=1,
+        layer_types=["linear_attention", "full_attention"], mlp_layer_types=["dense", "sparse"], linear_head_dim=8,
+        linear_num_heads=4, linear_conv_kernel_dim=4, **SPECIAL)),
 }
 
 

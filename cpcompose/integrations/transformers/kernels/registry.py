@@ -11,6 +11,9 @@ from types import MappingProxyType
 from typing import Any
 
 from cpcompose.integrations.transformers.kernels.conv import cp_causal_conv1d_fn
+from cpcompose.integrations.transformers.kernels.delta_rule import (
+    cp_chunk_gated_delta_rule, cp_chunk_kimi_delta_attention,
+)
 from cpcompose.integrations.transformers.kernels.fused import local_only
 from cpcompose.integrations.transformers.kernels.ssd import cp_mamba2_chunk_scan
 
@@ -21,6 +24,8 @@ KernelCP = Callable[..., Any]
 
 ROUTES: Mapping[str, KernelCP] = MappingProxyType({
     "causal_conv1d_fn": cp_causal_conv1d_fn,
+    "torch_chunk_gated_delta_rule": cp_chunk_gated_delta_rule,
+    "chunk_kimi_delta_attention": cp_chunk_kimi_delta_attention,
     "mamba2_chunk_scan": cp_mamba2_chunk_scan,
     "mamba2_split_conv1d_scan_combined": local_only,
     "mamba_inner_fn": local_only,
@@ -31,6 +36,7 @@ only if the module's mixers never reach it inside a region (the tests of each fa
 MODELING_MODULES: tuple[str, ...] = (
     "lfm2", "lfm2_moe", "lfm3",
     "mamba2", "bamba", "falcon_h1", "granitemoehybrid", "nemotron_h", "zamba2",
+    "qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid", "kimi_linear",
 )
 """The modeling modules (`transformers.models.<name>.modeling_<name>`) whose kernel functions are routed."""
 
