@@ -108,6 +108,20 @@ HYBRIDS: dict[str, Hybrid] = {
         qk_nope_head_dim=8, v_head_dim=8, num_local_experts=2, num_experts_per_tok=1, n_shared_experts=1,
         layer_types=["linear_attention", "full_attention"], mlp_layer_types=["dense", "sparse"], linear_head_dim=8,
         linear_num_heads=4, linear_conv_kernel_dim=4, **SPECIAL)),
+    # Its own conv and RG-LRU scan (routed methods) beside sliding-window attention. Not FLOAT64:
+    # transformers' scan accumulates in float32, so the state entering a run, composed, rounds
+    # differently from the sequential one (measured ~2e-10 on the loss).
+    "recurrent_gemma": Hybrid(lambda: hf.RecurrentGemmaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, lru_width=32, attention_window_size=16, conv1d_width=4,
+        block_types=["recurrent", "attention", "recurrent"], **SPECIAL)),
+    # Lightning attention (a routed method) beside softmax attention, MoE MLPs; blocks of 4 cut every
+    # run. FLOAT64: its RMSNorms round to float32, but CP moves their inputs by ~1e-16 only, which
+    # moves no float32 rounding on these (fixed) inputs.
+    "minimax": Hybrid(lambda: hf.MiniMaxConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, layer_types=["linear_attention", "full_attention", "linear_attention"],
+        block_size=4, num_local_experts=2, num_experts_per_tok=1, **SPECIAL), tolerance=FLOAT64),
 }
 
 

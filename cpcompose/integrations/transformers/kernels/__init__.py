@@ -16,12 +16,19 @@ where it can, so a fast kernel that is installed stays in use. A fused path that
 see only the local shard (`mamba2_split_conv1d_scan_combined`, `mamba_inner_fn`) returns
 None inside a region, which transformers reads as "not available".
 
-Module classes that mix tokens by their own code and have no CP version are refused by
-class inside a region (`REFUSED`), on every rank alike; anything else that mixes tokens
-outside attention is what `cpcompose.parallel.verify` finds.
+Families that mix tokens by their own code, with no kernel function to wrap, get a CP
+version of the narrowest method that sees the sequence (`METHOD_ROUTES`, installed on the
+class the same way: the original method outside a region, the CP version inside):
+RecurrentGemma's recurrent block (its conv call) and RG-LRU scan (`rglru.py`), MiniMax's
+lightning attention (`lightning.py`). Module classes that mix tokens by their own code and
+have no CP version are refused by class inside a region (`REFUSED`), on every rank alike;
+anything else that mixes tokens outside attention is what `cpcompose.parallel.verify` finds.
 """
 
-from cpcompose.integrations.transformers.kernels.registry import MODELING_MODULES, REFUSED, ROUTES
-from cpcompose.integrations.transformers.kernels.routing import install, refused_in, routed_functions
+from cpcompose.integrations.transformers.kernels.registry import METHOD_ROUTES, MODELING_MODULES, REFUSED, ROUTES
+from cpcompose.integrations.transformers.kernels.routing import install, refused_in, routed_functions, routed_methods
 
-__all__ = ["MODELING_MODULES", "REFUSED", "ROUTES", "install", "refused_in", "routed_functions"]
+__all__ = [
+    "METHOD_ROUTES", "MODELING_MODULES", "REFUSED", "ROUTES",
+    "install", "refused_in", "routed_functions", "routed_methods",
+]

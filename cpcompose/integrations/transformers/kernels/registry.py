@@ -1,7 +1,9 @@
-"""Which kernel functions, modeling modules and module classes the integration routes (one line each).
+"""Which kernel functions, modeling modules, methods and module classes the integration routes (one line each).
 
 A new kernel API is a CP version in its own file plus one `ROUTES` line; a new hybrid family
-whose modeling module calls routed kernels is one `MODELING_MODULES` entry.
+whose modeling module calls routed kernels is one `MODELING_MODULES` entry; a family that
+mixes tokens by its own code gets a CP version of the narrowest method that sees the
+sequence and one `METHOD_ROUTES` line per method.
 """
 
 from __future__ import annotations
@@ -15,9 +17,11 @@ from cpcompose.integrations.transformers.kernels.delta_rule import (
     cp_chunk_gated_delta_rule, cp_chunk_kimi_delta_attention,
 )
 from cpcompose.integrations.transformers.kernels.fused import local_only
+from cpcompose.integrations.transformers.kernels.lightning import cp_lightning_attention
+from cpcompose.integrations.transformers.kernels.rglru import cp_recurrent_block, cp_rglru_scan
 from cpcompose.integrations.transformers.kernels.ssd import cp_mamba2_chunk_scan
 
-__all__ = ["MODELING_MODULES", "REFUSED", "ROUTES", "KernelCP"]
+__all__ = ["METHOD_ROUTES", "MODELING_MODULES", "REFUSED", "ROUTES", "KernelCP"]
 
 KernelCP = Callable[..., Any]
 """`cp(original, region, *args, **kwargs)`: a kernel function's CP version (same arguments as the original)."""
@@ -39,6 +43,14 @@ MODELING_MODULES: tuple[str, ...] = (
     "qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid", "kimi_linear",
 )
 """The modeling modules (`transformers.models.<name>.modeling_<name>`) whose kernel functions are routed."""
+
+METHOD_ROUTES: Mapping[str, KernelCP] = MappingProxyType({
+    "recurrent_gemma.RecurrentGemmaRecurrentBlock.forward": cp_recurrent_block,  # its conv_1d call
+    "recurrent_gemma.RecurrentGemmaRglru._rnn_scan": cp_rglru_scan,
+    "minimax.MiniMaxLightningAttention.forward": cp_lightning_attention,  # the blockwise scan is inline
+})
+"""`<modeling name>.<Class>.<method>` -> its CP version `cp(original, region, self, *args, **kwargs)`: the
+original method outside a region, the CP version inside (for mixers written in the model's own code)."""
 
 REFUSED: Mapping[str, str] = MappingProxyType({
     "transformers.models.mpt.modeling_mpt.MptAttention": (

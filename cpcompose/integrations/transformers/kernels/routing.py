@@ -1,4 +1,5 @@
-"""Installing the routes: each kernel function wrapped in its modeling module, refused classes wrapped."""
+"""Installing the routes: each kernel function wrapped in its modeling module, each routed method on its
+class, refused classes wrapped."""
 
 from __future__ import annotations
 
@@ -10,14 +11,24 @@ from typing import Any
 
 from torch import nn
 
-from cpcompose.integrations.transformers.kernels.registry import MODELING_MODULES, REFUSED, ROUTES, KernelCP
+from cpcompose.integrations.transformers.kernels.registry import (
+    METHOD_ROUTES,
+    MODELING_MODULES,
+    REFUSED,
+    ROUTES,
+    KernelCP,
+)
 from cpcompose.parallel.dispatch import active_cp_region
 
-__all__ = ["install", "refused_in", "routed_functions"]
+__all__ = ["install", "refused_in", "routed_functions", "routed_methods"]
 
 
 def _routed(name: str, original: Callable[..., Any], cp: KernelCP) -> Callable[..., Any]:
-    """`original` outside a CP region, `cp(original, region, ...)` inside one."""
+    """`original` outside a CP region, `cp(original, region, ...)` inside one.
+
+    Set on a class, the wrapper is a method like the original: `self` arrives as the first
+    argument, so a method's CP version gets `(original, region, self, ...)`.
+    """
 
     @functools.wraps(original)
     def kernel(*args: Any, **kwargs: Any) -> Any:
@@ -50,8 +61,17 @@ def _refusing(cls: type[nn.Module], reason: str) -> None:
     cls.forward = refuse  # type: ignore[method-assign]
 
 
+def _method(path: str) -> tuple[type, str] | None:
+    """`"<modeling name>.<Class>.<method>"` -> (the class, the method's name), or None where this transformers
+    lacks the family or the class."""
+    name, cls_name, method = path.split(".")
+    cls = getattr(_modeling(name), cls_name, None)
+    return (cls, method) if isinstance(cls, type) and callable(getattr(cls, method, None)) else None
+
+
 def install() -> None:
-    """Route the kernel functions of every module in `MODELING_MODULES` and refuse `REFUSED` (once)."""
+    """Route the kernel functions of every module in `MODELING_MODULES` and the methods of `METHOD_ROUTES`,
+    and refuse `REFUSED` (once)."""
     for name in MODELING_MODULES:
         module = _modeling(name)
         if module is None:
@@ -60,6 +80,10 @@ def install() -> None:
             original = getattr(module, function, None)
             if callable(original) and not hasattr(original, "__cpcompose_route__"):
                 setattr(module, function, _routed(function, original, cp))
+    for path, cp in METHOD_ROUTES.items():
+        found = _method(path)
+        if found is not None and not hasattr(getattr(*found), "__cpcompose_route__"):
+            setattr(found[0], found[1], _routed(path, getattr(*found), cp))
     for path, reason in REFUSED.items():
         module_name, cls_name = path.rsplit(".", 1)
         module = importlib.import_module(module_name)
@@ -77,6 +101,12 @@ def routed_functions() -> dict[str, list[str]]:
         if module is not None:
             found[name] = sorted(f for f in ROUTES if hasattr(getattr(module, f, None), "__cpcompose_route__"))
     return found
+
+
+def routed_methods() -> list[str]:
+    """The `METHOD_ROUTES` entries now routed (absent: this transformers has no such family or class)."""
+    return [path for path in METHOD_ROUTES
+            if (found := _method(path)) is not None and hasattr(getattr(*found), "__cpcompose_route__")]
 
 
 def refused_in(model: nn.Module) -> list[str]:
