@@ -6,7 +6,7 @@ document alone, since under CP every document restarts):
 - "float64": a sequential scan in float64 throughout (mamba_ssm's `selective_scan_ref` recurrence),
   given to the CP version directly. CP then differs from it only in the order of operations (a run's
   decay is `exp(cumsum(delta A))`, not a product of `exp(delta A)`; states compose across ranks): a
-  few ulps of O(1) values (~1e-15 measured), so every output and gradient is held to `TOL` = 1e-12,
+  few ulps of O(1) values (<= 3e-14 measured), so every output and gradient is held to `TOL` = 1e-12,
   which still catches a dropped, doubled or misplaced correction (carried states are O(0.1) here:
   decays of ~0.95 a token).
 - "transformers": transformers' own `mamba_selective_scan`, called through the route inside a
@@ -32,7 +32,7 @@ from tests.mixer_cases import F64, LAYOUTS, S_LOCAL, doc_starts, make_layout, ra
 
 BATCH, D_INNER, D_STATE = 2, 3, 4
 TOL = dict(rtol=1e-12, atol=1e-12)  # float64; see the module docstring
-F32_CAST = dict(rtol=1e-6, atol=5e-8)  # float32-rounded terms of O(1) (6e-9 measured); see the docstring
+F32_CAST = dict(rtol=1e-5, atol=1e-7)  # float32-rounded O(1) terms: <= 1.1e-7 measured, under 0.09 of this
 KERNELS = ("float64", "transformers")
 VARIANTS = ("model", "bare")  # the models' call (D, z gate, dt bias, softplus) and the kernel with none of them
 SHARDED = ("u", "delta", "B", "C", "z")  # (batch, ..., seq): each rank holds its shard
