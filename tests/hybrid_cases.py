@@ -9,6 +9,8 @@ under CP each document restarts, as it does in a batch of separate rows.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -29,8 +31,11 @@ FLOAT32_KERNEL = dict(rtol=1e-5, atol=1e-7)
 """transformers' SSM and delta-rule kernels compute in float32 inside a float64 model: CP splits
 their sums differently, so results agree to float32's rounding (measured ~1e-8 absolute on
 gradients; the delta-rule families at most 2e-8, an eighth of this allowance, while leaving a
-rank's state at zero misses by 1.4x to 500x of it). tests/test_hf_kernels_delta_rule.py holds
-the delta-rule CP kernels to 1e-12 in float64."""
+rank's state at zero misses by 1.4x to 500x of it). The Mamba-1 mixers (Mamba, FalconMamba,
+Jamba, Zamba) hand the scan A, D and the dt bias as float32 (`.float()`), so those gradients are
+float32-rounded (~1e-7 relative at P=2); Mamba's and FalconMamba's logits are float32. The CP
+kernels themselves are held to 1e-12 in float64 by tests/test_hf_kernels_delta_rule.py and
+tests/test_hf_kernels_selective_scan.py."""
 FLOAT64 = dict(rtol=0.0, atol=1e-12)
 """A model computed in float64 throughout: only summation order differs."""
 
@@ -81,6 +86,23 @@ HYBRIDS: dict[str, Hybrid] = {
         vocab_size=VOCAB, hidden_size=32, num_hidden_layers=3, layers_block_type=["mamba", "hybrid", "mamba"],
         mamba_d_state=4, mamba_d_conv=4, mamba_expand=2, mamba_ngroups=2, n_mamba_heads=4, chunk_size=4,
         intermediate_size=64, num_attention_heads=4, num_key_value_heads=4, num_mem_blocks=1, **SPECIAL)),
+    "mamba": Hybrid(lambda: hf.MambaConfig(  # Mamba-1: the selective scan, no attention
+        vocab_size=VOCAB, hidden_size=16, state_size=4, expand=2, conv_kernel=4, num_hidden_layers=2, **SPECIAL),
+        attention=False),
+    "falcon_mamba": Hybrid(lambda: hf.FalconMambaConfig(  # Mamba-1 with RMS norms (float32) on B, C and dt
+        vocab_size=VOCAB, hidden_size=16, state_size=4, expand=2, conv_kernel=4, num_hidden_layers=2, **SPECIAL),
+        attention=False),
+    "jamba": Hybrid(lambda: hf.JambaConfig(  # Mamba-1 layers beside attention with mixture-of-experts
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
+        num_experts=2, num_experts_per_tok=1, mamba_d_state=4, mamba_d_conv=4, mamba_expand=1, **SPECIAL)),
+    # Multi-head Mamba-1 layers and a shared attention block. Its default init (std 0.02) leaves B and C so
+    # small that a state carried between ranks moves the gradients by less than the tolerance: at std 0.15
+    # a scan without CP misses by ~2e-5, while CP agrees to ~1e-9.
+    "zamba": Hybrid(lambda: hf.ZambaConfig(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=4, num_attention_heads=2,
+        num_key_value_heads=2, n_mamba_heads=2, layers_block_type=["mamba", "hybrid", "mamba", "hybrid"],
+        mamba_d_state=4, mamba_d_conv=4, mamba_expand=2, initializer_range=0.15, **SPECIAL)),
     "lfm2_moe": Hybrid(lambda: hf.Lfm2MoeConfig(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=3,
         num_attention_heads=4, num_key_value_heads=2, layer_types=["conv", "full_attention", "conv"],
@@ -138,6 +160,18 @@ def build(name: str, state: dict | None = None, *, cp: bool = True) -> torch.nn.
     return model
 
 
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    """The reference on one intra-op thread, as the ranks run: two threads on two cores shared with other
+    processes spin against each other (Zamba's packed reference took 10 s on two threads, 0.25 s on one)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _result(model: torch.nn.Module, loss: torch.Tensor) -> dict:
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     return {"loss": loss.detach().clone(), "grads": grads}
@@ -155,6 +189,7 @@ def plain_batch() -> tuple[torch.Tensor, torch.Tensor]:
     return ids, cphf.shift_labels(labels)
 
 
+@_one_thread()
 def reference_plain(name: str) -> tuple[dict, dict]:
     """The single-process run on the full batch, and the weights it started from."""
     model = build(name, cp=False)
@@ -187,6 +222,7 @@ def documents() -> list[torch.Tensor]:
     return [torch.randint(2, VOCAB, (n,), generator=g) for n in DOCS]
 
 
+@_one_thread()
 def reference_packed(name: str) -> tuple[dict, dict]:
     """Each document on its own (one row each), one mean over every document's targets."""
     model = build(name, cp=False)

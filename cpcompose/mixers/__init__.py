@@ -10,13 +10,13 @@ with the same options, and, if any rank needs gradients, every rank runs the
 backward (which communicates too).
 """
 
-from cpcompose.mixers.chunked import cp_chunked_recurrence
+from cpcompose.mixers.chunked import Correction, cp_chunked_recurrence
 from cpcompose.mixers.conv import cp_causal_conv1d
 from cpcompose.mixers.halo import fetch_positions
 from cpcompose.mixers.scan import cp_delta_rule, cp_linear_scan
 from cpcompose.mixers.states import cp_initial_states
 
 __all__ = [
-    "cp_causal_conv1d", "cp_chunked_recurrence", "cp_delta_rule", "cp_initial_states", "cp_linear_scan",
+    "Correction", "cp_causal_conv1d", "cp_chunked_recurrence", "cp_delta_rule", "cp_initial_states", "cp_linear_scan",
     "fetch_positions",
 ]

@@ -16,11 +16,17 @@ Exact by construction, whatever the kernel (transformers' torch reference, or
 mamba-ssm / flash-linear-attention when installed); the price is a second pass over the
 runs that continue a document. Gradients flow back through step 3, the composition and
 the all-gather to every rank's summaries.
+
+A kernel that takes no initial state (mamba-ssm's selective scan) cannot be rerun from
+one: its caller gives a `Correction` instead, the run's final state from zero and its
+exact outputs from the zero-state ones and the true initial state (the outputs are
+affine in it too).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -32,10 +38,21 @@ from cpcompose.layouts import LayoutSpec
 from cpcompose.mixers._checks import agree, layout_fields, local_layout
 from cpcompose.mixers.states import Kind, continued_runs, initial_states, tie
 
-__all__ = ["RunKernel", "cp_chunked_recurrence"]
+__all__ = ["Correction", "RunKernel", "cp_chunked_recurrence"]
 
-RunKernel = Callable[[slice, Tensor | None], tuple[Tensor, Tensor]]
-"""`(local rows of one run, its initial state or None for zero) -> (its outputs, its final state)`."""
+RunKernel = Callable[[slice, Tensor | None], tuple[Tensor, Tensor | None]]
+"""`(local rows of one run, its initial state or None for zero) -> (its outputs, its final state)`; the final
+state may be None (and the initial state is always None) when the caller gives a `Correction`."""
+
+
+@dataclass(frozen=True)
+class Correction:
+    """In place of a rerun, for a kernel with no initial state: what the true initial state changes."""
+
+    final: Callable[[slice], Tensor]
+    """A run's final state from a zero state (asked only of the runs a later run continues)."""
+    apply: Callable[[slice, Tensor, Tensor], Tensor]
+    """`(rows, the run's outputs from a zero state, its true initial state) -> its exact outputs`."""
 
 
 def cp_chunked_recurrence(
@@ -54,6 +71,7 @@ def cp_chunked_recurrence(
     signature: Sequence[Field] = (),
     caller_error: str | None = None,
     meter: CommMeter | None = None,
+    correction: Correction | None = None,
 ) -> Tensor:
     """The recurrence's outputs over this rank's shard, exact over the global sequence.
 
@@ -69,6 +87,8 @@ def cp_chunked_recurrence(
         signature: the caller's own fields every rank must share (its shapes).
         caller_error: the caller's complaint about this call, raised on every rank.
         meter: counts the summaries' bytes.
+        correction: for a kernel that takes no initial state: its final states and exact
+            outputs come from here instead of the kernel and a rerun.
 
     Raises:
         ValueError: on every rank, before any state moves, if any rank's input is invalid
@@ -85,13 +105,17 @@ def cp_chunked_recurrence(
     starts = {run.doc: run.pos for run in split.global_runs(seq_len)}
     rows = [slice(run.row, run.row + run.length) for run in runs]
     outputs, finals = zip(*(kernel(r, None) for r in rows))
-    # Only the runs a later run continues send a summary; the others' transitions are placeholders.
-    needed = {i: transition(rows[i]) for i in continued_runs(every)[cp.rank]}
-    template = next(iter(needed.values())) if needed else transition(rows[0])
-    transitions = torch.stack([needed[i] if i in needed else torch.zeros_like(template)
-                               for i in range(len(rows))])
-    inits = initial_states(torch.stack(finals), transitions, cp=cp, layout=split, seq_len=seq_len, kind=kind,
-                           meter=meter)
-    exact = [kernel(r, inits[i])[0] if run.pos != starts[run.doc] else outputs[i]
+    # Only the runs a later run continues send a summary; the others' are placeholders, which need a
+    # gradient when a backward runs: a rank with no continued run must still join the summaries'
+    # reduce-scatter in its backward.
+    final = (lambda i: finals[i]) if correction is None else (lambda i: correction.final(rows[i]))
+    needed = {i: (transition(rows[i]), final(i)) for i in continued_runs(every)[cp.rank]}
+    template = next(iter(needed.values())) if needed else (transition(rows[0]), final(0))
+    placeholders = [torch.zeros_like(t).requires_grad_(grad) for t in template]
+    transitions, ends = (torch.stack([needed[i][k] if i in needed else placeholders[k] for i in range(len(rows))])
+                         for k in (0, 1))
+    inits = initial_states(ends, transitions, cp=cp, layout=split, seq_len=seq_len, kind=kind, meter=meter)
+    rerun = (lambda r, _, init: kernel(r, init)[0]) if correction is None else correction.apply
+    exact = [rerun(r, outputs[i], inits[i]) if run.pos != starts[run.doc] else outputs[i]
              for i, (r, run) in enumerate(zip(rows, runs))]
     return tie(torch.cat(exact, dim=out_dim), inits)

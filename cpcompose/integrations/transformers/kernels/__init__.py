@@ -3,8 +3,9 @@
 transformers 5.x computes each token mixer of its hybrid models (Mamba, Mamba2, Gated
 DeltaNet, short convolutions, ...) through a few module-level *kernel functions* of the
 model's modeling file, each with one fixed API that mamba-ssm, causal-conv1d or
-flash-linear-attention also implement: `causal_conv1d_fn`, `mamba2_chunk_scan`
-(mamba_ssm's `mamba_chunk_scan_combined`), `torch_chunk_gated_delta_rule` (fla's
+flash-linear-attention also implement: `causal_conv1d_fn`, `mamba_selective_scan`
+(mamba_ssm's `selective_scan_fn`), `mamba2_chunk_scan` (mamba_ssm's
+`mamba_chunk_scan_combined`), `torch_chunk_gated_delta_rule` (fla's
 `chunk_gated_delta_rule`), ... Only these functions see more than one token of the
 sequence; the model's own code around them (projections, norms, gates) is per token.
 
@@ -12,9 +13,10 @@ So the integration wraps each of them, in every modeling module that has one: ou
 CP region the wrapper calls the original (transformers is unchanged); inside one it calls
 cpcompose's CP version (`ROUTES`), which is exact over the global sequence under the
 region's layout (documents of a pack restart), running the original on this rank's runs
-where it can, so a fast kernel that is installed stays in use. A fused path that would
-see only the local shard (`mamba2_split_conv1d_scan_combined`, `mamba_inner_fn`) returns
-None inside a region, which transformers reads as "not available".
+where it can, so a fast kernel that is installed stays in use (a kernel that takes no
+initial state, the selective scan, has its outputs corrected instead of rerun). A fused
+path that would see only the local shard (`mamba2_split_conv1d_scan_combined`,
+`mamba_inner_fn`) returns None inside a region, which transformers reads as "not available".
 
 Families that mix tokens by their own code, with no kernel function to wrap, get a CP
 version of the narrowest method that sees the sequence (`METHOD_ROUTES`, installed on the

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from cpcompose.agreement import Field
+from cpcompose.agreement import Field, shape_fields
 
 __all__ = ["needs_grad", "tensor_fields", "whole_pack_refusal"]
 
@@ -31,8 +31,9 @@ def whole_pack_refusal(function: str, kwargs: Mapping[str, Any], *, state: objec
     return None
 
 
-def tensor_fields(name: str, t: Tensor) -> list[Field]:
-    """A tensor's shape as signature fields (its dims, then their count)."""
-    return [(name, int(d)) for d in t.shape] + [(name, t.ndim)]
+def tensor_fields(name: str, t: object) -> list[Field]:
+    """A tensor's shape as signature fields: a fixed number of them (up to 8 dims, padded, then the count),
+    whatever its rank, since the ranks' signatures cross in one all-gather of equal sizes."""
+    return shape_fields(name, tuple(t.shape) if isinstance(t, Tensor) else (), 8)
 
 

@@ -19,6 +19,7 @@ from cpcompose.integrations.transformers.kernels.delta_rule import (
 from cpcompose.integrations.transformers.kernels.fused import local_only
 from cpcompose.integrations.transformers.kernels.lightning import cp_lightning_attention
 from cpcompose.integrations.transformers.kernels.rglru import cp_recurrent_block, cp_rglru_scan
+from cpcompose.integrations.transformers.kernels.selective_scan import cp_mamba_selective_scan
 from cpcompose.integrations.transformers.kernels.ssd import cp_mamba2_chunk_scan
 
 __all__ = ["METHOD_ROUTES", "MODELING_MODULES", "REFUSED", "ROUTES", "KernelCP"]
@@ -33,6 +34,7 @@ ROUTES: Mapping[str, KernelCP] = MappingProxyType({
     "mamba2_chunk_scan": cp_mamba2_chunk_scan,
     "mamba2_split_conv1d_scan_combined": local_only,
     "mamba_inner_fn": local_only,
+    "mamba_selective_scan": cp_mamba_selective_scan,
 })
 """Kernel function name -> its CP version. A name in a modeling module that is not here stays local
 only if the module's mixers never reach it inside a region (the tests of each family show they do not)."""
@@ -41,6 +43,7 @@ MODELING_MODULES: tuple[str, ...] = (
     "lfm2", "lfm2_moe", "lfm3",
     "mamba2", "bamba", "falcon_h1", "granitemoehybrid", "nemotron_h", "zamba2",
     "qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid", "kimi_linear",
+    "mamba", "falcon_mamba", "jamba", "zamba",
 )
 """The modeling modules (`transformers.models.<name>.modeling_<name>`) whose kernel functions are routed."""
 
