@@ -119,31 +119,32 @@ class _Recorder:
         return out
 
 
-def _shard_like(full: Tensor, local: Tensor, layout: Layout, rank: int) -> Tensor | None:
+def _shard_like(full: Tensor, local: Tensor, layout: Layout, rank: int, seq_len: int) -> Tensor | None:
     """This rank's part of a full-sequence tensor, shaped as its CP counterpart, or None if no dim is the sequence.
 
-    The sequence dim is the one the CP tensor holds 1/P of (with batch 1, a flattened
-    (batch x sequence) token dim counts too); a tensor with no such dim is compared whole.
+    The sequence dim is the one `seq_len` long that the CP tensor holds 1/P of (with batch
+    1, a flattened (batch x sequence) token dim counts too); a tensor with no such dim is
+    compared whole when the shapes agree.
     """
     if layout.world == 1:
         return full
     for dim in range(full.ndim):
-        if full.shape[dim] == local.shape[dim] * layout.world and all(
+        if full.shape[dim] == seq_len and full.shape[dim] == local.shape[dim] * layout.world and all(
             full.shape[d] == local.shape[d] for d in range(full.ndim) if d != dim
         ):
             return layout.shard(full, dim, rank)
     return full if full.shape == local.shape else None
 
 
-def _compare(got: list[tuple[str, Tensor]], want: list[tuple[str, Tensor]], layout: Layout, rank: int
-             ) -> tuple[float, float, str] | None:
+def _compare(got: list[tuple[str, Tensor]], want: list[tuple[str, Tensor]], layout: Layout, rank: int,
+             seq_len: int) -> tuple[float, float, str] | None:
     """The first tensor (error, tolerance, what) that differs beyond its dtype's tolerance, or None.
 
     A tensor that is not a per-token one (a padded convolution's output, L + width - 1 long)
     is no evidence either way: the module that reads it, and returns tokens, is compared.
     """
     for (path, mine), (_, full) in zip(got, want):
-        part = _shard_like(full, mine, layout, rank)
+        part = _shard_like(full, mine, layout, rank, seq_len)
         if part is None:
             continue
         error, allowed = relative_error(mine, part), tolerance_for(full.dtype)
@@ -152,7 +153,7 @@ def _compare(got: list[tuple[str, Tensor]], want: list[tuple[str, Tensor]], layo
     return None
 
 
-def _first_difference(full: _Recorder, cp: _Recorder, layout: Layout, rank: int) -> Difference | None:
+def _first_difference(full: _Recorder, cp: _Recorder, layout: Layout, rank: int, seq_len: int) -> Difference | None:
     """The first module (in the CP run's finish order) whose inputs agree with the full run's and outputs do not.
 
     A module fed a differing input is not where the difference arose (its caller, which
@@ -166,9 +167,9 @@ def _first_difference(full: _Recorder, cp: _Recorder, layout: Layout, rank: int)
         if (name, k) not in reference:
             continue
         want_inputs, want_outputs = reference[(name, k)]
-        if _compare(inputs, want_inputs, layout, rank) is not None:
+        if _compare(inputs, want_inputs, layout, rank, seq_len) is not None:
             continue
-        differs = _compare(outputs, want_outputs, layout, rank)
+        differs = _compare(outputs, want_outputs, layout, rank, seq_len)
         if differs is not None:
             return Difference(i, name, cls, differs[0], differs[2], differs[1])
     return None
@@ -230,7 +231,10 @@ def verify(
                 run(buffers)
         finally:
             sharded.remove()
-    found = _first_difference(full, sharded, layout, cp.rank)
+    try:  # whatever happens here, every rank must reach the all-gather below
+        found = _first_difference(full, sharded, layout, cp.rank, values[0].shape[dims[0]] if values else 0)
+    except Exception as e:  # noqa: BLE001 - reported on every rank instead of stranding the others
+        found = Difference(0, "(the comparison)", type(e).__name__, math.inf, str(e))
     device = values[0].device if values else torch.device("cpu")
     mine = torch.tensor([found.index if found is not None else 1 << 62], dtype=torch.int64, device=device)
     first = int(all_gather(mine, cp).min().item())
