@@ -23,7 +23,7 @@ os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from tests.rank_pool import PoolCache
+from tests.support.rank_pool import PoolCache
 
 NO_CUDA = "no CUDA device"
 _CUDA_COUNT = pytest.StashKey[int]()
