@@ -210,7 +210,7 @@ def model_steps(mesh) -> list[tuple[int, int, int]]:
     from torch.distributed.tensor.parallel import parallelize_module
 
     from cpcompose import ContextParallel, cp_cross_entropy, cp_position_ids, cp_shard
-    from tests.parallel.test_entry_points import SEQ, make_batch, make_model
+    from tests.support.plain_model import SEQ, make_batch, make_model
 
     model = make_model(causal=True)
     parallelize_module(model, mesh, {"blocks.*": ContextParallel(strategy="ring")})

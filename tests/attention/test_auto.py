@@ -24,8 +24,7 @@ import dataclasses
 
 from cpcompose.attention.choose import choose_strategy
 from cpcompose.attention.cost import CPU_DEFAULT, H100_CLUSTER, INTER, INTRA, AttentionCall, Link, Topology
-from tests.support.attention_cases import Case, make_inputs
-from tests.attention.test_parity import assert_matches_single_process
+from tests.support.attention_cases import Case, assert_matches_single_process, make_inputs
 
 SLOW_NETWORK = dataclasses.replace(H100_CLUSTER, links=((INTRA, Link(450e9, 2e-6)), (INTER, Link(5e9, 1e-4))))
 MODELS = {"this-cpu": (CPU_DEFAULT, Topology()), "h100-node": (H100_CLUSTER, Topology()),

@@ -33,7 +33,7 @@ import itertools
 import pytest
 import torch
 
-from tests.support.attention_cases import Case, reference, run_cp, unshard_results
+from tests.support.attention_cases import Case, assert_matches_single_process, run_cp
 
 HEADS = [(4, 4), (8, 2), (6, 1), (5, 5)]  # MHA, GQA 4:1, MQA, and 5 heads no P divides
 MATRIX = [
@@ -43,19 +43,6 @@ MATRIX = [
         ("zigzag", "contiguous"), (True, False), HEADS,
     )
 ]
-
-
-def assert_matches_single_process(case: Case, per_rank: list[dict]) -> None:
-    got = unshard_results(case, per_rank)
-    exact = reference(case, torch.float64)
-    baseline = reference(case, case.dtype) if case.device == "cpu" else per_rank[0]["baseline"]
-    for name in ("out", "lse", "dq", "dk", "dv"):
-        err = got[name].double() - exact[name]
-        base = baseline[name].double() - exact[name]
-        rms, base_rms = err.pow(2).mean().sqrt().item(), base.pow(2).mean().sqrt().item()
-        worst, base_worst = err.abs().max().item(), base.abs().max().item()
-        assert rms <= 2 * base_rms, f"{case} {name}: RMS error {rms:.3g} > 2 x single-process {base_rms:.3g}"
-        assert worst <= 4 * base_worst, f"{case} {name}: max error {worst:.3g} > 4 x single-process {base_worst:.3g}"
 
 
 @pytest.mark.parametrize("case", MATRIX, ids=str)

@@ -31,7 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from cpcompose import cp_cross_entropy
 from cpcompose.distributed import flat_mesh
 from cpcompose.models import Llama, parallelize_llama
-from tests.distributed.test_composition import (
+from tests.support.composition import (
     CFG,
     F64_TOL,
     IGNORE,

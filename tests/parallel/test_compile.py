@@ -33,8 +33,8 @@ from cpcompose import (
     cp_position_ids,
     cp_shard,
 )
-from tests.parallel.test_entry_points import SEQ, TOL, make_batch, make_model, reference
-from tests.training.test_trainer import run_trainer
+from tests.support.plain_model import SEQ, TOL, make_batch, make_model, reference
+from tests.support.trainer import run_trainer
 
 
 def compiled_steps(

@@ -1,11 +1,11 @@
 """A model nobody wrote for cpcompose, trained under CP through each entry point.
 
-`PlainLM` below is ordinary PyTorch: embeddings, a few attention blocks that call
-`F.scaled_dot_product_attention`, a head. It is driven through `ContextParallel`
-(via `parallelize_module`), through `context_parallel(...)`, and through DTensor
-inputs; loss and every parameter gradient must equal a single-process run on the
-full sequence. Everything runs in float64 so the comparison is tight (1e-12):
-the only differences left are summation order.
+`PlainLM` (tests/support/plain_model.py) is ordinary PyTorch: embeddings, a few
+attention blocks that call `F.scaled_dot_product_attention`, a head. It is driven
+through `ContextParallel` (via `parallelize_module`), through `context_parallel(...)`,
+and through DTensor inputs; loss and every parameter gradient must equal a
+single-process run on the full sequence. Everything runs in float64 so the
+comparison is tight (1e-12): the only differences left are summation order.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from cpcompose import (
     cp_from_local,
     ContextParallel,
     PackedLayout,
-    allreduce_gradients,
     context_parallel,
     context_parallel_unshard,
     cp_cross_entropy,
@@ -29,66 +28,7 @@ from cpcompose import (
     cp_shard,
     pad_pack,
 )
-
-VOCAB, DIM, HEADS, KV_HEADS, SEQ, BATCH = 50, 24, 4, 2, 48, 2
-TOL = dict(rtol=0, atol=1e-12)
-
-
-class PlainAttention(nn.Module):
-    def __init__(self, causal: bool) -> None:
-        super().__init__()
-        self.q, self.kv = nn.Linear(DIM, DIM), nn.Linear(DIM, 2 * DIM * KV_HEADS // HEADS)
-        self.o, self.causal = nn.Linear(DIM, DIM), causal
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
-        q = self.q(x).view(b, s, HEADS, -1).transpose(1, 2)
-        k, v = self.kv(x).view(b, s, 2, KV_HEADS, -1).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, enable_gqa=True)
-        return self.o(y.transpose(1, 2).reshape(b, s, DIM))
-
-
-class PlainLM(nn.Module):
-    def __init__(self, causal: bool = True) -> None:
-        super().__init__()
-        self.tok, self.pos = nn.Embedding(VOCAB, DIM), nn.Embedding(SEQ, DIM)
-        self.blocks = nn.ModuleList(PlainAttention(causal) for _ in range(2))
-        self.head = nn.Linear(DIM, VOCAB)
-
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = self.tok(tokens) + self.pos(positions)
-        for block in self.blocks:
-            x = x + block(torch.tanh(x))
-        return self.head(x)
-
-
-def make_model(causal: bool) -> PlainLM:
-    torch.manual_seed(0)
-    return PlainLM(causal).double()
-
-
-def make_batch() -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
-    labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
-    labels[0, :7] = -100  # uneven valid counts per rank: the global count matters
-    return tokens, labels
-
-
-def reference(causal: bool) -> dict:
-    model = make_model(causal)
-    tokens, labels = make_batch()
-    loss = F.cross_entropy(model(tokens, torch.arange(SEQ)).flatten(0, 1), labels.flatten(), ignore_index=-100)
-    loss.backward()
-    return {"loss": loss.detach(), "grads": {n: p.grad for n, p in model.named_parameters()}}
-
-
-def _finish(model: nn.Module, loss: torch.Tensor, mesh) -> dict:
-    unreduced = {n: p.grad.clone() for n, p in model.named_parameters()}
-    allreduce_gradients(model, mesh)
-    total = loss.detach().clone()
-    torch.distributed.all_reduce(total)
-    return {"loss": total, "grads": {n: p.grad for n, p in model.named_parameters()}, "unreduced": unreduced}
+from tests.support.plain_model import SEQ, TOL, PlainLM, finish, make_batch, make_model, reference
 
 
 def train_step_style(mesh, strategy: str, causal: bool, alltoall_size: int | None = None) -> dict:
@@ -100,7 +40,7 @@ def train_step_style(mesh, strategy: str, causal: bool, alltoall_size: int | Non
     positions = cp_position_ids(SEQ, mesh, layout=layout)
     loss = cp_cross_entropy(model(tokens, positions), labels, mesh=mesh)
     loss.backward()
-    return _finish(model, loss, mesh)
+    return finish(model, loss, mesh)
 
 
 def train_step_context(mesh, strategy: str, causal: bool, alltoall_size: int | None = None) -> dict:
@@ -113,7 +53,7 @@ def train_step_context(mesh, strategy: str, causal: bool, alltoall_size: int | N
         loss = cp_cross_entropy(model(tokens, positions), labels, mesh=mesh)
         loss.backward()
     assert tokens.shape[1] == SEQ  # restored on exit
-    return _finish(model, loss, mesh)
+    return finish(model, loss, mesh)
 
 
 class DTensorIn(nn.Module):
@@ -143,7 +83,7 @@ def train_step_dtensor(mesh, strategy: str, causal: bool, alltoall_size: int | N
     logits = DTensorIn(model, mesh)(tokens, cp_position_ids(SEQ, mesh, layout="zigzag"))
     loss = cp_cross_entropy(logits, labels, mesh=mesh)
     loss.backward()
-    return _finish(model, loss, mesh)
+    return finish(model, loss, mesh)
 
 
 ENTRY_POINTS = {"style": train_step_style, "context": train_step_context, "dtensor": train_step_dtensor}
@@ -279,7 +219,7 @@ def train_step_packed(mesh, strategy: str, entry: str, alltoall_size: int | None
                               strategy=strategy, layout=layout, alltoall_size=alltoall_size):
             loss = cp_cross_entropy(model(tokens, positions), labels, mesh=mesh)
             loss.backward()
-    return _finish(model, loss, mesh)
+    return finish(model, loss, mesh)
 
 
 @pytest.mark.parametrize(

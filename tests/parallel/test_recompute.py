@@ -14,7 +14,7 @@ from torch.utils.checkpoint import checkpoint
 
 from cpcompose import context_parallel, cp_cross_entropy
 from cpcompose.parallel import recompute_context
-from tests.parallel.test_entry_points import SEQ, TOL, _finish, make_batch, make_model, reference
+from tests.support.plain_model import SEQ, TOL, finish, make_batch, make_model, reference
 
 
 def checkpointed_step(mesh, with_context: bool) -> dict | str:
@@ -31,7 +31,7 @@ def checkpointed_step(mesh, with_context: bool) -> dict | str:
             loss.backward()
     except Exception as e:  # noqa: BLE001 - the failure without the context is checkpoint's own error
         return f"{type(e).__name__}: {e}"
-    return _finish(model, loss, mesh)
+    return finish(model, loss, mesh)
 
 
 def test_recompute_context_keeps_checkpointed_attention_exact(pools) -> None:

@@ -168,3 +168,18 @@ def reference(case: Case, dtype: torch.dtype) -> dict[str, Tensor]:
             )
     out.backward(full["dout"].to(dtype))
     return {"out": out.detach(), "lse": lse.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+
+
+def assert_matches_single_process(case: Case, per_rank: list[dict]) -> None:
+    """The parity rule (tests/attention/test_parity.py's docstring): per tensor, RMS error <= 2x and max
+    error <= 4x those of single-process SDPA in the case's dtype, both against the float64 reference."""
+    got = unshard_results(case, per_rank)
+    exact = reference(case, torch.float64)
+    baseline = reference(case, case.dtype) if case.device == "cpu" else per_rank[0]["baseline"]
+    for name in ("out", "lse", "dq", "dk", "dv"):
+        err = got[name].double() - exact[name]
+        base = baseline[name].double() - exact[name]
+        rms, base_rms = err.pow(2).mean().sqrt().item(), base.pow(2).mean().sqrt().item()
+        worst, base_worst = err.abs().max().item(), base.abs().max().item()
+        assert rms <= 2 * base_rms, f"{case} {name}: RMS error {rms:.3g} > 2 x single-process {base_rms:.3g}"
+        assert worst <= 4 * base_worst, f"{case} {name}: max error {worst:.3g} > 4 x single-process {base_worst:.3g}"

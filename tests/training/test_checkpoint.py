@@ -17,26 +17,11 @@ import torch
 
 from cpcompose.config import load_config
 from cpcompose.training.checkpoint import MANIFEST, TRAINER_STATE, CheckpointManager, verify
-from cpcompose.training.errors import TrainingError
 from cpcompose.training.run_lock import LOCK_NAME, RunLock
 from cpcompose.training.trainer import Trainer
-from tests.training.test_trainer import TINY
+from tests.support.trainer import TINY, run
 
 CKPT = ["--checkpoint.enable=true", "--checkpoint.interval=2", "--checkpoint.keep_latest_k=3", "--parallelism.cp=2"]
-
-
-def train_or_error(mesh, args: list[str]) -> dict:
-    """Losses, or the TrainingError's message; and whether this rank still holds a lock."""
-    try:
-        return {"losses": Trainer(load_config(TINY + args)).run(), "error": None}
-    except TrainingError as e:
-        return {"losses": None, "error": str(e)}
-
-
-def run(pools, args: list[str], world: int = 2) -> dict:
-    results = pools.get(world).run(train_or_error, args)
-    assert all(r == results[0] for r in results), f"ranks disagree: {results}"
-    return results[0]
 
 
 def test_fresh_run_refuses_another_runs_checkpoints(pools, tmp_path: Path) -> None:

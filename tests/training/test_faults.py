@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from cpcompose.training.checkpoint import verify
-from tests.training.test_trainer import TINY
+from tests.support.trainer import TINY
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 4.0

@@ -15,7 +15,7 @@ import torch
 from cpcompose.config import ConfigError, load_config
 from cpcompose.train import main
 from cpcompose.training.launch import CPU_ALLOCATOR_ENV, launch_local
-from tests.training.test_trainer import TINY
+from tests.support.trainer import TINY, run
 
 TWO = TINY + ["--parallelism.cp=2", "--training.steps=2"]
 
@@ -70,8 +70,6 @@ def test_toml_numbers_must_be_numbers(tmp_path: Path) -> None:
 
 def test_nothing_to_train_starts_no_rank(pools, tmp_path: Path, capsys) -> None:
     """A finished run used to start every rank and leave an empty TensorBoard file."""
-    from tests.training.test_checkpoint import run
-
     args = TINY + ["--parallelism.cp=2", "--checkpoint.enable=true", f"--job.dump_folder={tmp_path}",
                    "--training.steps=2", "--checkpoint.interval=2"]
     assert run(pools, args)["error"] is None

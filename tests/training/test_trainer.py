@@ -25,19 +25,7 @@ import torch
 
 from cpcompose.config import load_config
 from cpcompose.training.trainer import Trainer
-
-TINY = [
-    "--model.vocab_size=64", "--model.dim=32", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2",
-    "--model.ffn_hidden_dim=64", "--training.seq_len=64", "--training.batch_size=4", "--training.steps=10",
-    "--training.device=cpu", "--data.num_symbols=48", "--data.num_pairs=4", "--data.num_queries=4",
-    "--lr_scheduler.warmup_steps=2", "--optimizer.lr=3e-3", "--metrics.log_freq=100",
-    "--parallelism.pp_microbatches=2",
-]
-
-
-def run_trainer(mesh, args: list[str]) -> list[float]:
-    return Trainer(load_config(TINY + args)).run()
-
+from tests.support.trainer import TINY, run_trainer
 
 def losses_for(pools, world: int, args: list[str], device: str = "cpu") -> list[float]:
     results = pools.get(world, device).run(run_trainer, args)
