@@ -12,7 +12,7 @@ import os
 import re
 from typing import Iterator
 
-# CPU pools fork from this process (CUDA pools are spawned: tests/rank_pool.py). An
+# CPU pools fork from this process (CUDA pools are spawned: tests/support/rank_pool.py). An
 # availability check made here (the trainer's preflight in a test, a library import) asks
 # NVML instead of initializing CUDA (cuInit), so this process stays cheap to fork and never
 # holds a CUDA context. torch reads it at each call; children inherit it.

@@ -5,7 +5,7 @@ so a GPU cluster's can be used here): this machine's (the ring wins), one node o
 H100s (all-to-all wins at P=4) and two-GPU nodes on a slow network (the 2-D strategy
 with the all-to-all inside a node wins; a causal sliding window there goes back to
 the ring, so two layers of one model get different strategies). Each case runs through the parity rule of
-tests/test_attention_parity.py against the float64 reference, and every rank reports
+tests/attention/test_parity.py against the float64 reference, and every rank reports
 what its `CommMeter` recorded `auto` choosing. The agreement covers the machine
 model: one rank with another calibration raises on every rank.
 """

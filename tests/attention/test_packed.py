@@ -1,6 +1,6 @@
 """Packed documents and sliding windows under CP: exact, balanced, and cheaper to communicate.
 
-Tolerance as in test_attention_parity.py: against a float64 reference that runs
+Tolerance as in test_parity.py: against a float64 reference that runs
 each document on its own (no padding), the CP result's RMS error is at most 2x, and
 its max error at most 4x, that of single-process fp32 SDPA run per document.
 On CUDA (marked `gpu`) that single process is SDPA on the GPU (the memory-efficient

@@ -22,7 +22,7 @@ output to bf16 (measured RMS ratio <= 1.12).
 
 On CUDA (tests marked `gpu`) the rule is the same, against single-process SDPA
 on the GPU pinned to the kernel cpcompose uses there (flash for bf16, memory-
-efficient for fp32; `tests/device_baseline.py`), computed by a worker; the float64
+efficient for fp32; `tests/support/device_baseline.py`), computed by a worker; the float64
 reference stays in the parent, on the CPU.
 """
 

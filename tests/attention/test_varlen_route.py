@@ -6,7 +6,7 @@ reference with the same contract (blocks packed end to end, `cu_seqlens` bounds,
 route's result is compared with one kernel call per block. What this proves is
 cpcompose's side: which blocks share a call, the packing of a batch, the per-block
 LSE merge and the index-add of the gradients. flash-attn's own side runs in the GPU
-suite (`pytest -m gpu`, tests/test_packed.py's CUDA cases), on the same plans.
+suite (`pytest -m gpu`, tests/attention/test_packed.py's CUDA cases), on the same plans.
 Tolerance 1e-12: float64 throughout, only summation order differs.
 """
 

@@ -5,7 +5,7 @@ CUDA tensors to host memory, communicates, and copies back (p2p receives on
 `PendingRecv.wait()`). Without a GPU that path is exercised by forcing it for CPU
 tensors: every helper then really copies out and back, and each strategy's output,
 LSE and gradients must equal the unstaged run bit for bit, with the same byte
-counts. The `gpu` tests run it for real (tests/rank_pool.py picks gloo on one GPU).
+counts. The `gpu` tests run it for real (tests/support/rank_pool.py picks gloo on one GPU).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ checkpoint, and take the same second step; so does a plain model in the test
 process itself, with no process group at all (DCP then reads the shards
 directly). Every run's second-step loss and
 parameters must match a single process that took both steps, within 1e-12
-(float64; see tests/test_composition.py for why that bound). The second AdamW
+(float64; see tests/distributed/test_composition.py for why that bound). The second AdamW
 step depends on the loaded moments and step count, so the parameter check
 also covers the optimizer state (measured: loading the model alone leaves the
 second-step parameters off by 1.7e-2).

@@ -1,7 +1,7 @@
 """cpcompose.mixers on real gloo groups against single-process float64 references.
 
 Every rank's output and input gradients are compared with its shard of the
-reference (tests/mixer_cases.py); replicated parameters (conv weight and bias) after
+reference (tests/support/mixer_cases.py); replicated parameters (conv weight and bias) after
 summing the ranks' gradients, as a data-parallel all-reduce would.
 
 Tolerance: everything is float64, and the CP results differ from the references only

@@ -1,6 +1,6 @@
 """`torch.compile(model, fullgraph=True)` of a model whose SDPA calls are context-parallel.
 
-The model is `PlainLM` from `test_entry_points` with `ContextParallel` on its blocks,
+The model is `PlainLM` (tests/support/plain_model.py) with `ContextParallel` on its blocks,
 compiled whole: the hooks that enter the CP mode, the mode's routing and the custom op
 (`cpcompose::attention`) are all inside one graph. Loss and every gradient are
 compared with the single-process float64 run at 1e-12 (only summation order differs,
@@ -174,7 +174,7 @@ def trainer_losses(mesh, args: list[str]) -> dict:
 def test_trainer_compiles_whole_blocks(pools, tmp_path, ac: str) -> None:
     """`training.compile` at cp=2 (FSDP over cp, inductor) gives compile-off's losses.
 
-    Tolerance 1e-5 relative, as between layouts in test_train: inductor may fuse float32
+    Tolerance 1e-5 relative, as between layouts in training/test_trainer.py: inductor may fuse float32
     sums in another order (measured: equal to the last bit here, 3e-8 under pp=2).
     Blocks compile with fullgraph=True, so a graph break would fail the run.
     """

@@ -1,4 +1,4 @@
-"""Inputs, references and per-rank cases for tests/test_mixers.py.
+"""Inputs, references and per-rank cases for tests/mixers/test_mixers.py.
 
 Workers build the full inputs from a seed on every rank, run a CP primitive on
 their shard, and backpropagate a probe loss `sum(out * probe)`; the parent

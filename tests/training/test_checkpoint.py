@@ -1,7 +1,7 @@
 """Nothing lost, nothing silently wrong: the trainer's checkpoints belong to one run and are verified.
 
 Each case runs the real trainer (tiny Llama, a few steps) on every rank of a forked
-gloo pool, as tests/test_train.py does, and returns what the test checks, so an
+gloo pool, as tests/training/test_trainer.py does, and returns what the test checks, so an
 expected `TrainingError` comes back as its message instead of tearing the pool down.
 """
 
