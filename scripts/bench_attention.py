@@ -348,7 +348,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=list(LAYOUTS), help="dense layouts")
     p.add_argument("--balances", nargs="+", choices=BALANCES, default=list(BALANCES), help="packed splits")
     p.add_argument("--pack-seeds", type=int, nargs="+", default=[0, 1, 2],
-                   help="packs to draw per length (the seeds tests/test_packed.py uses)")
+                   help="packs to draw per length (the seeds tests/attention/test_packed.py uses)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--timeout", type=float, default=300.0, help="collective timeout, seconds")

@@ -22,8 +22,8 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 python3 -m pip install -q --no-deps --no-build-isolation -e . >> "$out/env.txt" 2>&1 || echo "pip install failed: importing from the checkout" >> "$out/env.txt"
 timeout_opt=""; python3 -c "import pytest_timeout" 2>/dev/null && timeout_opt="--timeout=150"
 # transformers/torchtitan hold no gpu tests; ignoring them keeps a machine without them collecting.
-timeout "${SUITE_S:-420}" python3 -m pytest -m gpu --ignore=tests/test_torchtitan_integration.py \
-  --ignore=tests/test_hf_integration.py -rfE --durations=20 --maxfail="${MAXFAIL:-300}" $timeout_opt \
+timeout "${SUITE_S:-420}" python3 -m pytest -m gpu --ignore=tests/integrations/test_torchtitan.py \
+  --ignore=tests/integrations/test_transformers.py -rfE --durations=20 --maxfail="${MAXFAIL:-300}" $timeout_opt \
   --junitxml="$out/junit.xml" 2>&1 | tee "$out/gpu_suite.log"
 echo "suite exit: $?"
 [ -n "$NO_BENCH" ] && exit 0

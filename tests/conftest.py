@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 from typing import Iterator
 
-# CPU pools fork from this process (CUDA pools are spawned: tests/rank_pool.py). An
+# CPU pools fork from this process (CUDA pools are spawned: tests/support/rank_pool.py). An
 # availability check made here (the trainer's preflight in a test, a library import) asks
 # NVML instead of initializing CUDA (cuInit), so this process stays cheap to fork and never
 # holds a CUDA context. torch reads it at each call; children inherit it.
@@ -23,26 +21,10 @@ os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from tests.rank_pool import PoolCache
+from tests.support.gpu import NO_CUDA, cuda_device_count
+from tests.support.rank_pool import PoolCache
 
-NO_CUDA = "no CUDA device"
 _CUDA_COUNT = pytest.StashKey[int]()
-
-
-def cuda_device_count() -> int:
-    """GPUs visible to torch, counted without initializing CUDA in this process.
-
-    Counting through torch here could initialize CUDA in the pytest process, which the
-    forked CPU pools would then inherit; a CUDA build asks a short-lived subprocess.
-    """
-    if not torch.backends.cuda.is_built():
-        return 0
-    probe = "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)"
-    try:
-        done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=False)
-        return int(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else 0
-    except (subprocess.TimeoutExpired, ValueError, IndexError):
-        return 0
 
 
 def _asks_for_gpu(markexpr: str) -> bool:

@@ -12,10 +12,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.conftest import NO_CUDA, cuda_device_count
+from tests.support.gpu import NO_CUDA, cuda_device_count
 
 ROOT = Path(__file__).parents[1]
-TARGET = "tests/test_train.py"  # two gpu tests among CPU ones
+TARGET = "tests/training/test_trainer.py"  # two gpu tests among CPU ones
 
 
 def _collect(*args: str) -> subprocess.CompletedProcess:

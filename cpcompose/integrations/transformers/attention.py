@@ -74,7 +74,7 @@ def hf_window(sliding_window: int | None, causal: bool) -> tuple[int, int] | Non
     transformers counts the query itself: query i sees keys i-W+1 .. i (causal), or
     |i - j| <= W-1 (bidirectional local layers: Gemma 3's, and ModernBERT's, whose
     module stores its config's half-window + 1). Its flash-attention path passes
-    `(W-1, W-1)`, its eager/sdpa masks agree (checked in the integration's tests).
+    `(W-1, W-1)`, its eager/sdpa masks agree (checked in tests/integrations/test_transformers.py).
     """
     if sliding_window is None:
         return None
