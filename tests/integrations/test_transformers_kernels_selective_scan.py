@@ -28,7 +28,7 @@ from cpcompose import CommMeter, CPOptions, context_parallel
 from cpcompose.integrations.transformers.kernels.selective_scan import cp_mamba_selective_scan
 from cpcompose.mixers.states import continued_runs
 from cpcompose.parallel.dispatch import CPAttentionMode
-from tests.mixer_cases import F64, LAYOUTS, S_LOCAL, doc_starts, make_layout, randn
+from tests.support.mixer_cases import F64, LAYOUTS, S_LOCAL, doc_starts, make_layout, randn
 
 BATCH, D_INNER, D_STATE = 2, 3, 4
 TOL = dict(rtol=1e-12, atol=1e-12)  # float64; see the module docstring

@@ -36,7 +36,7 @@ from cpcompose.integrations.transformers.kernels.delta_rule import (
 )
 from cpcompose.layouts import Layout
 from cpcompose.parallel.dispatch import CPAttentionMode
-from tests.mixer_cases import doc_starts, make_layout, randn
+from tests.support.mixer_cases import doc_starts, make_layout, randn
 
 TOL = dict(rtol=1e-12, atol=1e-12)  # float64; see the module docstring
 B, HK, HV, DK, DV, S_LOCAL, CHUNK = 2, 2, 4, 4, 3, 12, 4

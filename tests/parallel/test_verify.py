@@ -110,7 +110,7 @@ def test_the_probe_passes_what_is_exact(pools, world: int) -> None:
 def hf_first_use(mesh, unroute: bool, verify_option: bool) -> dict:
     """An LFM2 model (short convolutions beside attention); `unroute`: its conv kernel left local, as a mixer
     cpcompose did not know would be."""
-    from tests import hybrid_cases as cases
+    from tests.support import hybrid_cases as cases
     from transformers.models.lfm2 import modeling_lfm2
 
     from cpcompose import context_parallel

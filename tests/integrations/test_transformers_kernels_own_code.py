@@ -25,7 +25,7 @@ from transformers.models.recurrent_gemma import modeling_recurrent_gemma as rg
 import cpcompose.integrations.transformers  # noqa: F401  (installs the routes)
 from cpcompose import context_parallel
 from cpcompose.layouts import Layout, PackedLayout
-from tests.mixer_cases import make_layout, pack_bounds
+from tests.support.mixer_cases import make_layout, pack_bounds
 
 B, S_LOCAL, WIDTH = 2, 12, 16
 LAYOUTS = ("zigzag", "contiguous", "packed", "padded")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests import hybrid_cases as cases
+from tests.support import hybrid_cases as cases
 
 NAMES = sorted(cases.HYBRIDS)
 

@@ -34,8 +34,8 @@ gradients; the delta-rule families at most 2e-8, an eighth of this allowance, wh
 rank's state at zero misses by 1.4x to 500x of it). The Mamba-1 mixers (Mamba, FalconMamba,
 Jamba, Zamba) hand the scan A, D and the dt bias as float32 (`.float()`), so those gradients are
 float32-rounded (~1e-7 relative at P=2); Mamba's and FalconMamba's logits are float32. The CP
-kernels themselves are held to 1e-12 in float64 by tests/test_hf_kernels_delta_rule.py and
-tests/test_hf_kernels_selective_scan.py."""
+kernels themselves are held to 1e-12 in float64 by tests/integrations/test_transformers_kernels_delta_rule.py
+and tests/integrations/test_transformers_kernels_selective_scan.py."""
 FLOAT64 = dict(rtol=0.0, atol=1e-12)
 """A model computed in float64 throughout: only summation order differs."""
 
