@@ -91,7 +91,8 @@ def test_all_ones_attention_mask_is_exact(pools, world: int) -> None:
 
 
 REFUSALS = [
-    ("padding_mask", "attention_mask has padding"),
+    ("inner_padding", "attention_mask has left (or inner) padding"),
+    ("padding_not_a_buffer", "is not a context_parallel buffer"),
     ("no_position_ids", "position_ids are not the positions of this rank's tokens"),
     ("packed_positions_zigzag", "restarting at 0 per document"),
     ("dropout_one_rank", "attention dropout"),

@@ -16,6 +16,7 @@ import transformers as hf
 from transformers import masking_utils
 
 import cpcompose.integrations.transformers as cphf
+from cpcompose.layouts import ZigzagLayout
 from cpcompose.parallel import recompute_context
 from cpcompose import CommMeter, allreduce_gradients, context_parallel, cp_cross_entropy, cp_unshard
 
@@ -268,10 +269,14 @@ def _bad_step(mesh, case: str, rank: int) -> None:
     ids, targets, positions = _plain_inputs(30 if case == "unsplittable" else SEQ)
     inputs: dict[str, Any] = {"input_ids": ids, "position_ids": positions}
     buffers, options = [ids, targets, positions], {}
-    if case == "padding_mask":  # only the last chunk (rank 0's under zigzag) holds padding
+    if case == "inner_padding":  # zeros inside row 1, in a chunk one rank holds: keys no layout can mask per row
         inputs["attention_mask"] = torch.ones_like(ids)
-        inputs["attention_mask"][1, -3:] = 0
+        inputs["attention_mask"][1, 3:6] = 0
         buffers.append(inputs["attention_mask"])
+    if case == "padding_not_a_buffer":  # right padding, but the rank's shard cut by hand: no rank sees the whole
+        full = torch.ones_like(ids)
+        full[1, -3:] = 0
+        inputs["attention_mask"] = ZigzagLayout(mesh.size()).shard(full, 1, rank)
     if case == "no_position_ids":  # contiguous: rank 0's local 0..L-1 happen to be right, the others' are not
         del inputs["position_ids"]
         options["layout"] = "contiguous"
