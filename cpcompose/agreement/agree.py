@@ -27,7 +27,8 @@ __all__ = ["agree_across_ranks"]
 
 def agree_across_ranks(
     cp: CPGroup, local_error: str | None, signature: Sequence[Field], *, what: str, device: torch.device,
-) -> None:
+    note: int = 0,
+) -> int:
     """Raise the same ValueError on every rank if any rank's input is bad or the signatures differ.
 
     Args:
@@ -36,10 +37,18 @@ def agree_across_ranks(
         signature: named integers that must be equal on every rank (same names everywhere).
         what: the entry point's name, for messages.
         device: where the tiny metadata tensor lives (CUDA for NCCL groups).
+        note: bits this rank tells the others without requiring them equal (e.g. "my V holds a
+            non-finite value"); they travel in the same all-gather.
+
+    Returns:
+        The OR of every rank's `note`.
     """
     values = [int(v) for _, v in signature]
-    mine = torch.tensor([int(local_error is not None), *values], dtype=torch.int64, device=device)
+    mine = torch.tensor([int(local_error is not None), int(note), *values], dtype=torch.int64, device=device)
     table = all_gather(mine, cp).tolist()
+    notes = 0
+    for row in table:
+        notes |= row.pop(1)
     if any(row[0] for row in table):
         errors: list[str | None] = [None] * cp.world
         dist.all_gather_object(errors, local_error, group=cp.group)
@@ -54,3 +63,4 @@ def agree_across_ranks(
             f"{what}: inputs differ between CP ranks ({', '.join(differing)}); every rank must pass "
             f"local shards of the same shape, dtype and options. Per rank: {per_rank}"
         )
+    return notes

@@ -198,10 +198,11 @@ def agreement_cache(group: dist.ProcessGroup) -> AgreementCache:
     return cache
 
 
-def _post_flags(cp: CPGroup, deviating: bool) -> list[PendingRecv]:
-    """Send this rank's flag to every peer and start receiving theirs (gloo, host tensors, unmetered)."""
+def _post_flags(cp: CPGroup, deviating: bool, note: int) -> list[PendingRecv]:
+    """Send this rank's flag (bit 0: deviating; above it: its note) to every peer and start receiving theirs
+    (gloo, host tensors, unmetered)."""
     comm = RingComm(cp)
-    mine = torch.tensor([int(deviating)], dtype=torch.int64)
+    mine = torch.tensor([int(deviating) | int(note) << 1], dtype=torch.int64)
     return [
         comm.exchange_with([mine], dst=(cp.rank + s) % cp.world, recv_like=[mine], src=(cp.rank - s) % cp.world,
                            tag=_FLAG_TAG)
@@ -209,12 +210,15 @@ def _post_flags(cp: CPGroup, deviating: bool) -> list[PendingRecv]:
     ]
 
 
-def _any_deviated(pending: list[PendingRecv]) -> bool:
-    return any(bool(p.wait()[0].item()) for p in pending)
+def _flags(pending: list[PendingRecv]) -> list[int]:
+    return [int(p.wait()[0].item()) for p in pending]
 
 
-def _all_deviated(pending: list[PendingRecv]) -> bool:
-    return all(bool(p.wait()[0].item()) for p in pending)
+def _notes(flags: list[int], note: int) -> int:
+    out = note
+    for flag in flags:
+        out |= flag >> 1
+    return out
 
 
 def agreed_call(
@@ -227,7 +231,8 @@ def agreed_call(
     every_call: bool,
     spec: Callable[[], CallSpec],
     run: Callable[[], R],
-) -> R:
+    note: int = 0,
+) -> tuple[R, int | None]:
     """Run `run()` once every rank is known to make this same call; raise the same ValueError everywhere otherwise.
 
     Args:
@@ -239,6 +244,12 @@ def agreed_call(
         every_call: run the full agreement whatever the history (`validate="every_call"`).
         spec: builds this call's `CallSpec` (only called for a valid call).
         run: the call itself.
+        note: bits this rank tells the others (see `agree_across_ranks`).
+
+    Returns:
+        `run()`'s result, and the OR of every rank's `note` where they travelled (a full
+        agreement, or the host flags of a predicted call), else None (a predicted call on
+        CUDA, which sends nothing).
     """
     cache = agreement_cache(cp.group)
     key: Key = tuple(int(v) for _, v in signature)
@@ -246,26 +257,27 @@ def agreed_call(
     predicted = local_error is None and not every_call and key == expected
     flags = expected is not None and cp.world > 1 and cache.spec(expected).on_host
     if flags:
-        pending = _post_flags(cp, deviating=not predicted)
+        pending = _post_flags(cp, deviating=not predicted, note=note)
         if predicted:
             result = run()
-            if not _any_deviated(pending):
+            received = _flags(pending)
+            if not any(f & 1 for f in received):
                 cache.ran(key)
-                return result
+                return result, _notes(received, note)
             cache.deviations += 1  # a peer deviated: this result was computed with its zeros
         else:
-            if not _all_deviated(pending):
+            if not all(f & 1 for f in _flags(pending)):
                 cache.deviations += 1
                 assert expected is not None
                 cache.spec(expected).mimic(cp)
     elif predicted:
         cache.ran(key)
-        return run()
+        return run(), None
     cache.agreements += 1
     try:
-        agree_across_ranks(cp, local_error, signature, what=what, device=device)
+        notes = agree_across_ranks(cp, local_error, signature, what=what, device=device, note=note)
     except ValueError:
         cache.failed()
         raise
     cache.agreed(key, spec())
-    return run()
+    return run(), notes

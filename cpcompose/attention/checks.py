@@ -23,6 +23,7 @@ from cpcompose.attention import auto
 from cpcompose.attention.blocks import MaskSpec
 from cpcompose.attention.call_setup import AttentionSetup
 from cpcompose.attention.kernels import KernelArgs, select_backend
+from cpcompose.attention.nonfinite import NONFINITE_V, nonfinite_note, spread_nonfinite
 from cpcompose.attention.options import AUTO, CHOICES, VALIDATE_MODES, CPOptions
 from cpcompose.attention.registry import STRATEGIES
 from cpcompose.attention.strategy import Strategy
@@ -54,7 +55,9 @@ def checked_call(
 
     Local checks, then the cross-rank agreement (skipped for a call every rank
     expects, see `cpcompose.agreement`). `run` is the strategy's autograd
-    function (`attend`) or the compiled route's custom op body (`cpcompose.attention.op`).
+    function (`attend`) or the compiled route's custom op body (`cpcompose.attention.op`);
+    it returns a tuple whose first item is the output (`nonfinite.spread_nonfinite` may
+    set NaN in it where a single-process softmax would have them).
 
     Raises:
         ValueError: on every rank, as `cp_attention` describes.
@@ -91,10 +94,16 @@ def checked_call(
         return CallSpec((q.shape, k.shape, v.shape), q.dtype, q.device,
                         functools.partial(_replay, strategy, s.layout, s.mask, s.kernel, s.need_lse, s.alltoall_size))
 
-    return agreed_call(
+    result, notes = agreed_call(
         cp, error, signature, what="cp_attention", device=_metadata_device(q),
         every_call=options.validate == "every_call", spec=spec, run=lambda: run(setup(options.meter)),
+        note=nonfinite_note(v) if error is None else 0,
     )
+    if notes is not None and notes & NONFINITE_V:  # every rank knows (the notes travelled): all spread alike
+        s = setup(None)
+        out = spread_nonfinite(result[0], v, s.layout, s.mask, cp)
+        return type(result)((out, *result[1:]))  # type: ignore[return-value]
+    return result
 
 
 def _resolve_auto(

@@ -1,7 +1,9 @@
 """NaN and Inf come out of CP attention where, and as, they come out of single-process SDPA.
 
-A NaN in a query row, or in a key, and an Inf in a value or a query, under every
-strategy, causal and not, at P=2 and 4. The reference is PyTorch's SDPA on the full
+A NaN in a query row, or in a key, a NaN or an Inf in a value (early, so most rows see
+it, or late, so causal rows before it do not, and SDPA's `0 * inf` makes theirs NaN), and
+an Inf in a query, under every strategy, causal and not, at P=2 and 4, on the first call
+(the full agreement) and a repeated one (the agreement's flags carry the news). The reference is PyTorch's SDPA on the full
 sequence (large enough that its kernel propagates a NaN query row). Finite entries
 compare within float32 kernel error (1e-5: the blocks' summation order differs);
 NaN and +-Inf must sit at the same places with the same signs.
@@ -15,7 +17,7 @@ import torch.nn.functional as F
 
 from cpcompose import cp_attention, cp_shard, cp_unshard
 
-KINDS = ("nan_query", "inf_value", "nan_key", "inf_query")
+KINDS = ("nan_query", "inf_value", "inf_value_late", "nan_value", "nan_key", "inf_query")
 
 
 def _inputs(kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -25,6 +27,11 @@ def _inputs(kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q[0, 0, 37] = float("nan")
     elif kind == "inf_value":
         v[0, 1, 3, 2] = float("inf")
+    elif kind == "inf_value_late":
+        v[0, 1, 40, 0] = float("inf")
+        v[0, 0, 60, 5] = float("-inf")
+    elif kind == "nan_value":
+        v[0, 0, 23, 4] = float("nan")
     elif kind == "nan_key":
         k[0, 0, 41, 1] = float("nan")
     elif kind == "inf_query":
@@ -36,8 +43,9 @@ def run(mesh, kind: str, causal: bool) -> dict:
     q, k, v = _inputs(kind)
     local = [cp_shard(t, mesh, seq_dim=2) for t in (q, k, v)]
     return {
-        strategy: cp_unshard(cp_attention(*local, mesh=mesh, is_causal=causal, strategy=strategy), mesh, seq_dim=2)
-        for strategy in ("ring", "allgather", "alltoall")
+        f"{strategy} call {call}": cp_unshard(cp_attention(*local, mesh=mesh, is_causal=causal, strategy=strategy),
+                                              mesh, seq_dim=2)
+        for strategy in ("ring", "allgather", "alltoall") for call in (1, 2)
     }
 
 
