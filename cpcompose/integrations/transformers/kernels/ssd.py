@@ -15,8 +15,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from cpcompose.integrations.transformers.kernels.common import needs_grad, tensor_fields, whole_pack_refusal
-from cpcompose.mixers.chunked import cp_chunked_recurrence
+from cpcompose.mixers.chunked import Correction, cp_chunked_recurrence
 from cpcompose.parallel.dispatch import CPAttentionMode
+from cpcompose.precision import accumulation_dtype
 
 __all__ = ["cp_mamba2_chunk_scan"]
 
@@ -32,18 +33,36 @@ def cp_mamba2_chunk_scan(
     The state `(batch, heads, head_dim, state)` decays by one scalar per head and token,
     `exp(dt * A)` after `dt`'s bias, softplus and clamp, as the kernel applies them; a run's
     transition is the product over its tokens (`cpcompose.mixers.cp_chunked_recurrence`).
+    Each run goes through the kernel once, from zero; a run that continues a document then
+    gets what its true initial state adds, `y_t += exp(sum_{s<=t} dt_s A) * (C_t . h0)`
+    (the kernel's own inter-chunk term, in float32 or wider), instead of a second pass.
     """
     error = whole_pack_refusal("mamba2_chunk_scan", kwargs, state=initial_states, final=return_final_states)
+    finals: dict[int, Tensor] = {}
 
     def kernel(rows: slice, init: Tensor | None) -> tuple[Tensor, Tensor]:
-        return original(hidden_states[:, rows], dt[:, rows], A, B[:, rows], C[:, rows], chunk_size, D=D,
-                        dt_bias=dt_bias, initial_states=init, dt_softplus=dt_softplus, dt_limit=dt_limit,
-                        return_final_states=True)
+        out, final = original(hidden_states[:, rows], dt[:, rows], A, B[:, rows], C[:, rows], chunk_size, D=D,
+                              dt_bias=dt_bias, initial_states=init, dt_softplus=dt_softplus, dt_limit=dt_limit,
+                              return_final_states=True)
+        finals[rows.start] = final
+        return out, final
 
-    def transition(rows: slice) -> Tensor:
+    acc = accumulation_dtype(hidden_states.dtype)  # float32 at least, as the kernel; float64 stays float64
+
+    def log_decay(rows: slice) -> Tensor:
+        """`dt * A` per token and head of the run, `(batch, run, heads)`, as the kernel computes it."""
         step = dt[:, rows] if dt_bias is None else dt[:, rows] + dt_bias.to(dt.dtype)
         step = torch.clamp(F.softplus(step) if dt_softplus else step, min=dt_limit[0], max=dt_limit[1])
-        return torch.exp((step.float() * A.float()).sum(dim=1))[..., None, None]  # (batch, heads, 1, 1)
+        return step.to(acc) * A.to(acc)
+
+    def transition(rows: slice) -> Tensor:
+        return torch.exp(log_decay(rows).sum(dim=1))[..., None, None]  # (batch, heads, 1, 1)
+
+    def correct(rows: slice, out: Tensor, init: Tensor) -> Tensor:
+        heads = hidden_states.shape[2]
+        readout = C[:, rows].to(acc).repeat_interleave(heads // C.shape[2], dim=2)  # (batch, run, heads, state)
+        carried = torch.einsum("blhn,bhpn->blhp", readout, init.to(acc))
+        return out + (carried * torch.exp(torch.cumsum(log_decay(rows), dim=1))[..., None]).to(out.dtype)
 
     return cp_chunked_recurrence(
         kernel, transition, mesh=region.mesh, layout=region.options.layout, seq_local=hidden_states.shape[1],
@@ -52,4 +71,5 @@ def cp_mamba2_chunk_scan(
         signature=[*tensor_fields("hidden_states", hidden_states), *tensor_fields("B", B),
                    ("chunk_size", int(chunk_size))],
         caller_error=error, meter=region.options.meter,
+        correction=Correction(final=lambda rows: finals[rows.start], apply=correct),
     )
