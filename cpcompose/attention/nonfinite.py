@@ -38,7 +38,8 @@ def nonfinite_note(v: object) -> int:
     """
     if not isinstance(v, Tensor) or v.device.type != "cpu" or not v.is_floating_point() or v.numel() == 0:
         return 0
-    return 0 if bool(torch.isfinite(v.sum())) else NONFINITE_V
+    with torch.no_grad():  # nothing of this may join the autograd graph (a checkpoint counts saved tensors)
+        return 0 if bool(torch.isfinite(v.detach().sum())) else NONFINITE_V
 
 
 def _entries(v: Tensor, layout: Layout, rank: int) -> Tensor:
