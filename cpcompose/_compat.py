@@ -26,7 +26,7 @@ __all__ = [
     "cuda_efficient_forward", "cuda_flash_backward", "cuda_flash_forward", "default_store", "flash_attn_backward",
     "flash_attn_forward", "flash_attn_varlen_backward", "flash_attn_varlen_forward", "flatten_mesh",
     "function_mode_stack", "function_modes_suspended", "group_timeout", "has_flash_attn", "has_flash_attn_varlen",
-    "import_flash_attn",
+    "import_flash_attn", "import_fused_linear_cross_entropy",
     "in_backward", "reduce_scatter_flat", "register_opaque_type",
 ]
 
@@ -103,6 +103,29 @@ def flash_attn_varlen_backward(*args: Any, **kwargs: Any) -> Any:
     fa = import_flash_attn()
     assert fa is not None, "flash-attn is not installed (supports_varlen checks first)"
     return fa._flash_attn_varlen_backward(*args, **kwargs)
+
+
+@functools.cache
+def import_fused_linear_cross_entropy(kernel: str) -> Any:
+    """A CUDA fused linear cross-entropy's function, or None when its package is not installed.
+
+    `"liger"`: liger-kernel's `liger_fused_linear_cross_entropy(input, weight, target, bias=..., ignore_index=...,
+    reduction=..., softcap=...)`; `"cut_cross_entropy"`: Apple's `linear_cross_entropy(e, c, targets, bias=...,
+    ignore_index=..., softcap=..., reduction=..., filter_eps=...)`. Both are called with keywords only (their
+    positional order moves between releases). Looked up once per kernel: importing either loads Triton.
+    """
+    try:
+        if kernel == "liger":
+            from liger_kernel.transformers.functional import (  # type: ignore[import-not-found]
+                liger_fused_linear_cross_entropy as fn,
+            )
+        elif kernel == "cut_cross_entropy":
+            from cut_cross_entropy import linear_cross_entropy as fn  # type: ignore[import-not-found]
+        else:
+            raise ValueError(f"unknown fused linear cross-entropy kernel {kernel!r}")
+    except ImportError:
+        return None
+    return fn
 
 
 # Flat collectives: torch 2.13 names them `all_gather_single` / `reduce_scatter_single`;

@@ -181,10 +181,25 @@ class Training:
     With activation checkpointing, each block's parts, inside the checkpoint."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """auto picks cuda when available, else cpu (gloo)."""
+    fused_loss: bool = True
+    """Compute the loss from the final hidden states and the output weight a chunk of tokens at a time
+    (cp_linear_cross_entropy), never making the seq x vocab logits: the same loss and gradients, a fraction of
+    the memory at large vocabularies. On CUDA a fused kernel is used when installed (pip install
+    'cpcompose[fused-loss]'). With parallelism.pp > 1 it does not apply: the last pipeline stage makes the
+    logits and takes the unfused loss."""
+    loss_chunk_tokens: int = 4096
+    """Tokens per chunk of the fused loss: it holds loss_chunk_tokens x vocab_size float32 logits at a time."""
+    tiled_mlp: int = 1
+    """Run every feed-forward over this many tiles of the local sequence, recomputing each in backward, so its
+    seq x ffn_hidden_dim intermediates are never whole (DeepSpeed ALST's TiledMLP); exact, one more MLP
+    forward per step. 1 = off. Not with training.compile."""
 
     def __post_init__(self) -> None:
-        _positive(self, "training", "steps", "batch_size", "grad_accum_steps")
+        _positive(self, "training", "steps", "batch_size", "grad_accum_steps", "loss_chunk_tokens", "tiled_mlp")
         require(self.seq_len >= 2, "training.seq_len", f"must be >= 2, got {self.seq_len}")
+        require(self.tiled_mlp == 1 or not self.compile, "training.tiled_mlp",
+                f"{self.tiled_mlp} tiles do not compile (the tiles' backward recomputes under autograd): set it to "
+                "1, or training.compile = false")
 
 
 @dataclass
@@ -312,6 +327,14 @@ class ActivationCheckpoint:
 
     mode: Literal["none", "full"] = "none"
     """full recomputes every transformer block."""
+    offload: bool = False
+    """With mode = "full": keep each block's checkpointed input in pinned host memory between forward and
+    backward (PyTorch's save_on_cpu), so the GPU holds no layer inputs; exact. On the CPU it is accepted and
+    changes nothing (the inputs are in host memory already)."""
+
+    def __post_init__(self) -> None:
+        require(not self.offload or self.mode == "full", "activation_checkpoint.offload",
+                'moves what full checkpointing saves: set activation_checkpoint.mode = "full" too')
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """Trainer infrastructure that no model family owns: degrees and mesh, FSDP2, activation
-checkpointing, pipeline stages and schedules, compile.
+checkpointing (with offload), sequence-tiled MLPs, pipeline stages and schedules, compile.
 
 Each function takes the modules to act on from the caller (a model family's plan in
 ``cpcompose.models.<family>.parallelize``), so none of them knows a model's layout.
@@ -11,6 +11,7 @@ from cpcompose.distributed.compile import apply_compile
 from cpcompose.distributed.fsdp import apply_fsdp
 from cpcompose.distributed.parallel_dims import MESH_DIM_NAMES, ParallelDims, flat_mesh
 from cpcompose.distributed.pipeline import build_pipeline_schedule, build_pipeline_stage
+from cpcompose.distributed.tiled import apply_tiled_mlp, tiled_mlp
 
 __all__ = [
     "MESH_DIM_NAMES",
@@ -18,7 +19,9 @@ __all__ = [
     "apply_activation_checkpointing",
     "apply_compile",
     "apply_fsdp",
+    "apply_tiled_mlp",
     "build_pipeline_schedule",
     "build_pipeline_stage",
     "flat_mesh",
+    "tiled_mlp",
 ]

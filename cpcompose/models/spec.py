@@ -25,7 +25,8 @@ class BuildFn(Protocol):
 
 
 class ParallelizeFn(Protocol):
-    """A family's plan: apply CP, TP, activation checkpointing, compile and FSDP2, in place."""
+    """A family's plan: apply CP, TP, MLP tiling, activation checkpointing (with offload), compile and FSDP2,
+    in place."""
 
     def __call__(
         self,
@@ -36,6 +37,8 @@ class ParallelizeFn(Protocol):
         cp: ContextParallel | None,
         activation_checkpoint: bool,
         torch_compile: bool,
+        offload_activations: bool,
+        mlp_tiles: int,
     ) -> nn.Module: ...
 
 
@@ -54,7 +57,8 @@ class ModelSpec:
     build: BuildFn
     """Construct the model from the config's ``model`` section (on the current default device, ``meta`` included).
     The module must have ``init_weights(*, seed: int)``, which gives identical weights on every
-    rank and works on a cut pipeline stage."""
+    rank and works on a cut pipeline stage, and its ``forward(tokens, position_ids, *, head=None)`` must call
+    ``head(hidden, output_weight)`` in place of its output projection when given (the fused loss)."""
     parallelize: ParallelizeFn
     """The family's plan (see :class:`ParallelizeFn`)."""
     split_for_pipeline: SplitForPipelineFn

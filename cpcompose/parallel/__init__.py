@@ -2,7 +2,13 @@
 
 from cpcompose.parallel.context import context_parallel, context_parallel_unshard
 from cpcompose.parallel.dispatch import CPAttentionMode, active_cp_region
-from cpcompose.parallel.loss import allreduce_gradients, cp_cross_entropy, global_token_count
+from cpcompose.parallel.loss import (
+    LossKernel,
+    allreduce_gradients,
+    cp_cross_entropy,
+    cp_linear_cross_entropy,
+    global_token_count,
+)
 from cpcompose.parallel.parallelize import parallelize_module
 from cpcompose.parallel.recompute import recompute_context
 from cpcompose.parallel.style import ContextParallel
@@ -11,11 +17,13 @@ from cpcompose.parallel.verify import verify
 __all__ = [
     "CPAttentionMode",
     "ContextParallel",
+    "LossKernel",
     "active_cp_region",
     "allreduce_gradients",
     "context_parallel",
     "context_parallel_unshard",
     "cp_cross_entropy",
+    "cp_linear_cross_entropy",
     "global_token_count",
     "parallelize_module",
     "recompute_context",

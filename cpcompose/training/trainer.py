@@ -30,7 +30,7 @@ from cpcompose.distributed import ParallelDims, build_pipeline_schedule, build_p
 from cpcompose.layouts import PackedLayout, resolve_layout
 from cpcompose.models import get_model_spec
 from cpcompose.sharding.packed import pack_documents
-from cpcompose.parallel import ContextParallel, cp_cross_entropy, verify
+from cpcompose.parallel import ContextParallel, cp_cross_entropy, cp_linear_cross_entropy, verify
 from cpcompose.training.checkpoint import CheckpointManager
 from cpcompose.training.errors import TrainingError
 from cpcompose.training.faults import Fault, Progress, describe_comm_failure, is_comm_failure
@@ -139,6 +139,7 @@ class Trainer:
         return spec.parallelize(
             model, parallel_dims=self.dims, mesh=self.mesh, cp=self.cp_style,
             activation_checkpoint=c.activation_checkpoint.mode == "full", torch_compile=c.training.compile,
+            offload_activations=c.activation_checkpoint.offload, mlp_tiles=c.training.tiled_mlp,
         )
 
     def _verify(self, model: torch.nn.Module) -> None:
@@ -197,6 +198,18 @@ class Trainer:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
+    def _loss(self, tokens: Tensor, labels: Tensor, positions: Tensor) -> Tensor:
+        """This rank's share of the micro-batch loss: fused into the model's head (`training.fused_loss`) or not."""
+        if not self.config.training.fused_loss:
+            return cp_cross_entropy(self.model(tokens, positions), labels, mesh=self.loss_mesh,
+                                    num_tokens=self._num_tokens)
+
+        def head(hidden: Tensor, weight: Tensor) -> Tensor:  # inside the model's forward: FSDP gathered weight
+            return cp_linear_cross_entropy(hidden, weight, labels, mesh=self.loss_mesh, num_tokens=self._num_tokens,
+                                           chunk_tokens=self.config.training.loss_chunk_tokens)
+
+        return self.model(tokens, positions, head=head)
+
     def _pipeline_loss(self, logits: Tensor, labels: Tensor) -> Tensor:
         return cp_cross_entropy(logits, labels, mesh=self.loss_mesh, num_tokens=self._num_tokens)
 
@@ -214,8 +227,7 @@ class Trainer:
                 if self.schedule is not None:
                     local += self._pipeline_step(tokens, labels, positions)
                 else:
-                    logits = self.model(tokens, positions)
-                    loss = cp_cross_entropy(logits, labels, mesh=self.loss_mesh, num_tokens=self._num_tokens)
+                    loss = self._loss(tokens, labels, positions)
                     loss.backward()
                     local += loss.detach()
         self.grad_norm = clip_grad_norm(

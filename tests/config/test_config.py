@@ -117,6 +117,10 @@ def test_missing_config_file_is_a_config_error(tmp_path: Path) -> None:
         (["--training.steps=0"], r"^training.steps: must be > 0, got 0"),
         (["--parallelism.dp_shard=0"], r"^parallelism.dp_shard: must be >= 1 or -1, got 0"),
         (["--optimizer.betas=0.9,1.0"], r"^optimizer.betas: each must be in \[0, 1\)"),
+        (["--training.loss_chunk_tokens=0"], r"^training.loss_chunk_tokens: must be > 0, got 0"),
+        (["--training.tiled_mlp=0"], r"^training.tiled_mlp: must be > 0, got 0"),
+        (["--training.tiled_mlp=2", "--training.compile=true"], r"^training.tiled_mlp: 2 tiles do not compile"),
+        (["--activation_checkpoint.offload=true"], r'^activation_checkpoint.offload: .*mode = "full"'),
     ],
 )
 def test_inconsistent_values_name_the_key(argv: list[str], message: str) -> None:

@@ -55,7 +55,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
-from cpcompose import allreduce_gradients, cp_cross_entropy
+from cpcompose import allreduce_gradients, cp_cross_entropy, cp_linear_cross_entropy
 from cpcompose.distributed import build_pipeline_stage, flat_mesh
 from cpcompose.parallel import ContextParallel
 from cpcompose.models import parallelize_llama, split_llama_for_pipeline
@@ -105,9 +105,13 @@ def train_step(_mesh: DeviceMesh, case: dict[str, Any]) -> dict[str, Any]:
         split_llama_for_pipeline(model, num_stages=dims.pp, stage_index=mesh["pp"].get_local_rank())
     parallelize_llama(
         model, parallel_dims=dims, mesh=mesh, activation_checkpoint=case.get("ac", False), fsdp=fsdp,
+        offload_activations=case.get("offload", False), mlp_tiles=case.get("mlp_tiles", 1),
         cp=ContextParallel(strategy=case.get("strategy", "ring"), alltoall_size=case.get("alltoall_size"), seq_dim=1)
         if dims.cp_enabled else None,
     )
+    for block in model.layers.values():  # the options reached the blocks (offload: a no-op on the CPU)
+        assert type(block.feed_forward).__name__.startswith("Tiled") == (case.get("mlp_tiles", 1) > 1)
+        assert "OffloadedCheckpointed" in type(block).__name__ or not case.get("offload", False)
     optimizer = make_optimizer(model)
     loss_mesh = flat_mesh(mesh, "dp_cp")
     calls = []  # attention forwards: activation checkpointing must run each one twice
@@ -129,6 +133,10 @@ def train_step(_mesh: DeviceMesh, case: dict[str, Any]) -> dict[str, Any]:
         args = (tokens,) if stage.is_first else ()
         schedule.step(*args, position_ids=positions, target=labels if stage.is_last else None, losses=losses)
         loss = torch.stack(losses).sum() if stage.is_last else None
+    elif case.get("fused", False):  # the head in the model's forward, logits never whole (5 tokens a chunk)
+        loss = model(tokens, positions, head=lambda h, w: cp_linear_cross_entropy(
+            h, w, labels, mesh=loss_mesh, ignore_index=IGNORE, chunk_tokens=5))
+        loss.backward()
     else:
         loss = cp_cross_entropy(model(tokens, positions), labels, mesh=loss_mesh, ignore_index=IGNORE)
         loss.backward()
@@ -200,6 +208,13 @@ CASES = [
         id="pp2xcp2-1f1b-allgather-nofsdp-ac",
     ),
     pytest.param(4, {"pp": 2, "cp": 2, "strategy": "alltoall", "schedule": "1f1b"}, id="pp2xcp2-1f1b-alltoall"),
+] + [  # the memory options (issue 21): fused loss, tiled MLP, offloaded checkpoints (a no-op on the CPU)
+    pytest.param(2, {"cp": 2, "strategy": "ring", "ac": True, "offload": True, "mlp_tiles": 3, "fused": True},
+                 id="cp2-ring-ac-offload-tiled3-fused"),
+    pytest.param(4, {"dp_shard": 2, "cp": 2, "strategy": "alltoall", "ac": True, "mlp_tiles": 4, "fused": True},
+                 id="fsdp2xcp2-alltoall-ac-tiled4-fused"),
+    pytest.param(4, {"tp": 2, "cp": 2, "strategy": "ring", "mlp_tiles": 2, "fused": True},
+                 id="tp2xcp2-ring-tiled2-fused"),
 ]
 
 

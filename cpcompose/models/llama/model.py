@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -259,7 +260,13 @@ class Llama(nn.Module):
         self.norm: RMSNorm | None = RMSNorm(config.dim, eps=config.norm_eps)
         self.output: nn.Linear | None = nn.Linear(config.dim, config.vocab_size, bias=False)
 
-    def forward(self, tokens_or_hidden: Tensor, position_ids: Tensor | None = None) -> Tensor:
+    def forward(
+        self,
+        tokens_or_hidden: Tensor,
+        position_ids: Tensor | None = None,
+        *,
+        head: Callable[[Tensor, Tensor], Tensor] | None = None,
+    ) -> Tensor:
         """Run the modules this stage holds.
 
         Args:
@@ -268,13 +275,21 @@ class Llama(nn.Module):
             position_ids: global position of each local token, ``[seq]`` or
                 ``[batch, seq]``; defaults to ``arange(seq)``. Context parallelism
                 must pass the positions of the chunks this rank holds.
+            head: replaces the output projection: called as ``head(hidden, output.weight)``
+                on the normed hidden states, and its result returned. A fused linear
+                cross-entropy goes here, so the logits are never made; it runs inside this
+                forward, where FSDP has ``output.weight`` gathered. Needs ``output``.
 
         Returns:
-            Logits ``(batch, seq, vocab_size)`` if ``output`` is present, else hidden states.
+            Logits ``(batch, seq, vocab_size)`` if ``output`` is present, else hidden states;
+            ``head``'s result when given.
 
         Raises:
-            ValueError: if the local sequence is longer than ``config.max_seq_len``.
+            ValueError: if the local sequence is longer than ``config.max_seq_len``, or
+                ``head`` is given to a stage without ``output``.
         """
+        if head is not None and self.output is None:
+            raise ValueError("head replaces the output projection, which this pipeline stage does not hold")
         seq = tokens_or_hidden.shape[1]
         if seq > self.config.max_seq_len:
             raise ValueError(f"sequence length {seq} exceeds model.max_seq_len ({self.config.max_seq_len})")
@@ -286,6 +301,8 @@ class Llama(nn.Module):
             h = layer(h, cos, sin)
         if self.norm is not None:
             h = self.norm(h)
+        if head is not None:
+            return head(h, self.output.weight)
         if self.output is not None:
             h = self.output(h)
         return h

@@ -14,14 +14,19 @@ in torchtitan, is:
 2. **TP** (``tp > 1``): column-wise ``wq``/``wk``/``wv``/``w1``/``w3``, row-wise
    ``wo``/``w2`` on ``mesh["tp"]`` (heads are split, no sequence parallelism).
    The attention sees plain local tensors (fewer heads), so CP composes with it.
-3. **Activation checkpointing** (optional): each ``TransformerBlock`` recomputes
+3. **Tiled MLP** (``mlp_tiles > 1``): every ``feed_forward`` runs over sequence
+   tiles with recompute (``apply_tiled_mlp``), so its ``seq x ffn_hidden_dim``
+   intermediates are never whole. Not with compile (dynamo cannot trace the
+   recompute inside its backward).
+4. **Activation checkpointing** (optional): each ``TransformerBlock`` recomputes
    its forward in backward. The CP hooks fire again during the recompute, so the
-   recompute communicates too.
-4. **Compile** (optional): each block whole, with ``fullgraph=True``: CP attention
+   recompute communicates too. With ``offload_activations``, the inputs each block
+   keeps wait in pinned host memory (CUDA only; nothing changes on the CPU).
+5. **Compile** (optional): each block whole, with ``fullgraph=True``: CP attention
    is one opaque custom op in the graph (``cpcompose.attention.op``). With
    activation checkpointing, each block's parts instead, inside the checkpoint
    (dynamo may not enter the CP mode inside a traced checkpoint).
-5. **FSDP2** (``dp_replicate * dp_shard * cp > 1``, unless ``fsdp=False``): one
+6. **FSDP2** (``dp_replicate * dp_shard * cp > 1``, unless ``fsdp=False``): one
    unit per ``TransformerBlock`` plus the root, over dp_shard x cp (HSDP with
    dp_replicate), which also sums the gradients over cp.
 
@@ -36,7 +41,13 @@ from __future__ import annotations
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from cpcompose.distributed import ParallelDims, apply_activation_checkpointing, apply_compile, apply_fsdp
+from cpcompose.distributed import (
+    ParallelDims,
+    apply_activation_checkpointing,
+    apply_compile,
+    apply_fsdp,
+    apply_tiled_mlp,
+)
 from cpcompose.models.llama.model import Llama
 from cpcompose.parallel.parallelize import parallelize_module
 from cpcompose.parallel.style import ContextParallel
@@ -64,6 +75,8 @@ def parallelize_llama(
     activation_checkpoint: bool = False,
     torch_compile: bool = False,
     fsdp: bool = True,
+    offload_activations: bool = False,
+    mlp_tiles: int = 1,
 ) -> Llama:
     """Make ``model`` (a full model or one pipeline stage) parallel, in place.
 
@@ -76,6 +89,9 @@ def parallelize_llama(
             no CP otherwise. The caller keeps it to switch packed layouts per batch; given
             with cp == 1, packed documents stay masked.
         activation_checkpoint: recompute each transformer block in backward.
+        offload_activations: with ``activation_checkpoint``, keep each block's saved inputs in
+            pinned host memory on CUDA (no change on the CPU).
+        mlp_tiles: sequence tiles each feed-forward runs over (1: untiled).
         torch_compile: compile each block (its parts, with activation checkpointing).
         fsdp: shard parameters with FSDP2 over dp_shard x cp (HSDP when
             dp_replicate > 1) when more than one rank shares the loss. With
@@ -87,9 +103,16 @@ def parallelize_llama(
 
     Raises:
         ValueError: the mesh does not have the axes of ``ParallelDims.build_mesh``
-            or their sizes differ from ``parallel_dims``.
+            or their sizes differ from ``parallel_dims``; ``offload_activations`` without
+            ``activation_checkpoint``; ``mlp_tiles`` < 1, or > 1 with ``torch_compile``.
     """
     parallel_dims.check_mesh(mesh)
+    if offload_activations and not activation_checkpoint:
+        raise ValueError("offload_activations moves what activation checkpointing saves: it needs "
+                         "activation_checkpoint=True")
+    if mlp_tiles > 1 and torch_compile:
+        raise ValueError("mlp_tiles > 1 does not compile (its backward recomputes under autograd): "
+                         "use one or the other")
     if cp is None and parallel_dims.cp_enabled:  # never leave cp > 1 without CP attention
         cp = ContextParallel(seq_dim=1)
     if cp is not None:
@@ -98,8 +121,9 @@ def parallelize_llama(
     if parallel_dims.tp_enabled:
         for block in blocks:
             parallelize_module(block, mesh["tp"], {name: style() for name, style in _TP_PLAN.items()})
+    apply_tiled_mlp([block.feed_forward for block in blocks], tiles=mlp_tiles)
     if activation_checkpoint:
-        apply_activation_checkpointing(blocks)
+        apply_activation_checkpointing(blocks, offload=offload_activations)
     if torch_compile:
         # Dynamo traces AC's checkpoint as a higher-order op, inside which the CP hooks may not
         # enter their TorchFunctionMode: with AC, compile each block's parts, inside the checkpoint.
