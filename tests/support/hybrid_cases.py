@@ -107,6 +107,10 @@ HYBRIDS: dict[str, Hybrid] = {
         vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=3,
         num_attention_heads=4, num_key_value_heads=2, layer_types=["conv", "full_attention", "conv"],
         conv_L_cache=3, num_dense_layers=1, num_experts=2, num_experts_per_tok=1, **SPECIAL), tolerance=FLOAT64),
+    "lfm3": Hybrid(lambda: hf.Lfm3Config(  # short convs beside sliding and full attention, gated heads
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, sliding_window=8, layer_types=["conv", "sliding_attention",
+        "full_attention"], conv_L_cache=3, **SPECIAL), tolerance=FLOAT64),
     "gpt_oss": Hybrid(lambda: hf.GptOssConfig(  # attention sinks, sliding and full layers, MoE
         vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=8, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
