@@ -134,6 +134,16 @@ HYBRIDS: dict[str, Hybrid] = {
         qk_nope_head_dim=8, v_head_dim=8, num_local_experts=2, num_experts_per_tok=1, n_shared_experts=1,
         layer_types=["linear_attention", "full_attention"], mlp_layer_types=["dense", "sparse"], linear_head_dim=8,
         linear_num_heads=4, linear_conv_kernel_dim=4, **SPECIAL)),
+    "lara_mini": Hybrid(lambda: hf.LaraMiniConfig(  # GDN beside sliding (RoPE) and full (NoPE) attention, MoE
+        **_GDN | dict(layer_types=["linear_attention", "sliding_attention", "full_attention"], num_hidden_layers=3),
+        sliding_window=8, moe_intermediate_size=16, shared_expert_intermediate_size=16, num_experts=2,
+        num_experts_per_tok=1, **SPECIAL)),
+    "bailing_hybrid": Hybrid(lambda: hf.BailingHybridConfig(  # KDA beside gated MLA attention, MoE
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=4,
+        qk_nope_head_dim=8, v_head_dim=8, head_dim=8, num_local_experts=2, num_experts_per_tok=1, n_group=1,
+        topk_group=1, layer_types=["linear_attention", "full_attention"], first_k_dense_replace=1,
+        short_conv_kernel_size=4, num_mtp_layers=0, **SPECIAL)),
     # Its own conv and RG-LRU scan (routed methods) beside sliding-window attention. Not FLOAT64:
     # transformers' scan accumulates in float32, so the state entering a run, composed, rounds
     # differently from the sequential one (measured ~2e-10 on the loss).

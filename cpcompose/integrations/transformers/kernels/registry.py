@@ -42,7 +42,8 @@ only if the module's mixers never reach it inside a region (the tests of each fa
 MODELING_MODULES: tuple[str, ...] = (
     "lfm2", "lfm2_moe", "lfm3",
     "mamba2", "bamba", "falcon_h1", "granitemoehybrid", "nemotron_h", "zamba2",
-    "qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid", "kimi_linear",
+    "qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid", "lara_mini",
+    "kimi_linear", "bailing_hybrid",
     "mamba", "falcon_mamba", "jamba", "zamba",
 )
 """The modeling modules (`transformers.models.<name>.modeling_<name>`) whose kernel functions are routed."""
