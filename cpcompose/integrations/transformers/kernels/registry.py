@@ -3,7 +3,8 @@
 A new kernel API is a CP version in its own file plus one `ROUTES` line; a new hybrid family
 whose modeling module calls routed kernels is one `MODELING_MODULES` entry; a family that
 mixes tokens by its own code gets a CP version of the narrowest method that sees the
-sequence and one `METHOD_ROUTES` line per method.
+sequence and one `METHOD_ROUTES` line per method; a class CP cannot make exact is one `REFUSED` line
+(`refused.py`, with its reason).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from cpcompose.integrations.transformers.kernels.delta_rule import (
 )
 from cpcompose.integrations.transformers.kernels.fused import local_only
 from cpcompose.integrations.transformers.kernels.lightning import cp_lightning_attention
+from cpcompose.integrations.transformers.kernels.refused import REFUSED
 from cpcompose.integrations.transformers.kernels.rglru import cp_recurrent_block, cp_rglru_scan
 from cpcompose.integrations.transformers.kernels.selective_scan import cp_mamba_selective_scan
 from cpcompose.integrations.transformers.kernels.ssd import cp_mamba2_chunk_scan
@@ -55,12 +57,3 @@ METHOD_ROUTES: Mapping[str, KernelCP] = MappingProxyType({
 })
 """`<modeling name>.<Class>.<method>` -> its CP version `cp(original, region, self, *args, **kwargs)`: the
 original method outside a region, the CP version inside (for mixers written in the model's own code)."""
-
-REFUSED: Mapping[str, str] = MappingProxyType({
-    "transformers.models.mpt.modeling_mpt.MptAttention": (
-        "computes attention with its own explicit softmax and ALiBi bias (not through transformers' attention "
-        "interface), which would see only this rank's tokens; cpcompose has no ALiBi, so MPT is not supported "
-        "under CP"
-    ),
-})
-"""`module.ClassName` -> why CP cannot make it exact yet: refused inside a region, on every rank."""
