@@ -36,6 +36,12 @@ Jamba, Zamba) hand the scan A, D and the dt bias as float32 (`.float()`), so tho
 float32-rounded (~1e-7 relative at P=2); Mamba's and FalconMamba's logits are float32. The CP
 kernels themselves are held to 1e-12 in float64 by tests/integrations/test_transformers_kernels_delta_rule.py
 and tests/integrations/test_transformers_kernels_selective_scan.py."""
+FLOAT32_WKV = dict(rtol=1e-5, atol=1e-5)
+"""RWKV's WKV loop (transformers' CPU kernel) keeps exp(key) and its denominator in float32. Its
+embeddings start at gain 1e-4, so the first LayerNorm scales their gradient up to ~200 here, and
+float32 rounding of those gradients reaches ~3e-6 absolute (0.8 of FLOAT32_KERNEL's allowance on
+the small entries of the same rows; a fifth of this one). The loss agrees to 1e-15; leaving out
+the WKV route or the token-shift routes misses by 60 absolute or more."""
 FLOAT64 = dict(rtol=0.0, atol=1e-12)
 """A model computed in float64 throughout: only summation order differs."""
 
@@ -88,6 +94,15 @@ HYBRIDS: dict[str, Hybrid] = {
         intermediate_size=64, num_attention_heads=4, num_key_value_heads=4, num_mem_blocks=1, **SPECIAL)),
     "mamba": Hybrid(lambda: hf.MambaConfig(  # Mamba-1: the selective scan, no attention
         vocab_size=VOCAB, hidden_size=16, state_size=4, expand=2, conv_kernel=4, num_hidden_layers=2, **SPECIAL),
+        attention=False),
+    "rwkv": Hybrid(lambda: hf.RwkvConfig(  # RWKV-4: token shifts and the WKV recurrence, no attention
+        vocab_size=VOCAB, hidden_size=16, attention_hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        context_length=128, **SPECIAL), attention=False, tolerance=FLOAT32_WKV),
+    # mLSTM blocks (matrix memory, max-plus stabilizer m), no attention. eps=1e-2 (default 1e-6) makes the
+    # stabilizer matter at this init (h's denominator holds eps * e^m): restarting runs at m = 0 instead of
+    # the composed m then misses by ~1800x the tolerance, as a trained model's large gates would at 1e-6.
+    "xlstm": Hybrid(lambda: hf.xLSTMConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_heads=4, chunk_size=8, eps=1e-2, **SPECIAL),
         attention=False),
     "falcon_mamba": Hybrid(lambda: hf.FalconMambaConfig(  # Mamba-1 with RMS norms (float32) on B, C and dt
         vocab_size=VOCAB, hidden_size=16, state_size=4, expand=2, conv_kernel=4, num_hidden_layers=2, **SPECIAL),

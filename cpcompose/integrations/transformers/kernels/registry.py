@@ -19,8 +19,10 @@ from cpcompose.integrations.transformers.kernels.delta_rule import (
 )
 from cpcompose.integrations.transformers.kernels.fused import local_only
 from cpcompose.integrations.transformers.kernels.lightning import cp_lightning_attention
+from cpcompose.integrations.transformers.kernels.mlstm import cp_mlstm_backend
 from cpcompose.integrations.transformers.kernels.refused import REFUSED
 from cpcompose.integrations.transformers.kernels.rglru import cp_recurrent_block, cp_rglru_scan
+from cpcompose.integrations.transformers.kernels.rwkv import cp_rwkv_block, cp_rwkv_linear_attention
 from cpcompose.integrations.transformers.kernels.selective_scan import cp_mamba_selective_scan
 from cpcompose.integrations.transformers.kernels.ssd import cp_mamba2_chunk_scan
 
@@ -37,6 +39,7 @@ ROUTES: Mapping[str, KernelCP] = MappingProxyType({
     "mamba2_split_conv1d_scan_combined": local_only,
     "mamba_inner_fn": local_only,
     "mamba_selective_scan": cp_mamba_selective_scan,
+    "rwkv_linear_attention": cp_rwkv_linear_attention,
 })
 """Kernel function name -> its CP version. A name in a modeling module that is not here stays local
 only if the module's mixers never reach it inside a region (the tests of each family show they do not)."""
@@ -46,7 +49,7 @@ MODELING_MODULES: tuple[str, ...] = (
     "mamba2", "bamba", "falcon_h1", "granitemoehybrid", "nemotron_h", "zamba2",
     "qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid", "lara_mini",
     "kimi_linear", "bailing_hybrid",
-    "mamba", "falcon_mamba", "jamba", "zamba",
+    "mamba", "falcon_mamba", "jamba", "zamba", "rwkv",
 )
 """The modeling modules (`transformers.models.<name>.modeling_<name>`) whose kernel functions are routed."""
 
@@ -54,6 +57,9 @@ METHOD_ROUTES: Mapping[str, KernelCP] = MappingProxyType({
     "recurrent_gemma.RecurrentGemmaRecurrentBlock.forward": cp_recurrent_block,  # its conv_1d call
     "recurrent_gemma.RecurrentGemmaRglru._rnn_scan": cp_rglru_scan,
     "minimax.MiniMaxLightningAttention.forward": cp_lightning_attention,  # the blockwise scan is inline
+    "rwkv.RwkvSelfAttention.forward": cp_rwkv_block,  # its time_shift (its WKV is a routed kernel function)
+    "rwkv.RwkvFeedForward.forward": cp_rwkv_block,  # its time_shift
+    "xlstm.xLSTMBackend.forward": cp_mlstm_backend,  # transformers' own mLSTM kernels (without the xlstm package)
 })
 """`<modeling name>.<Class>.<method>` -> its CP version `cp(original, region, self, *args, **kwargs)`: the
 original method outside a region, the CP version inside (for mixers written in the model's own code)."""
