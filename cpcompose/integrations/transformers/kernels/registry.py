@@ -20,6 +20,7 @@ from cpcompose.integrations.transformers.kernels.delta_rule import (
 from cpcompose.integrations.transformers.kernels.fused import local_only
 from cpcompose.integrations.transformers.kernels.lightning import cp_lightning_attention
 from cpcompose.integrations.transformers.kernels.mlstm import cp_mlstm_backend
+from cpcompose.integrations.transformers.kernels.ple import cp_ngram_embedding, cp_ple_short_conv
 from cpcompose.integrations.transformers.kernels.refused import REFUSED
 from cpcompose.integrations.transformers.kernels.rglru import cp_recurrent_block, cp_rglru_scan
 from cpcompose.integrations.transformers.kernels.rwkv import cp_rwkv_block, cp_rwkv_linear_attention
@@ -47,8 +48,8 @@ only if the module's mixers never reach it inside a region (the tests of each fa
 MODELING_MODULES: tuple[str, ...] = (
     "lfm2", "lfm2_moe", "lfm3",
     "mamba2", "bamba", "falcon_h1", "granitemoehybrid", "nemotron_h", "zamba2",
-    "qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid", "lara_mini",
-    "kimi_linear", "bailing_hybrid",
+    "qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid", "lara_mini", "qwen4_exp",
+    "kimi_linear", "bailing_hybrid", "glm5_next",
     "mamba", "falcon_mamba", "jamba", "zamba", "rwkv",
 )
 """The modeling modules (`transformers.models.<name>.modeling_<name>`) whose kernel functions are routed."""
@@ -59,6 +60,8 @@ METHOD_ROUTES: Mapping[str, KernelCP] = MappingProxyType({
     "minimax.MiniMaxLightningAttention.forward": cp_lightning_attention,  # the blockwise scan is inline
     "rwkv.RwkvSelfAttention.forward": cp_rwkv_block,  # its time_shift (its WKV is a routed kernel function)
     "rwkv.RwkvFeedForward.forward": cp_rwkv_block,  # its time_shift
+    "qwen4_exp.Qwen4ExpTextNGramEmbedding.forward": cp_ngram_embedding,  # its hash of the preceding ids
+    "qwen4_exp.Qwen4ExpTextPLELayer._short_conv": cp_ple_short_conv,  # a dilated conv, no kernel function
     "xlstm.xLSTMBackend.forward": cp_mlstm_backend,  # transformers' own mLSTM kernels (without the xlstm package)
 })
 """`<modeling name>.<Class>.<method>` -> its CP version `cp(original, region, self, *args, **kwargs)`: the
