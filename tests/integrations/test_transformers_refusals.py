@@ -12,6 +12,7 @@ a valid step, exact against its single-process reference: no rank was left behin
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 
 import pytest
@@ -19,9 +20,12 @@ import torch
 import transformers as hf
 
 from cpcompose import context_parallel
+from cpcompose.integrations.transformers import cpcompose_attention_forward, cpcompose_mask
 from tests.support import hybrid_cases as cases
 
 V = 64
+EAGER = dict(rtol=1e-4, atol=1e-7)
+"""transformers' eager attention takes its softmax in float32 even in a float64 model."""
 _INKLING = dict(
     vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
     swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=8, sliding_window_size=8, d_rel=4,
@@ -104,9 +108,61 @@ def test_refused_on_every_rank_then_the_group_runs_a_valid_step(pools, valid_ref
     cases.assert_matches(want, [r["valid"] for r in results], "lfm2", f"P={world} after a refusal")
 
 
+def per_query_sinks(mesh) -> dict:
+    """An attention call whose kwargs carry per-query sinks on one rank only (what Inkling 2 passes): refused on
+    every rank by CP attention itself, whatever class calls it; then a valid call in the same group."""
+    rank, module = mesh.get_local_rank(), torch.nn.Module()
+    module.is_causal, module.layer_idx = True, 0
+    q = torch.randn(1, 2, 8, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
+    sinks = torch.zeros(1, 2, 8, 1, dtype=torch.float64) if rank == 1 else None
+    try:
+        with context_parallel(mesh, verify=False):
+            cpcompose_attention_forward(module, q, q, q, None, sinks=sinks)
+        message = "no error"
+    except ValueError as e:
+        message = str(e)
+    with context_parallel(mesh, verify=False):
+        out = cpcompose_attention_forward(module, q, q, q, None)[0]
+    return {"message": message, "shape": tuple(out.shape)}
+
+
+def test_per_query_sinks_on_one_rank_are_refused_everywhere(pools) -> None:
+    for got in pools.get(2).run(per_query_sinks):
+        assert "rank 1: Module (layer 0): attention sinks per query (sinks=...) are not supported" in got["message"]
+        assert got["shape"] == (1, 8, 2, 8)
+
+
+def _recording(calls: list) -> Callable:
+    def record(module, query, key, value, attention_mask, **kwargs):
+        calls.append((module, query, key, value, attention_mask, kwargs))
+        return cpcompose_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    return record
+
+
+hf.AttentionInterface.register("cpcompose_recorded", _recording(RECORDED := []))
+hf.AttentionMaskInterface.register("cpcompose_recorded", cpcompose_mask)
+
+
 @pytest.mark.parametrize("name", sorted(FAMILIES))
-def test_outside_a_region_the_refused_model_runs(name: str) -> None:
-    """A refusal holds inside a CP region only: the same model runs on one process."""
-    logits = _build(name)(input_ids=torch.randint(2, V, (1, 16), generator=torch.Generator().manual_seed(0)),
-                          use_cache=False).logits
-    assert logits.shape == (1, 16, V) and bool(torch.isfinite(logits).all())
+def test_outside_a_region_the_refused_model_runs_as_eager(name: str) -> None:
+    """A refusal holds inside a CP region only: on one process the same model runs, and "cpcompose" computes
+    each attention call as the family's eager function does, to float32's rounding (`EAGER`): Inkling's relative position
+    bias and Inkling 2's per-query sinks included (before they were taken, the logits missed by 1e-6 to 4e-2).
+
+    Eager takes its softmax in float32, even in a float64 model: the calls agree to float32's rounding
+    (measured up to 8e-8 absolute; without the bias or the sinks they missed by 2e-3 to 1)."""
+    auto, config, _, _ = FAMILIES[name]
+    torch.manual_seed(0)
+    model = auto.from_config(config(), dtype=torch.float64, attn_implementation="cpcompose_recorded",
+                             experts_implementation="eager")
+    RECORDED.clear()
+    logits = model(input_ids=torch.randint(2, V, (1, 16), generator=torch.Generator().manual_seed(0)),
+                   use_cache=False).logits
+    assert logits.shape == (1, 16, V) and bool(torch.isfinite(logits).all()) and RECORDED
+    eager = importlib.import_module(f"transformers.models.{name}.modeling_{name}").eager_attention_forward
+    for module, query, key, value, mask, kwargs in RECORDED:
+        if mask is not None and mask.dtype == torch.bool:  # eager adds its mask: 0 where seen, the minimum where not
+            mask = torch.zeros(mask.shape, dtype=query.dtype).masked_fill(~mask, torch.finfo(query.dtype).min)
+        want = eager(module, query, key, value, mask, **kwargs)[0]
+        got = cpcompose_attention_forward(module, query, key, value, mask, **kwargs)[0]
+        torch.testing.assert_close(got, want, **EAGER, msg=lambda m: f"{type(module).__name__}: {m}")
