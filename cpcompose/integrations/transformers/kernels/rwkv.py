@@ -18,10 +18,17 @@ runs it travels unscaled, `(num, den) * exp(max)`, in float64 (exp of a key up t
 fits; the kernel's own keys are float32), and enters a rerun rescaled by its own `den`
 (`max = log den`, so `den = 1`): the outputs are invariant to that scale, so the rerun is
 the sequential run up to rounding, and float32 ranges hold whatever the document's length.
+
+transformers' CUDA WKV kernel (loaded from the hub when available) returns no gradient for
+its initial state and none through its final state: state passed between ranks would cut
+the gradient silently. So when a backward will run, the runs go through the modeling file's
+torch loop (`rwkv_linear_attention_cpu`, any device) instead: exact, and as slow as
+transformers without the kernel.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -36,6 +43,13 @@ from cpcompose.parallel.dispatch import CPAttentionMode
 __all__ = ["cp_rwkv_block", "cp_rwkv_linear_attention"]
 
 
+def _differentiable(original: Callable[..., Any]) -> Callable[..., Any]:
+    """`original`, or its modeling file's torch loop where the CUDA kernel (no state gradients) is loaded."""
+    modeling = sys.modules.get(getattr(original, "__module__", ""))
+    loop = getattr(modeling, "rwkv_linear_attention_cpu", None)
+    return loop if loop is not None and getattr(modeling, "rwkv_cuda_kernel", None) is not None else original
+
+
 def cp_rwkv_linear_attention(
     original: Callable[..., Any], region: CPAttentionMode, time_decay: Tensor, time_first: Tensor, key: Tensor,
     value: Tensor, state: Any = None, return_state: bool = False,
@@ -43,8 +57,8 @@ def cp_rwkv_linear_attention(
     """`rwkv_linear_attention(time_decay, time_first, key, value, state, return_state)` under CP.
 
     key, value `(batch, seq_local, channels)`; time_decay, time_first `(channels,)`. Each
-    local run goes through the original kernel (the CUDA kernel when loaded, else the CPU
-    loop), from its true state where it continues a document.
+    local run goes through the original kernel (the CUDA kernel when loaded and no backward
+    will run, else the torch loop), from its true state where it continues a document.
 
     Returns:
         `(output (batch, seq_local, channels), None)`: no state (RWKV keeps it for generation,
@@ -54,6 +68,8 @@ def cp_rwkv_linear_attention(
     if error is None and (key.ndim != 3 or value.shape != key.shape or time_decay.shape != key.shape[-1:]):
         error = (f"rwkv_linear_attention: key and value must be (batch, seq, channels) of one shape and time_decay "
                  f"(channels,), got {tuple(key.shape)}, {tuple(value.shape)} and {tuple(time_decay.shape)}")
+    grad = needs_grad(time_decay, time_first, key, value)
+    wkv = _differentiable(original) if grad else original
     state_dtype = torch.float32 if key.is_cuda else torch.float64  # the CUDA kernel keeps float32 states
 
     def kernel(rows: slice, init: Tensor | None) -> tuple[Tensor, Tensor]:
@@ -62,8 +78,8 @@ def cp_rwkv_linear_attention(
             den = init[..., 1].clamp_min(torch.finfo(init.dtype).tiny)
             start = [(init[..., 0] / den).to(state_dtype), torch.ones_like(den, dtype=state_dtype),
                      den.log().to(state_dtype)]
-        out, (num, den_end, top) = original(time_decay, time_first, key[:, rows], value[:, rows], state=start,
-                                            return_state=True)
+        out, (num, den_end, top) = wkv(time_decay, time_first, key[:, rows], value[:, rows], state=start,
+                                       return_state=True)
         scale = top.double().exp()
         return out, torch.stack([num.double() * scale, den_end.double() * scale], dim=-1)
 
@@ -74,8 +90,7 @@ def cp_rwkv_linear_attention(
     out = cp_chunked_recurrence(
         kernel, transition, mesh=region.mesh, layout=region.options.layout, seq_local=key.shape[1],
         kind="diagonal", out_dim=1, what="rwkv_linear_attention", device=key.device, dtype=key.dtype,
-        grad=needs_grad(time_decay, time_first, key, value),
-        signature=[*tensor_fields("key", key), *tensor_fields("value", value)], caller_error=error,
+        grad=grad, signature=[*tensor_fields("key", key), *tensor_fields("value", value)], caller_error=error,
         meter=region.options.meter,
     )
     return out, None
