@@ -21,9 +21,10 @@ their sums differently, so results agree to float32's rounding (measured ~1e-8 a
 gradients; the delta-rule families at most 2e-8, an eighth of this allowance, while leaving a
 rank's state at zero misses by 1.4x to 500x of it). The Mamba-1 mixers (Mamba, FalconMamba,
 Jamba, Zamba) hand the scan A, D and the dt bias as float32 (`.float()`), so those gradients are
-float32-rounded (~1e-7 relative at P=2); Mamba's and FalconMamba's logits are float32. The CP
-kernels themselves are held to 1e-12 in float64 by tests/integrations/test_transformers_kernels_delta_rule.py
-and tests/integrations/test_transformers_kernels_selective_scan.py."""
+float32-rounded (~1e-7 relative at P=2); Mamba's and FalconMamba's logits are float32. BailingHybrid's
+KDA reaches 7e-8 absolute (a third of the allowance), xLSTM's recurrent kernel (float32 states) a
+sixth, Qwen4-Exp's float32 norms 1e-9. The CP kernels themselves are held to 1e-12 in float64 by
+tests/integrations/test_transformers_kernels_delta_rule.py, ..._selective_scan.py and ..._recurrent.py."""
 FLOAT32_WKV = dict(rtol=1e-5, atol=1e-5)
 """RWKV's WKV loop (transformers' CPU kernel) keeps exp(key) and its denominator in float32. Its
 embeddings start at gain 1e-4, so the first LayerNorm scales their gradient up to ~200 here, and
