@@ -31,8 +31,9 @@ def _inkling2(prefix: str) -> dict[str, str]:
     path = f"transformers.models.{module}.modeling_{module}.{name}"
     attention = (
         "adds a relative position bias computed from each query's hidden state (over backward distances up to "
-        "rel_extent) and one sink logit per query token to its scores, and its keys and values go through short "
-        f"convolutions with weights computed per token; {_NO_BIAS}, so {name} is not supported under CP"
+        "rel_extent) and one sink logit per query token to its scores (and its keys and values go through short "
+        f"convolutions, with weights computed per token in the full layers); {_NO_BIAS}, so {name} is not "
+        "supported under CP"
     )
     return {f"{path}SlidingAttention": attention, f"{path}FullAttention": attention,
             f"{path}BlockAttentionResidual": f"{_DEPTH}; {name} is not supported under CP"}
