@@ -168,7 +168,8 @@ def test_kernels_are_routed_in_every_delta_rule_family() -> None:
 
     install()
     routed = routed_functions()
-    for family in ("qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid"):
+    for family in ("qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid", "lara_mini", "qwen4_exp"):
         assert {"causal_conv1d_fn", "torch_chunk_gated_delta_rule"} <= set(routed[family]), family
-    assert {"causal_conv1d_fn", "chunk_kimi_delta_attention"} <= set(routed["kimi_linear"])
+    for family in ("kimi_linear", "bailing_hybrid", "glm5_next"):
+        assert {"causal_conv1d_fn", "chunk_kimi_delta_attention"} <= set(routed[family]), family
 

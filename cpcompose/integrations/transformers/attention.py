@@ -244,6 +244,8 @@ def _feature_refusal(
         )
     if kwargs.get("position_bias") is not None:
         return "an additive position bias (position_bias=...) is not supported by CP attention"
+    if kwargs.get("sinks") is not None:
+        return "attention sinks per query (sinks=...) are not supported by CP attention (only gpt-oss's s_aux)"
     sinks = kwargs.get("s_aux")
     if sinks is not None and (not isinstance(sinks, Tensor) or sinks.shape != (query.shape[1],)):
         return f"attention sinks (s_aux) must be one logit per query head ({query.shape[1]}), got {sinks!r}"
@@ -303,9 +305,14 @@ def _single_process(
 
     The explicit path fills masked scores with the dtype's minimum as transformers' eager
     does: SDPA's math kernel turns a fully masked row (a padding query under a sliding
-    window) into NaN, which then reaches real tokens through the next layer's 0 * NaN.
+    window) into NaN, which then reaches real tokens through the next layer's 0 * NaN. It
+    adds a `position_bias` to the scores (sdpa folds it into its mask) and takes sinks as
+    gpt-oss passes them (`s_aux`, one logit per head) or as Inkling 2 does (`sinks`, one
+    per query: `(batch, heads, q, 1)`), both joining the softmax with no value.
     """
     sinks = kwargs.get("s_aux")
+    if sinks is None:
+        sinks = kwargs.get("sinks")
     if softcap is None and attention_mask is None and sinks is None:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
@@ -316,6 +323,8 @@ def _single_process(
     scores = query @ key.transpose(-1, -2) * scale
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)
+    if kwargs.get("position_bias") is not None:  # an additive bias per query and key (Inkling's relative logits)
+        scores = scores + kwargs["position_bias"]
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     if attention_mask is None and causal and query.shape[2] > 1:
         attention_mask = torch.ones(query.shape[2], key.shape[2], dtype=torch.bool, device=query.device).tril()
@@ -323,8 +332,9 @@ def _single_process(
         scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
     elif attention_mask is not None:  # an additive float mask given by the caller
         scores = scores + attention_mask
-    if sinks is not None:  # a logit per head with no value (gpt-oss): it joins the softmax and is dropped
-        column = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+    if sinks is not None:  # a logit with no value (per head, or per query): it joins the softmax and is dropped
+        column = sinks.to(scores.dtype)
+        column = (column.view(1, -1, 1, 1) if column.ndim == 1 else column).expand(*scores.shape[:3], 1)
         probs = torch.cat([scores, column], dim=-1).softmax(dim=-1)[..., :-1]
     else:
         probs = scores.softmax(dim=-1)

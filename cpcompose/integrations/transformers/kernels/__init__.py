@@ -18,13 +18,18 @@ initial state, the selective scan, has its outputs corrected instead of rerun). 
 path that would see only the local shard (`mamba2_split_conv1d_scan_combined`,
 `mamba_inner_fn`) returns None inside a region, which transformers reads as "not available".
 
+RWKV's WKV recurrence is such a function too (`rwkv_linear_attention`, `rwkv.py`).
+
 Families that mix tokens by their own code, with no kernel function to wrap, get a CP
 version of the narrowest method that sees the sequence (`METHOD_ROUTES`, installed on the
 class the same way: the original method outside a region, the CP version inside):
 RecurrentGemma's recurrent block (its conv call) and RG-LRU scan (`rglru.py`), MiniMax's
-lightning attention (`lightning.py`). Module classes that mix tokens by their own code and
-have no CP version are refused by class inside a region (`REFUSED`), on every rank alike;
-anything else that mixes tokens outside attention is what `cpcompose.parallel.verify` finds.
+lightning attention (`lightning.py`), RWKV's token shifts (`rwkv.py`), xLSTM's mLSTM
+backend (`mlstm.py`), Qwen4-Exp's n-gram embedding and dilated PLE conv (`ple.py`).
+Module classes CP cannot make exact (a sparse-attention indexer over every earlier token,
+a relative position bias, a mixer with no CP version) are refused by class inside a region
+(`REFUSED`, `refused.py`, each with its reason), on every rank alike; anything else that
+mixes tokens outside attention is what `cpcompose.parallel.verify` finds.
 """
 
 from cpcompose.integrations.transformers.kernels.registry import METHOD_ROUTES, MODELING_MODULES, REFUSED, ROUTES

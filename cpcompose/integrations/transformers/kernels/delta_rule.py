@@ -14,7 +14,8 @@ acting on the state's dim -2 (`cpcompose.mixers.cp_chunked_recurrence`, kind "ma
 (value dim dk) from `initial_state = I`: the same kernel, the same key normalization
 (`use_qk_l2norm_in_kernel`), the same float32 accumulation, and on CUDA fla's kernel
 when it is installed, rather than a second implementation of the recurrence that could
-drift from it. Used by Qwen3-Next, Qwen3.5 (dense and MoE), OLMo-Hybrid and Kimi Linear.
+drift from it. Used by Qwen3-Next, Qwen3.5 (dense and MoE), OLMo-Hybrid, LaraMini and Qwen4-Exp
+(GDN), Kimi Linear, BailingHybrid and GLM-5.3 (KDA).
 """
 
 from __future__ import annotations

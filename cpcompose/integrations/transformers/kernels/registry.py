@@ -3,7 +3,8 @@
 A new kernel API is a CP version in its own file plus one `ROUTES` line; a new hybrid family
 whose modeling module calls routed kernels is one `MODELING_MODULES` entry; a family that
 mixes tokens by its own code gets a CP version of the narrowest method that sees the
-sequence and one `METHOD_ROUTES` line per method.
+sequence and one `METHOD_ROUTES` line per method; a class CP cannot make exact is one `REFUSED` line
+(`refused.py`, with its reason).
 """
 
 from __future__ import annotations
@@ -18,7 +19,11 @@ from cpcompose.integrations.transformers.kernels.delta_rule import (
 )
 from cpcompose.integrations.transformers.kernels.fused import local_only
 from cpcompose.integrations.transformers.kernels.lightning import cp_lightning_attention
+from cpcompose.integrations.transformers.kernels.mlstm import cp_mlstm_backend
+from cpcompose.integrations.transformers.kernels.ple import cp_ngram_embedding, cp_ple_short_conv
+from cpcompose.integrations.transformers.kernels.refused import REFUSED
 from cpcompose.integrations.transformers.kernels.rglru import cp_recurrent_block, cp_rglru_scan
+from cpcompose.integrations.transformers.kernels.rwkv import cp_rwkv_block, cp_rwkv_linear_attention
 from cpcompose.integrations.transformers.kernels.selective_scan import cp_mamba_selective_scan
 from cpcompose.integrations.transformers.kernels.ssd import cp_mamba2_chunk_scan
 
@@ -35,6 +40,7 @@ ROUTES: Mapping[str, KernelCP] = MappingProxyType({
     "mamba2_split_conv1d_scan_combined": local_only,
     "mamba_inner_fn": local_only,
     "mamba_selective_scan": cp_mamba_selective_scan,
+    "rwkv_linear_attention": cp_rwkv_linear_attention,
 })
 """Kernel function name -> its CP version. A name in a modeling module that is not here stays local
 only if the module's mixers never reach it inside a region (the tests of each family show they do not)."""
@@ -42,8 +48,9 @@ only if the module's mixers never reach it inside a region (the tests of each fa
 MODELING_MODULES: tuple[str, ...] = (
     "lfm2", "lfm2_moe", "lfm3",
     "mamba2", "bamba", "falcon_h1", "granitemoehybrid", "nemotron_h", "zamba2",
-    "qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid", "kimi_linear",
-    "mamba", "falcon_mamba", "jamba", "zamba",
+    "qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid", "lara_mini", "qwen4_exp",
+    "kimi_linear", "bailing_hybrid", "glm5_next",
+    "mamba", "falcon_mamba", "jamba", "zamba", "rwkv",
 )
 """The modeling modules (`transformers.models.<name>.modeling_<name>`) whose kernel functions are routed."""
 
@@ -51,15 +58,11 @@ METHOD_ROUTES: Mapping[str, KernelCP] = MappingProxyType({
     "recurrent_gemma.RecurrentGemmaRecurrentBlock.forward": cp_recurrent_block,  # its conv_1d call
     "recurrent_gemma.RecurrentGemmaRglru._rnn_scan": cp_rglru_scan,
     "minimax.MiniMaxLightningAttention.forward": cp_lightning_attention,  # the blockwise scan is inline
+    "rwkv.RwkvSelfAttention.forward": cp_rwkv_block,  # its time_shift (its WKV is a routed kernel function)
+    "rwkv.RwkvFeedForward.forward": cp_rwkv_block,  # its time_shift
+    "qwen4_exp.Qwen4ExpTextNGramEmbedding.forward": cp_ngram_embedding,  # its hash of the preceding ids
+    "qwen4_exp.Qwen4ExpTextPLELayer._short_conv": cp_ple_short_conv,  # a dilated conv, no kernel function
+    "xlstm.xLSTMBackend.forward": cp_mlstm_backend,  # transformers' own mLSTM kernels (without the xlstm package)
 })
 """`<modeling name>.<Class>.<method>` -> its CP version `cp(original, region, self, *args, **kwargs)`: the
 original method outside a region, the CP version inside (for mixers written in the model's own code)."""
-
-REFUSED: Mapping[str, str] = MappingProxyType({
-    "transformers.models.mpt.modeling_mpt.MptAttention": (
-        "computes attention with its own explicit softmax and ALiBi bias (not through transformers' attention "
-        "interface), which would see only this rank's tokens; cpcompose has no ALiBi, so MPT is not supported "
-        "under CP"
-    ),
-})
-"""`module.ClassName` -> why CP cannot make it exact yet: refused inside a region, on every rank."""

@@ -42,11 +42,15 @@ def _routed(name: str, original: Callable[..., Any], cp: KernelCP) -> Callable[.
     return kernel
 
 
-def _modeling(name: str) -> ModuleType | None:
+def _module(path: str) -> ModuleType | None:
     try:
-        return importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+        return importlib.import_module(path)
     except ImportError:  # an older or newer transformers without this family
         return None
+
+
+def _modeling(name: str) -> ModuleType | None:
+    return _module(f"transformers.models.{name}.modeling_{name}")
 
 
 def _refusing(cls: type[nn.Module], reason: str) -> None:
@@ -55,7 +59,7 @@ def _refusing(cls: type[nn.Module], reason: str) -> None:
     @functools.wraps(forward)
     def refuse(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         if active_cp_region() is not None:
-            raise ValueError(f"{cls.__name__} mixes tokens outside attention and {reason}")
+            raise ValueError(f"{cls.__name__} cannot be made exact under CP: {reason}")
         return forward(self, *args, **kwargs)
 
     cls.forward = refuse  # type: ignore[method-assign]
@@ -86,8 +90,7 @@ def install() -> None:
             setattr(found[0], found[1], _routed(path, getattr(*found), cp))
     for path, reason in REFUSED.items():
         module_name, cls_name = path.rsplit(".", 1)
-        module = importlib.import_module(module_name)
-        cls = getattr(module, cls_name, None)
+        cls = getattr(_module(module_name), cls_name, None)
         if isinstance(cls, type) and not getattr(cls.forward, "__cpcompose_refused__", False):
             _refusing(cls, reason)
             cls.forward.__cpcompose_refused__ = True  # type: ignore[attr-defined]
