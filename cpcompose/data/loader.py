@@ -9,7 +9,7 @@ from cpcompose.data.batch import Batch, SampleSource
 from cpcompose.data.copy_task import SyntheticCopy, copy_task_problem
 from cpcompose.data.corpus import build_corpus_source, check_corpus
 from cpcompose.data.synthetic import SyntheticRecall, recall_task_problem
-from cpcompose.data.tokenizer import config_tokenizer
+from cpcompose.data.tokenizer import config_tokenizer, tokenizer_choice
 
 __all__ = ["TokenBatcher", "build_data_source", "check_data", "data_config_error"]
 
@@ -82,11 +82,17 @@ def data_config_error(config: JobConfig) -> ConfigError | None:
 
 
 def _vocab_error(config: JobConfig, vocab: int, what: str) -> ConfigError | None:
-    """model.vocab_size must cover the data's ids. A Hugging Face model (model.name = "hf") takes its embedding
-    size from its own config.json, which the model side checks."""
-    if config.model.name == "hf" or vocab <= config.model.vocab_size:
+    """model.vocab_size must cover the data's ids. For a Hugging Face model (model.name = "hf") it is the model's
+    own vocabulary (config.json's), so the tokenizer is what to change."""
+    m = config.model
+    if vocab <= m.vocab_size:
         return None
-    return ConfigError(f"model.vocab_size: {config.model.vocab_size} does not cover the {vocab} ids of {what}; "
+    if m.name == "hf":
+        choice = tokenizer_choice(config)
+        return ConfigError(f"{choice.key}: the tokenizer {choice.path or '(byte-level)'} has {vocab} ids, more than the "
+                           f"model's vocabulary of {m.vocab_size} ({m.path}/config.json); leave data.tokenizer unset "
+                           "to use the model's own")
+    return ConfigError(f"model.vocab_size: {m.vocab_size} does not cover the {vocab} ids of {what}; "
                        f"set --model.vocab_size={vocab} or more")
 
 

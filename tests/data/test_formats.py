@@ -23,7 +23,13 @@ from cpcompose.data import (
     iter_documents,
     tokenizer_choice,
 )
-from tests.support.hf_data import chat_records, tiny_tokenizer_folder, tokenizer_variant, write_jsonl
+from tests.support.hf_data import (
+    chat_records,
+    tiny_model_folder,
+    tiny_tokenizer_folder,
+    tokenizer_variant,
+    write_jsonl,
+)
 
 TOK = tiny_tokenizer_folder()
 
@@ -50,14 +56,14 @@ def test_the_tokenizer_is_data_tokenizer_else_the_hf_model_folder_else_bytes(tmp
     data = write_jsonl(tmp_path / "d.jsonl", [{"text": "x"}])
     assert tokenizer_choice(config(data)) == (TOK, "data.tokenizer")
     assert isinstance(config_tokenizer(config(data)), PretrainedTokenizer)
-    hf_model = ["--model.name=hf", f"--model.path={TOK}"]
-    assert tokenizer_choice(config(data, *hf_model, tokenizer=None)) == (TOK, "model.path")
-    other = str(tmp_path / "other")
-    assert tokenizer_choice(config(data, *hf_model, tokenizer=other)) == (other, "data.tokenizer")
+    model = tiny_model_folder()
+    hf_model = ["--model.name=hf", f"--model.path={model}"]
+    assert tokenizer_choice(config(data, *hf_model, tokenizer=None)) == (model, "model.path")
+    assert config_tokenizer(config(data, *hf_model, tokenizer=None)).eos_id == hf().eos_token_id
+    assert tokenizer_choice(config(data, *hf_model)) == (TOK, "data.tokenizer")
     assert isinstance(config_tokenizer(config(data, tokenizer=None)), ByteTokenizer)
-    missing = ["--model.name=hf", f"--model.path={tmp_path / 'nowhere'}"]
-    with pytest.raises(ConfigError, match=r"^model.path: .*nowhere does not exist"):
-        config_tokenizer(config(data, *missing, tokenizer=None))
+    with pytest.raises(ConfigError, match=r"^model.path: .*nowhere"):  # found by the tokenizer or the model side
+        config_tokenizer(config(data, "--model.name=hf", f"--model.path={tmp_path / 'nowhere'}", tokenizer=None))
     (tmp_path / "empty").mkdir()
     with pytest.raises(ConfigError, match=r"^data.tokenizer: cannot load a tokenizer from .*empty"):
         config_tokenizer(config(data, tokenizer=str(tmp_path / "empty")))
@@ -66,6 +72,19 @@ def test_the_tokenizer_is_data_tokenizer_else_the_hf_model_folder_else_bytes(tmp
     with pytest.raises(ConfigError, match=r"^data.eos_token: the tokenizer in .* has no token '<nope>'"):
         config_tokenizer(config(data, "--data.eos_token=<nope>"))
     assert config_tokenizer(config(data, "--data.eos_token=<|end|>")).eos_id == hf().convert_tokens_to_ids("<|end|>")
+
+
+def test_a_tokenizer_with_more_ids_than_the_hf_model_names_the_tokenizer(tmp_path: Path) -> None:
+    data = write_jsonl(tmp_path / "d.jsonl", [{"text": "x y z"}] * 20)
+    bigger = tmp_path / "bigger"
+    tok = hf()
+    tok.add_tokens(["<|a|>", "<|b|>"])
+    tok.save_pretrained(bigger)
+    cfg = config(data, "--model.name=hf", f"--model.path={tiny_model_folder()}", "--model.vocab_size=320",
+                 tokenizer=str(bigger))
+    with pytest.raises(ConfigError, match=r"^data.tokenizer: the tokenizer .*bigger has 322 ids, more than the "
+                                          r"model's vocabulary of 320 \(.*config.json\)"):
+        check_data(cfg)
 
 
 # ---- text ---------------------------------------------------------------------------------------

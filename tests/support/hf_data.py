@@ -37,6 +37,12 @@ def tiny_tokenizer_folder() -> str:
     return str(folder)
 
 
+@functools.cache
+def tiny_model_folder() -> str:
+    """A whole tiny Llama folder (config.json, weights, the tokenizer), as model.name = "hf" reads it."""
+    return str(tiny_model_script().make_tiny_model(Path(tempfile.mkdtemp(prefix="cpcompose-tiny-llama-"))))
+
+
 def tokenizer_variant(folder: Path, **changes: Any) -> str:
     """The tiny tokenizer saved into ``folder`` with attributes changed (e.g. ``chat_template=...``)."""
     from transformers import AutoTokenizer
