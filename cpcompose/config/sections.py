@@ -181,10 +181,23 @@ class Training:
     With activation checkpointing, each block's parts, inside the checkpoint."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """auto picks cuda when available, else cpu (gloo)."""
+    fused_loss: bool = True
+    """The output layer and cross-entropy computed loss_chunk_tokens tokens at a time, never holding the whole
+    logits (tokens x vocab, several times over in float32); false builds them whole (more memory, no recompute)."""
+    loss_chunk_tokens: int = 4096
+    """fused_loss only: tokens whose logits are held at once."""
+    tiled_mlp: int = 1
+    """Sequence tiles of the feed-forward: its tokens x ffn_hidden_dim intermediate is held one tile at a time
+    and recomputed in backward; 1 computes it whole."""
+    memory_budget_gib: float | None = None
+    """Per-rank memory the run may use: the memory plan must fit in it before launch, and a rank that passes it
+    stops, saying so. Unset: the device's memory (CUDA) or the host's RAM divided by the ranks on it (CPU)."""
 
     def __post_init__(self) -> None:
-        _positive(self, "training", "steps", "batch_size", "grad_accum_steps")
+        _positive(self, "training", "steps", "batch_size", "grad_accum_steps", "loss_chunk_tokens", "tiled_mlp")
         require(self.seq_len >= 2, "training.seq_len", f"must be >= 2, got {self.seq_len}")
+        require(self.memory_budget_gib is None or 0 < self.memory_budget_gib < float("inf"),
+                "training.memory_budget_gib", f"must be a positive number of GiB, got {self.memory_budget_gib}")
 
 
 @dataclass
@@ -312,6 +325,12 @@ class ActivationCheckpoint:
 
     mode: Literal["none", "full"] = "none"
     """full recomputes every transformer block."""
+    offload: bool = False
+    """With mode = "full" on CUDA: keep the checkpointed block inputs in host memory until backward needs them."""
+
+    def __post_init__(self) -> None:
+        require(not self.offload or self.mode == "full", "activation_checkpoint.offload",
+                'offloads the checkpointed block inputs: set activation_checkpoint.mode = "full" too')
 
 
 @dataclass

@@ -17,6 +17,7 @@ from cpcompose.config import ConfigError, JobConfig
 from cpcompose.data.loader import build_data_source, data_config_error
 from cpcompose.data.tokenizer import build_tokenizer
 from cpcompose.models import model_names
+from cpcompose.training.memory_budget import check_memory
 from cpcompose.training.checkpoint import CheckpointManager, earlier_run_message, saved_step, verify
 from cpcompose.training.run_lock import LOCK_NAME, holder
 
@@ -40,7 +41,7 @@ def check_choices(config: JobConfig) -> None:
 
 
 def preflight(config: JobConfig, world: int) -> str | None:
-    """Check the choices (`check_choices`), device, data, vocabulary and dump folder.
+    """Check the choices (`check_choices`), device, data, vocabulary, the memory plan and the dump folder.
 
     Returns:
         A message when there is nothing to train (the checkpoint already reached
@@ -51,6 +52,7 @@ def preflight(config: JobConfig, world: int) -> str | None:
     check_choices(config)
     _check_device(config)
     _check_data(config, world)
+    check_memory(config, world)
     return _check_dump_folder(config)
 
 
