@@ -17,10 +17,10 @@ import torch
 
 from cpcompose.config import ConfigError, JobConfig
 from cpcompose.layouts import resolve_layout
-from cpcompose.training.launch import CPU_ALLOCATOR_ENV
 from cpcompose.training.memory_plan import GiB, MemoryPlan, plan_memory
+from cpcompose.training.resources import host_memory, run_device_type, uses_tuned_allocator
 
-__all__ = ["Budget", "check_memory", "describe_memory", "memory_budget", "run_device_type", "run_plan", "suggestions"]
+__all__ = ["Budget", "check_memory", "describe_memory", "memory_budget", "run_plan", "suggestions"]
 
 
 @dataclass(frozen=True)
@@ -29,17 +29,6 @@ class Budget:
 
     bytes: int | None
     source: str
-
-
-def run_device_type(config: JobConfig) -> str:
-    """"cuda" or "cpu", as the trainer will choose."""
-    device = config.training.device
-    return "cuda" if device == "cuda" or (device == "auto" and torch.cuda.is_available()) else "cpu"
-
-
-def _host_ram() -> int:
-    with open("/proc/meminfo") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("MemTotal:")) * 1024
 
 
 def memory_budget(config: JobConfig, world: int) -> Budget:
@@ -52,24 +41,14 @@ def memory_budget(config: JobConfig, world: int) -> Budget:
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
         return Budget(props.total_memory, f"{props.name}, {props.total_memory / GiB:.1f} GiB")
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or world
-    ram = _host_ram()
+    ram = host_memory()[0]
     return Budget(ram // ranks, f"host RAM {ram / GiB:.1f} GiB / {ranks} rank{'s' if ranks > 1 else ''}")
-
-
-def _tuned_allocator(config: JobConfig, world: int) -> bool:
-    """Whether the CPU ranks will run with the launcher's glibc settings (it sets them when it starts ranks)."""
-    if run_device_type(config) == "cuda":
-        return False
-    key, value = next(iter(CPU_ALLOCATOR_ENV.items()))
-    if key in os.environ:
-        return os.environ[key] == value
-    return "RANK" not in os.environ and world > 1  # launch_local will set them
 
 
 def run_plan(config: JobConfig, world: int) -> MemoryPlan:
     """The plan for `config` as it will run here (device, allocator)."""
     return plan_memory(config, world, device_type=run_device_type(config),
-                       tuned_allocator=_tuned_allocator(config, world))
+                       tuned_allocator=uses_tuned_allocator(config, world))
 
 
 @dataclass(frozen=True)
@@ -111,7 +90,7 @@ def _fits_with(config: JobConfig, world: int, changes: list[_Change]) -> bool:
 
 
 def suggestions(config: JobConfig, world: int) -> str:
-    """The options that would make `config` fit: "try A or B" (each alone), "try A B C" (together), or neither."""
+    """The options that would make `config` fit: "try A or B" (each alone), "try together A B", or neither."""
     changes = _changes(config)
     alone = [c.flag for c in changes if _fits_with(config, world, [c])]
     if alone:
@@ -119,10 +98,10 @@ def suggestions(config: JobConfig, world: int) -> str:
     features, cps = [c for c in changes if c.ranks == 1], [c for c in changes if c.ranks > 1]
     for n in range(2, len(features) + 1):
         if _fits_with(config, world, features[:n]):
-            return "try " + " ".join(c.flag for c in features[:n])
+            return "try together " + " ".join(c.flag for c in features[:n])
     for cp in cps:
         if _fits_with(config, world, [*features, cp]):
-            return "try " + " ".join(c.flag for c in [*features, cp])
+            return "try together " + " ".join(c.flag for c in [*features, cp])
     return "no option alone or combined fits it: shorten training.seq_len or use a smaller model"
 
 

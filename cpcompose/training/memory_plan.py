@@ -57,7 +57,7 @@ CUDA_SLACK = 0.10
 """The caching allocator's fragmentation on CUDA, as a fraction of the activations' and the loss's bytes
 (a round figure, not measured here)."""
 TUNED_SLACK = 1.5
-"""With the CPU launcher's allocator settings (`launch.CPU_ALLOCATOR_ENV`: everything from the heap, nothing
+"""With the CPU launcher's allocator settings (`resources.CPU_ALLOCATOR_ENV`: everything from the heap, nothing
 trimmed) the heap fragments across steps: measured here, the peak grew by 0.15 to 1.9 times the step's largest
 tensor after the first step (1.5 covers most cases; see scripts/bench_memory.py)."""
 
@@ -116,7 +116,7 @@ def attention_bytes(config: JobConfig, profile: MemoryProfile, *, rows: int, row
 def plan_memory(config: JobConfig, world: int, *, device_type: str, tuned_allocator: bool = False) -> MemoryPlan:
     """Predict one rank's peak memory for `config` on `world` ranks of `device_type` ("cpu" or "cuda").
 
-    `tuned_allocator`: the CPU ranks run with the launcher's glibc settings (`launch.CPU_ALLOCATOR_ENV`).
+    `tuned_allocator`: the CPU ranks run with the launcher's glibc settings (`resources.CPU_ALLOCATOR_ENV`).
 
     Raises:
         ValueError: the degrees do not fit `world`, or the model family has no memory profile.

@@ -56,11 +56,11 @@ def llama_memory(model: _Shape, *, tp: int, precision: str, mlp_tiles: int) -> M
     tiled = mlp_tiles > 1
     if c == 4:
         saved = 4 * (6 * D + 3 * Dq + 2 * Dk + heads + 2) + (0 if tiled else 16 * F)
-        head = 4 * 3 * D
+        head = 4 * 3 * D + 12  # + the final norm's scale and the int64 label
     else:  # float32 residual and norms; five bf16 copies of linear inputs; bf16 attention and SwiGLU
         saved = 16 * D + 2 * 3 * D + 2 * (3 * Dq + 2 * Dk) + 4 * heads + 8
         saved += 4 * D if tiled else 2 * 2 * D + 8 * F  # tiled: its float32 input instead of w1/w3's casts
-        head = 4 * 2 * D + 2 * D
+        head = 4 * 2 * D + 2 * D + 12
     tile = c * F / mlp_tiles  # one tile's F-wide tensor, per token of the whole shard
     ffn_backward = 7 * tile if tiled else 2 * c * F  # tiled: a tile's 4 saved + 3 gradients; else 2 more grads
     attn_backward = (4 + c) * (Dq + 2 * Dk)  # float32 dq/dk/dv accumulators and their compute-dtype results
