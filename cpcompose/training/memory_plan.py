@@ -156,7 +156,8 @@ def _stage(c: JobConfig, dims: ParallelDims, prof: MemoryProfile, stage: int, T:
     params = root + L * prof.block_params
     state = 4 * params // shards
     moments = 2 * state
-    gathered = (4 * root + 2 * 4 * prof.block_params) if fsdp else 0
+    # The root stays gathered; blocks are gathered two at a time (running, prefetched), or all with PP (no reshard).
+    gathered = (4 * root + 4 * prof.block_params * (L if dims.pp > 1 else min(L, 2))) if fsdp else 0
     cast = 2 * (L * prof.block_cast_params + (prof.output_params if last else 0)) if t.mixed_precision == "bfloat16" \
         else 0
     checkpointing = ac.mode == "full"
@@ -170,6 +171,7 @@ def _stage(c: JobConfig, dims: ParallelDims, prof: MemoryProfile, stage: int, T:
     c_bytes = 4 if t.mixed_precision == "float32" else 2
     # Unfused, the trainer's `logits` variable keeps them (compute dtype) through backward and the step.
     held_logits = int(c_bytes * prof.output_params // c.model.dim * T) if last and not t.fused_loss else 0
+    # A checkpointed block holds all it would save while it runs: in forward, and again in its recompute.
     recompute = int((prof.block_saved if checkpointing else 0) * T)
     grads_always = t.grad_accum_steps > 1
     # FSDP reduce-scatters a unit's gathered gradients through an input buffer of the same size.
@@ -193,10 +195,11 @@ def _stage(c: JobConfig, dims: ParallelDims, prof: MemoryProfile, stage: int, T:
                 "allocator slack": int(CUDA_SLACK * (acts + work + attn + loss_now)) if device_type == "cuda"
                 else retained}
 
-    step_temps = 2 * 4 * prof.largest_param if device_type == "cpu" else state  # per-tensor vs foreach AdamW
+    step_temps = 2 * 4 * prof.largest_param // shards if device_type == "cpu" else state  # per-tensor vs foreach
     during = state if grads_always else 0
     phases = {
-        "forward": phase(during, gathered, cast, activations, int(prof.block_forward * T), attention, 0, 0),
+        "forward": phase(during, gathered, cast, activations, recompute + int(prof.block_forward * T), attention,
+                         0, 0),
         "loss": phase(during, gathered, cast, activations, 0, 0, loss, 0),
         "backward": phase(state, gathered, cast, activations, recompute + int(prof.block_backward * T), attention,
                           held_logits, 0, gathered_grads),
