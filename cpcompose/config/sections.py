@@ -198,6 +198,9 @@ class Training:
     """Run every feed-forward over this many tiles of the local sequence, recomputing each in backward, so its
     seq x ffn_hidden_dim intermediates are never whole (DeepSpeed ALST's TiledMLP); exact, one more MLP
     forward per step. 1 = off. Not with training.compile."""
+    memory_budget_gib: float | None = None
+    """Per-rank memory the run may use: the memory plan must fit in it before launch, and a rank that passes it
+    stops, saying so. Unset: the device's memory (CUDA) or the host's RAM divided by the ranks on it (CPU)."""
 
     def __post_init__(self) -> None:
         _positive(self, "training", "steps", "batch_size", "grad_accum_steps", "loss_chunk_tokens", "tiled_mlp")
@@ -205,6 +208,8 @@ class Training:
         require(self.tiled_mlp == 1 or not self.compile, "training.tiled_mlp",
                 f"{self.tiled_mlp} tiles do not compile (the tiles' backward recomputes under autograd): set it to "
                 "1, or training.compile = false")
+        require(self.memory_budget_gib is None or 0 < self.memory_budget_gib < float("inf"),
+                "training.memory_budget_gib", f"must be a positive number of GiB, got {self.memory_budget_gib}")
 
 
 _TEXT_ONLY = {"path": None, "tokenizer": None, "eos_token": None, "format": "text", "text_key": "text",

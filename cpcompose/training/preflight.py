@@ -15,6 +15,7 @@ import torch
 from cpcompose.config import ConfigError, JobConfig
 from cpcompose.data.loader import check_data, data_config_error
 from cpcompose.models import model_names
+from cpcompose.training.memory_budget import check_memory
 from cpcompose.training.checkpoint import CheckpointManager, earlier_run_message, saved_step, verify
 from cpcompose.training.run_lock import LOCK_NAME, holder
 
@@ -36,7 +37,7 @@ def check_choices(config: JobConfig) -> None:
 
 
 def preflight(config: JobConfig, world: int) -> str | None:
-    """Check the choices (`check_choices`), device, data, vocabulary and dump folder.
+    """Check the choices (`check_choices`), device, data, vocabulary, the memory plan and the dump folder.
 
     Returns:
         A message when there is nothing to train (the checkpoint already reached
@@ -47,6 +48,7 @@ def preflight(config: JobConfig, world: int) -> str | None:
     check_choices(config)
     _check_device(config)
     _check_data(config, world)
+    check_memory(config, world)
     return _check_dump_folder(config)
 
 

@@ -275,7 +275,7 @@ class Trainer:
             raise TrainingError(describe_comm_failure(
                 cause, rank=dist.get_rank(), step=self.step, timeout_s=self.config.comm.timeout_s,
                 laggards=self.progress.laggards(self.step),
-            )) from e
+            ), kind="consequence") from e
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
