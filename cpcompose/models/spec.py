@@ -77,11 +77,21 @@ class MemoryProfile:
     """Beyond `block_saved`, the most one block's forward holds at once."""
     block_backward: float
     """Beyond its saved tensors, the most one block's backward holds at once (gradients in flight)."""
+    tile_work: float
+    """With a sequence-tiled feed-forward, the most one tile holds at once (its recompute's saved tensors and their
+    gradients), per token of the shard; 0 untiled. Small tensors: on CPU the heap keeps them once freed."""
     head_saved: float
     """What the final norm and the output layer's input keep for backward."""
     loss: float
-    """The whole-logits loss at its peak (logits, their float32 copy, log-softmax and its gradient, the logits'
-    gradient); a fused loss holds this for one chunk of tokens."""
+    """The unfused loss at its peak, per token: in backward, the float32 log-softmax it saved, its gradient and the
+    logits' gradient (the logits themselves, and under bf16 their float32 copy, are gone by then)."""
+    fused_loss_chunk: float
+    """The fused loss (`cp_linear_cross_entropy`'s PyTorch path) per token of one chunk: the chunk's float32 logits
+    (the log-sum-exp and the softmax gradient are made in place in them) and, under bf16, the chunk's bf16 matmul
+    output or gradient beside them."""
+    fused_loss_token: float
+    """The fused loss per token of the whole shard: the saved log-sum-exp and the hidden states' gradient, which
+    backward makes whole before its chunks run."""
     attention: tuple[int, int, int]
     """(heads, kv_heads, head_dim) of one attention call on this tensor-parallel rank, for the CP cost model."""
 

@@ -40,8 +40,18 @@ def _logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, softcap: float 
     z = F.linear(hidden, weight, bias).to(accumulation_dtype(hidden.dtype))
     if softcap is None:
         return z, None
-    t = torch.tanh(z / softcap)
+    t = z.div_(softcap).tanh_()  # in place: z is this chunk's own, and one vocabulary-wide buffer fewer
     return t * softcap, t
+
+
+def _logsumexp_(z: Tensor) -> Tensor:
+    """`torch.logsumexp(z, dim=-1)` by ATen's own steps, but in z's memory (z is overwritten).
+
+    ATen's makes a temporary as large as z (`(z - max).exp_()`), which would double a chunk's peak.
+    """
+    m = z.amax(dim=-1, keepdim=True)
+    m.masked_fill_(m.abs() == float("inf"), 0)  # as ATen: an infinite row's max is taken as 0
+    return z.sub_(m).exp_().sum(dim=-1).log_().add_(m.squeeze(-1))
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
@@ -58,10 +68,10 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         with _no_autocast(hidden.device.type):
             for start in range(0, hidden.shape[0], chunk_tokens):
                 rows = slice(start, start + chunk_tokens)
-                logits, _ = _logits(hidden[rows], weight, bias, softcap)
-                lse[rows] = torch.logsumexp(logits, dim=-1)
+                logits = _logits(hidden[rows], weight, bias, softcap)[0]  # the tanh is for backward only
                 valid = labels[rows] != ignore_index
                 target = logits.gather(1, torch.where(valid, labels[rows], 0).unsqueeze(1)).squeeze(1)
+                lse[rows] = _logsumexp_(logits)  # overwrites logits: the target was read first
                 total += torch.where(valid, lse[rows] - target, 0).sum()
                 del logits, target  # the chunk's logits go before the next chunk's are made
         ctx.save_for_backward(hidden, weight, bias, labels, lse)
@@ -95,7 +105,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                     grad_weight.addmm_(grad.T, hidden[rows].to(acc))
                 if grad_bias is not None:
                     grad_bias += grad.sum(0)
-                del grad
+                del grad, logits  # grad is logits, changed in place: both names go before the next chunk
         grad_weight = grad_weight.to(weight.dtype) if grad_weight is not None else None
         grad_bias = grad_bias.to(bias.dtype) if grad_bias is not None else None
         return grad_hidden, grad_weight, grad_bias, None, None, None, None

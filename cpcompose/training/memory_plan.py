@@ -11,8 +11,11 @@ L: blocks on this rank's pipeline stage, S: FSDP's shard degree dp_shard x cp wh
   autocast, a bf16 copy of every linear weight (autocast's cache keeps them until backward ends).
 * "loss": the activations every block keeps (all it saves, or its input alone with activation
   checkpointing; offloaded to host memory with `activation_checkpoint.offload` on CUDA), the
-  final norm's, and the loss at its peak: the whole logits several times over, or one chunk of
-  `training.loss_chunk_tokens` with `training.fused_loss`.
+  final norm's, and the loss at its peak, forward or backward: unfused, the float32 log-softmax,
+  its gradient and the logits' (with pipelining, the stage's logits too: the schedule keeps
+  them); fused (`training.fused_loss`, not under pipelining), one chunk of
+  `training.loss_chunk_tokens` tokens' logits, the per-token log-sum-exp and hidden gradient,
+  and the output weight's float32 gradient, which its backward sums over the chunks.
 * "forward" / "backward": the same activations plus one block's work: its forward, or its
   recompute (checkpointing) and its gradients in flight; attention's received K/V and dK/dV
   buffers (the CP cost model's per-strategy count, `cpcompose.attention.cost.model`); the
@@ -59,7 +62,10 @@ CUDA_SLACK = 0.10
 TUNED_SLACK = 1.5
 """With the CPU launcher's allocator settings (`resources.CPU_ALLOCATOR_ENV`: everything from the heap, nothing
 trimmed) the heap fragments across steps: measured here, the peak grew by 0.15 to 1.9 times the step's largest
-tensor after the first step (1.5 covers most cases; see scripts/bench_memory.py)."""
+tensor after the first step (1.5 covers most cases; see scripts/bench_memory.py). An allowance, not a prediction:
+re-measured with two ranks (16k vocabulary, dim 64, cp=2), the fragmented heap added 0.06 to 0.76 GiB to the
+tensors' peak, 0.3 to 6.5 times the largest tensor, and one config's peak varied from 1.37 to 1.89 GiB over five
+runs; with glibc's defaults the same runs are within 6% of the plan."""
 
 
 @dataclass(frozen=True)
@@ -166,11 +172,19 @@ def _stage(c: JobConfig, dims: ParallelDims, prof: MemoryProfile, stage: int, T:
     kept_blocks = min(L, 2) if offload else L
     activations = int(keep * T * kept_blocks * in_flight)
     host = int(keep * T * L * in_flight) if offload else 0
-    loss_tokens = min(t.loss_chunk_tokens, T) if t.fused_loss else T
-    loss = int(prof.head_saved * T + prof.loss * loss_tokens) if last else 0
-    c_bytes = 4 if t.mixed_precision == "float32" else 2
-    # Unfused, the trainer's `logits` variable keeps them (compute dtype) through backward and the step.
-    held_logits = int(c_bytes * prof.output_params // c.model.dim * T) if last and not t.fused_loss else 0
+    vocab = prof.output_params // c.model.dim
+    # The pipeline's last stage computes the unfused loss on the logits its stage returns, and keeps them
+    # (compute dtype) until that microbatch's backward; without pipelining the fused loss is the trainer's.
+    fused = t.fused_loss and dims.pp == 1
+    loss_tokens = min(t.loss_chunk_tokens, T) if fused else T
+    if not last:
+        loss = 0
+    elif fused:  # one chunk, the per-token log-sum-exp and hidden gradient, the output weight's float32 gradient
+        loss = int((prof.head_saved + prof.fused_loss_token) * T + prof.fused_loss_chunk * loss_tokens
+                   + 4 * prof.output_params)
+    else:
+        held = (4 if t.mixed_precision == "float32" else 2) * vocab if dims.pp > 1 else 0
+        loss = int((prof.head_saved + prof.loss + held) * T)
     # A checkpointed block holds all it would save while it runs: in forward, and again in its recompute.
     recompute = int((prof.block_saved if checkpointing else 0) * T)
     grads_always = t.grad_accum_steps > 1
@@ -179,10 +193,11 @@ def _stage(c: JobConfig, dims: ParallelDims, prof: MemoryProfile, stage: int, T:
     process = PROCESS_BYTES[device_type]
     if device_type == "cuda":
         retained = 0
-    else:  # glibc keeps a block's freed working set in its heap: once, or twice with recompute (measured)
-        retained = int((2 if checkpointing else 1) * prof.block_saved * T) if prof.block_input * T < HEAP_CEILING else 0
+    else:  # glibc keeps a block's freed working set in its heap: once, or twice with recompute (measured), and a
+        # tiled feed-forward's tile (its tensors are smaller still)
+        retained = int(((2 if checkpointing else 1) * prof.block_saved + prof.tile_work) * T) \
+            if prof.block_input * T < HEAP_CEILING else 0
         if tuned:
-            vocab = prof.output_params // c.model.dim
             retained += int(TUNED_SLACK * (4 * vocab * loss_tokens if last else prof.block_input * T))
     base = {"process": process, "parameters": state, "optimizer state": moments}
 
@@ -202,8 +217,8 @@ def _stage(c: JobConfig, dims: ParallelDims, prof: MemoryProfile, stage: int, T:
                          0, 0),
         "loss": phase(during, gathered, cast, activations, 0, 0, loss, 0),
         "backward": phase(state, gathered, cast, activations, recompute + int(prof.block_backward * T), attention,
-                          held_logits, 0, gathered_grads),
-        "optimizer step": phase(state, 0, 0, 0, 0, 0, held_logits, step_temps),
+                          0, 0, gathered_grads),
+        "optimizer step": phase(state, 0, 0, 0, 0, 0, 0, step_temps),
     }
     name = max(phases, key=lambda k: sum(phases[k].values()))
     return MemoryPlan(tuple(phases[name].items()), name, host, T, tuple((k, sum(v.values())) for k, v in phases.items()))

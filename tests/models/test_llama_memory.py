@@ -15,8 +15,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from cpcompose import cp_cross_entropy, cp_linear_cross_entropy
 from cpcompose.models import get_model_spec
 from cpcompose.models.llama import Llama, LlamaConfig, TransformerBlock, llama_memory, rope_cos_sin
+from tests.support.live_storages import LiveWide
 
 SHAPE = SimpleNamespace(vocab_size=1000, dim=64, n_heads=4, n_kv_heads=2, ffn_hidden_dim=96)
 T = 128
@@ -62,18 +64,37 @@ def test_the_head_and_the_loss_save_what_the_profile_counts(precision: str) -> N
     h = torch.randn(1, T, 64, requires_grad=True)
     labels = torch.randint(0, SHAPE.vocab_size, (T,))
     exclude = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    held = {}
 
     def head() -> None:
-        held["logits"] = logits = model.output(model.norm(h))  # the trainer keeps this variable through backward
+        logits = model.output(model.norm(h))
         F.cross_entropy(logits.reshape(-1, SHAPE.vocab_size).float(), labels, reduction="sum")
 
     acts, _ = _saved(head, bf16=precision == "bfloat16", exclude=exclude)
     profile = llama_memory(SHAPE, tp=1, precision=precision, mlp_tiles=1)
-    V, c = SHAPE.vocab_size, held["logits"].element_size()
+    V = SHAPE.vocab_size
     assert acts == (profile.head_saved + 4 * V) * T + 4  # + the loss's scalar weight
-    # The loss's peak: the held logits, the saved log-softmax, then its gradient and the logits' (float32).
-    assert profile.loss == c * V + 4 * V + 8 * V
+
+
+@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
+def test_the_losses_peak_at_what_the_profile_counts(precision: str) -> None:
+    """The vocabulary-wide bytes alive at once, forward and backward, as the trainer runs each loss: unfused on
+    the head's logits (peak in backward: the saved log-softmax, its gradient and the logits'), and fused, by chunks.
+    """
+    model = Llama(LlamaConfig(vocab_size=SHAPE.vocab_size, dim=64, n_layers=1, n_heads=4, n_kv_heads=2,
+                              ffn_hidden_dim=96, max_seq_len=T))
+    h = torch.randn(1, T, 64, requires_grad=True)
+    labels = torch.randint(0, SHAPE.vocab_size, (1, T))
+    profile = llama_memory(SHAPE, tp=1, precision=precision, mlp_tiles=1)
+    bf16, chunk = precision == "bfloat16", 32
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16), \
+            LiveWide(SHAPE.vocab_size, exclude=model.parameters()) as unfused:
+        cp_cross_entropy(model.output(model.norm(h)), labels, mesh=None, num_tokens=T).backward()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16), \
+            LiveWide(SHAPE.vocab_size, exclude=model.parameters()) as fused:
+        cp_linear_cross_entropy(model.norm(h), model.output.weight, labels, mesh=None, num_tokens=T,
+                                chunk_tokens=chunk, kernel="torch").backward()
+    assert unfused.peak == profile.loss * T
+    assert fused.peak == profile.fused_loss_chunk * chunk
 
 
 def test_parameter_counts_match_the_model() -> None:

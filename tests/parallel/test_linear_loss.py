@@ -28,6 +28,7 @@ from torch.utils._pytree import tree_leaves
 
 from cpcompose import cp_cross_entropy, cp_linear_cross_entropy
 from cpcompose.parallel.chunked_loss import linear_cross_entropy_sum
+from tests.support.live_storages import LiveWide
 
 IGNORE = -100
 TOL = 1e-12
@@ -147,6 +148,25 @@ def test_no_tensor_holds_more_than_a_chunk_of_logits() -> None:
     unfused = _memory_probe(lambda h, w, b, y: F.cross_entropy(_unfused_logits(h, w, b, 2.5), y,
                                                                ignore_index=IGNORE, reduction="sum"), flat)
     assert min(unfused) >= 2 * N * VOCAB > bound, unfused  # the probes see the whole logits when they exist
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("softcap", [None, 2.5])
+def test_one_chunk_of_logits_is_alive_at_a_time(dtype: torch.dtype, softcap: float | None) -> None:
+    """What the memory plan counts per chunk token: the float32 logits (the log-sum-exp and the softmax gradient
+    are made in place in them), the tanh with softcapping (backward needs it), and under bf16 the chunk's bf16
+    matmul output while it is cast (forward), or the bf16 gradient (backward). A chunk's tensors must be gone
+    before the next chunk's are made (the probe caught two chunks alive at once, and a log-sum-exp temporary)."""
+    chunk = 8
+    flat = _flat(_data(dtype, batch=2))
+    hidden, weight, bias = (flat[k].detach().clone().requires_grad_() for k in ("hidden", "weight", "bias"))
+    # the bf16 output or gradient never coexists with the tanh: 4 + 4 with softcapping at any dtype
+    expected = chunk * VOCAB * (4 + (4 if softcap else 2 if dtype == torch.bfloat16 else 0))
+    with LiveWide(VOCAB, exclude=[hidden, weight, bias]) as probe:
+        linear_cross_entropy_sum(hidden, weight, flat["labels"], bias=bias, softcap=softcap,
+                                 chunk_tokens=chunk).backward()
+    assert weight.grad is not None and hidden.grad is not None
+    assert probe.peak == expected  # exactly: the plan counts these bytes (`MemoryProfile.fused_loss_chunk`)
 
 
 # ---------------------------------------------------------------- on real gloo groups

@@ -53,7 +53,7 @@ def _cp_factor(flags: str) -> int:
 
 
 def test_when_no_option_alone_fits_the_combination_is_named() -> None:
-    args = BIG + ["--training.seq_len=65536", "--training.fused_loss=false", "--training.memory_budget_gib=6"]
+    args = BIG + ["--training.seq_len=65536", "--training.fused_loss=false", "--training.memory_budget_gib=4"]
     config = load_config(args)
     with pytest.raises(ConfigError) as refused:
         check_memory(config, 1)

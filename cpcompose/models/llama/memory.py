@@ -14,8 +14,13 @@ tensor-parallel rank:
   saves the attention and feed-forward tensors in bf16.
 * A sequence-tiled feed-forward (``mlp_tiles`` > 1) saves only its input; one tile of its
   intermediates lives at a time, in forward and again (with gradients) in backward.
-* The loss without fusion holds the logits (compute dtype; the trainer keeps them until the
-  step ends), and in float32 the log-softmax, its gradient and the logits' gradient: c V + 12 V.
+* The loss without fusion peaks in backward: the float32 log-softmax it saved, its gradient and
+  the logits' gradient, 12 V (the logits, c V, and under bf16 their float32 copy, 4 V, are freed
+  once forward has made the log-softmax: 8 V or 10 V there).
+* The fused loss (`cpcompose.parallel.chunked_loss`) holds one chunk's float32 logits, in which
+  it makes the log-sum-exp and the softmax gradient in place, and under bf16 the chunk's bf16
+  matmul output (forward) or gradient (backward) beside them: 4 V or 6 V per chunk token; per
+  token of the shard, the saved float32 log-sum-exp and the hidden states' gradient (c D).
 """
 
 from __future__ import annotations
@@ -69,6 +74,8 @@ def llama_memory(model: _Shape, *, tp: int, precision: str, mlp_tiles: int) -> M
         root_params=2 * V * D + D, block_params=block_linear + 2 * D, output_params=V * D,
         block_cast_params=block_linear, largest_param=max(V * D, D * F),
         block_input=4 * D, block_saved=saved, block_forward=8 * D + (4 * tile if tiled else 0),
-        block_backward=max(ffn_backward, attn_backward) + 12 * D, head_saved=head, loss=c * V + 12 * V,
+        block_backward=max(ffn_backward, attn_backward) + 12 * D, tile_work=ffn_backward if tiled else 0,
+        head_saved=head, loss=12 * V,
+        fused_loss_chunk=4 * V + (2 * V if c == 2 else 0), fused_loss_token=4 + c * D,
         attention=(heads, kv_heads, head_dim),
     )
