@@ -243,6 +243,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--vocab-modes", nargs="+", default=memory_vocab.DEFAULT_MODES, choices=list(memory_vocab.MODES),
                    metavar="MODE", help=f"of {list(memory_vocab.MODES)}")
     p.add_argument("--vocab-cps", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--vocab-chunk-tokens", type=int, default=None,
+                   help="training.loss_chunk_tokens of the fused modes (default: the trainer's)")
+    p.add_argument("--vocab-fit-lens", type=int, nargs=2, default=None, metavar=("LOCAL1", "LOCAL2"),
+                   help="instead of searching the budget, run each mode at these local tokens per rank and "
+                        "EXTRAPOLATE the longest L from their linear fit (the fused modes reach 10^5 tokens at "
+                        "8 GiB: hours of search on a small CPU)")
     p.add_argument("--out", type=Path, default=Path("bench_results/memory.json"))
     args = p.parse_args()
     for cp in args.cps:
@@ -250,6 +256,8 @@ def parse_args() -> argparse.Namespace:
             p.error(f"--seq-len and --tiny-len must be multiples of 2*cp = {2 * cp} (zigzag chunks)")
     if any(args.resolution % (2 * cp) for cp in args.budget_cps + args.vocab_cps):
         p.error("--resolution must be a multiple of 2*cp for every --budget-cps and --vocab-cps")
+    if args.vocab_fit_lens and any(n % 2 for n in args.vocab_fit_lens):
+        p.error("--vocab-fit-lens must be even (zigzag: 2 chunks per rank)")
     if args.steps < 2:
         p.error("--steps must be >= 2: the second step is the first with AdamW state allocated")
     return args

@@ -68,7 +68,8 @@ def rank_main(rank: int, world: int, store: str, timeout: float, argv: list[str]
             s = t.untyped_storage()
             saved[s.data_ptr()] = s.nbytes()
             for name, width in (("vocab", vocab), ("ffn", ffn)):
-                if t.dim() >= 2 and t.shape[-1] == width:
+                # feed-forward activations are (batch, seq, ffn); a (dim, ffn) weight a tiled MLP saves is 2-D
+                if t.dim() >= (2 if name == "vocab" else 3) and t.shape[-1] == width:
                     wide[name] = max(wide[name], t.numel() // width)
             return t
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, Callable
 
-from memory_trials import fmt, run_trial, table, trainer_args
+from memory_trials import fit_line, fmt, run_trial, table, trainer_args
 
 L3S = {"dim": 256, "n_layers": 2, "n_heads": 4, "n_kv_heads": 1, "ffn_hidden_dim": 896, "vocab_size": 128256}
 _NONE = ("--training.fused_loss=false", "--training.tiled_mlp=1", "--activation_checkpoint.mode=none")
@@ -80,7 +80,7 @@ def unavailable(mode: str, cp: int, args: argparse.Namespace) -> str | None:
     """Why `mode` cannot run in this build (None: it can)."""
     from cpcompose.config import ConfigError
 
-    extra = MODES[mode]
+    extra = _extra(mode, args)
     try:
         _config(cp, 2 * cp * 64, extra)
     except ConfigError as e:
@@ -89,7 +89,7 @@ def unavailable(mode: str, cp: int, args: argparse.Namespace) -> str | None:
         return None
     local, chunk, tiles = 512, 128, 4
     probe = run_trial(L3S, cp, local * cp, steps=2, timeout=args.timeout,
-                      extra=extra + (f"--training.loss_chunk_tokens={chunk}",))
+                      extra=extra + (f"--training.loss_chunk_tokens={chunk}",))  # the last flag wins
     if probe["status"] != "ok":
         return f"its probe run failed: {probe.get('error')}"
     rows = probe["saved_rows"]
@@ -102,12 +102,34 @@ def unavailable(mode: str, cp: int, args: argparse.Namespace) -> str | None:
     return None
 
 
+def _extra(mode: str, args: argparse.Namespace) -> tuple[str, ...]:
+    """The mode's trainer flags, with `--vocab-chunk-tokens` for the fused loss's chunk when given."""
+    chunk = getattr(args, "vocab_chunk_tokens", None)
+    return MODES[mode] + ((f"--training.loss_chunk_tokens={chunk}",) if chunk else ())
+
+
+def fit_only(cp: int, args: argparse.Namespace, extra: tuple[str, ...]) -> dict[str, Any]:
+    """`--vocab-fit-lens`: runs at those local lengths only, and the longest L at the budget EXTRAPOLATED from
+    their linear fit (a search at the budget would run for hours on a small CPU: the fused modes reach 10^5
+    tokens). Same keys as `longest_fit`'s, `extrapolated` set."""
+    budget = args.budget_gib * 1024
+    trials = [run_trial(L3S, cp, local * cp, steps=args.steps, timeout=args.timeout, extra=extra)
+              for local in args.vocab_fit_lens]
+    bad = [t for t in trials if t["status"] != "ok"]
+    if bad:
+        raise SystemExit(f"cp={cp}: a run failed: {bad[0].get('error')}")
+    a, b = fit_line([(t["seq_len"], t["peak_mib"]) for t in trials])
+    longest = int((budget - a) / b) // args.resolution * args.resolution
+    return {"cp": cp, "budget_mib": budget, "longest": longest, "shortest_over": None, "fit_a_mib": a,
+            "fit_b_mib_per_token": b, "trials": trials, "extrapolated": True}
+
+
 def run(args: argparse.Namespace, longest_fit: Callable[..., dict[str, Any]]) -> dict[str, Any]:
     """Every mode x cp: availability, the longest L under the budget, and the plan beside each measurement."""
     budget = args.budget_gib * 1024
     results: dict[str, Any] = {"model": L3S, "budget_mib": budget, "modes": {}, "offload": OFFLOAD_NOTE}
     for mode in args.vocab_modes:
-        extra = MODES[mode]
+        extra = _extra(mode, args)
         for cp in args.vocab_cps:
             key = f"{mode} | cp={cp}"
             print(f"  {key}:", flush=True)
@@ -118,11 +140,16 @@ def run(args: argparse.Namespace, longest_fit: Callable[..., dict[str, Any]]) ->
                 continue
             guess = predicted_longest(cp, extra, budget, args.resolution)
             seeds = [max(args.resolution, int(f * guess) // args.resolution * args.resolution) for f in (0.5, 0.85)]
-            found = longest_fit(cp, args, model=L3S, extra=extra, seeds=seeds)
+            if getattr(args, "vocab_fit_lens", None):
+                found = fit_only(cp, args, extra)
+                at = found["trials"][-1]  # tokens/s at the longest run
+            else:
+                found = longest_fit(cp, args, model=L3S, extra=extra, seeds=seeds)
+                at = next((t for t in found["trials"] if t["seq_len"] == found["longest"] and t["status"] == "ok"),
+                          None)
             for t in found["trials"]:
                 t["predicted_mib"] = predicted_mib(cp, t["seq_len"], extra)
-            at = next((t for t in found["trials"] if t["seq_len"] == found["longest"] and t["status"] == "ok"), None)
-            found.update(mode=mode, predicted_longest=guess,
+            found.update(mode=mode, predicted_longest=guess, tokens_at=at and at["seq_len"],
                          tokens_per_s=at and at["tokens_per_s"], step_s=at and at["step_s"],
                          per_token_kib=per_token_kib(cp, found["longest"] or args.resolution, extra))
             results["modes"][key] = found
@@ -142,10 +169,13 @@ def print_results(results: dict[str, Any], args: argparse.Namespace) -> None:
                 [[r["mode"], str(r["cp"]), *(fmt(r["per_token_kib"][p], "{:,.1f}") for p in SCALING),
                   fmt(sum(r["per_token_kib"].values()), "{:,.1f}"),
                   fmt(r["fit_b_mib_per_token"] * 1024 * r["cp"], "{:,.1f}")] for r in ran]))  # per local token
-    print(f"\nLongest sequence at {args.budget_gib} GiB per rank (bisection step {args.resolution} tokens):\n")
-    print(table(["mode", "cp", "longest L", "plan's longest L", "vs before", "tok/s at it", "s/step", "runs"],
+    how = (f"EXTRAPOLATED from the linear fit of runs at {args.vocab_fit_lens} local tokens (not searched)"
+           if getattr(args, "vocab_fit_lens", None) else f"bisection step {args.resolution} tokens")
+    print(f"\nLongest sequence at {args.budget_gib} GiB per rank ({how}):\n")
+    print(table(["mode", "cp", "longest L", "plan's longest L", "vs before", "L of tok/s", "tok/s", "s/step", "runs"],
                 [[r["mode"], str(r["cp"]), f"{r['longest']:,}", f"{r['predicted_longest']:,}",
                   fmt(r["longest"] / base[r["cp"]] if base.get(r["cp"]) else None, "{:.2f}x"),
+                  f"{r['tokens_at']:,}" if r.get("tokens_at") else "n/a",
                   fmt(r["tokens_per_s"]), fmt(r["step_s"], "{:.2f}"), str(len(r["trials"]))] for r in ran]))
     print("\nPredicted (plan) vs measured peak per rank, every run that finished:\n")
     lines, worst = [], 0.0
