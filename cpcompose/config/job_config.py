@@ -90,5 +90,3 @@ class JobConfig:
         require(not (d.pack and p.pp > 1), "data.pack",
                 "packed documents are one sequence per micro-batch, which pipeline microbatches cannot split; "
                 "set parallelism.pp = 1")
-        require(self.lr_scheduler.warmup_steps <= t.steps, "lr_scheduler.warmup_steps",
-                f"{self.lr_scheduler.warmup_steps} exceeds training.steps = {t.steps}")

@@ -274,7 +274,8 @@ class LRScheduler:
     name: Literal["cosine", "constant"] = "cosine"
     """Shape after warmup."""
     warmup_steps: int = 10
-    """Linear warmup from 0 to optimizer.lr."""
+    """Linear warmup from 0 to optimizer.lr. More than training.steps is shortened to training.steps (the
+    run's banner says so), so that a short trial (--training.steps=3) of a long run's config runs as is."""
     min_lr_ratio: float = 0.1
     """Cosine ends at lr * min_lr_ratio."""
 

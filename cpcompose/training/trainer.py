@@ -404,6 +404,9 @@ class Trainer:
         self.lock.acquire()
         c = self.config.checkpoint
         path, notes = self.checkpoints.choose_resume(enable=c.enable, resume=c.resume)
+        if path is None:  # say it: a restart that silently began at step 0 looked like a lost run
+            notes.append(f"starting fresh at step 0: no checkpoint in {self.checkpoints.folder}" if c.enable else
+                         "starting fresh at step 0 (checkpoint.enable = false: this run saves nothing)")
         return {"error": None, "resume": None if path is None else str(path), "notes": notes}
 
     def _restore(self, path: Path) -> None:
