@@ -31,10 +31,18 @@ if __package__ in (None, ""):  # run as a file by torchrun: make the package imp
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from cpcompose.config import ConfigError, JobConfig, load_config  # noqa: E402
-from cpcompose.training.errors import TrainingError  # noqa: E402
+from cpcompose.training.errors import ErrorKind, TrainingError  # noqa: E402
 from cpcompose.training.faults import is_comm_failure  # noqa: E402
-from cpcompose.training.launch import launch_local, planned_world_size  # noqa: E402
+from cpcompose.training.launch import Report, launch_local, planned_world_size  # noqa: E402
 from cpcompose.training.lr_schedule import warmup_note  # noqa: E402
+from cpcompose.training.oom import (  # noqa: E402
+    MemoryGuard,
+    apply_cuda_budget,
+    is_out_of_memory,
+    out_of_memory_line,
+    peak_bytes,
+)
+from cpcompose.training.resources import run_device_type  # noqa: E402
 from cpcompose.training.metrics import stamp  # noqa: E402
 from cpcompose.training.dry_run import describe_plan  # noqa: E402
 from cpcompose.training.preflight import check_choices, preflight  # noqa: E402
@@ -43,14 +51,15 @@ from cpcompose.training.trainer import Trainer  # noqa: E402
 __all__ = ["cli", "main", "run_rank", "train"]
 
 
-def train(config: JobConfig) -> list[float]:
+def train(config: JobConfig, *, guard: MemoryGuard | None = None) -> list[float]:
     """Train as `config` says, in this process's rank; returns the loss of every step run.
 
     Uses the default process group if one exists (tests fork workers that have one),
-    else creates it from torchrun's environment with `comm.timeout_s`.
+    else creates it from torchrun's environment with `comm.timeout_s`. `guard` (see
+    `run_rank`) is told the trainer's step once it exists, for its report.
 
     Raises:
-        TrainingError: a one-line account of what went wrong (see `run_rank`).
+        TrainingError: a one-line account of what went wrong (see `run_rank`), out of memory included.
     """
     owns_group = not dist.is_initialized()
     if owns_group:
@@ -70,15 +79,27 @@ def train(config: JobConfig) -> list[float]:
         # Then every collective is bounded by comm.timeout_s: a dead rank ends the job, never hangs it.
         # (build_mesh hands the world's timeout to every mesh group, and ring waits read it from there.)
         dist.group.WORLD.set_timeout(timedelta(seconds=config.comm.timeout_s))
+    apply_cuda_budget(config)
+    trainer: Trainer | None = None
     try:
-        losses = Trainer(config).run()
-    except RuntimeError as e:  # a failure while building: the run loop explains its own
+        trainer = Trainer(config)
+        if guard is not None:
+            guard.follow(lambda: trainer.step)
+        losses = trainer.run()
+    except RuntimeError as e:  # out of memory, or a failure while building: the run loop explains its own
+        if not isinstance(e, TrainingError) and is_out_of_memory(e):
+            device = run_device_type(config)
+            raise TrainingError(out_of_memory_line(
+                config, dist.get_world_size(), rank=dist.get_rank(), step=trainer.step if trainer else None,
+                peak=peak_bytes(device), how="an allocation failed" + (" on the GPU" if device == "cuda" else ""),
+            ), kind="oom") from None
         cause = None if isinstance(e, TrainingError) else is_comm_failure(e)
         if cause is None:
             raise
         raise TrainingError(
             f"rank {dist.get_rank()}: a collective failed while the trainer was starting ({cause}); another rank "
-            f"has probably died or stalled, see its log (comm.timeout_s = {config.comm.timeout_s:g} s)"
+            f"has probably died or stalled, see its log (comm.timeout_s = {config.comm.timeout_s:g} s)",
+            kind="consequence",
         ) from e
     # Only after success: tearing a group down while a peer may still be inside a collective can hang.
     if owns_group:
@@ -88,22 +109,43 @@ def train(config: JobConfig) -> list[float]:
     return losses
 
 
-def run_rank(config: JobConfig) -> None:
-    """One rank's whole life: train, print any error once as one line, and leave without teardown.
+def run_rank(config: JobConfig, report: Report | None = None) -> None:
+    """One rank's whole life: train, report any error once as one line, and leave without teardown.
+
+    The line goes to `report` when the launcher gave one (it decides what the job prints), else
+    to stderr. With `training.memory_budget_gib` on CPU a `MemoryGuard` ends the rank, reporting,
+    once its resident set passes the budget.
 
     Ends the process with `os._exit` after flushing: interpreter shutdown after a
     gloo job intermittently aborted with "terminate called without an active
     exception" (static destructors racing the backend's threads), which made
     successful runs report failure. Exit codes: 0 done, 1 failed, 2 config/environment.
     """
+    def say(line: str, kind: ErrorKind) -> None:
+        if report is not None:
+            report(f"{stamp()} error: {line}", kind)
+        else:
+            print(f"{stamp()} error: {line}", file=sys.stderr, flush=True)
+
+    guard = None
+    budget = config.training.memory_budget_gib
+    if budget is not None and run_device_type(config) == "cpu":
+        rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+        def over_budget(resident: int) -> None:
+            say(out_of_memory_line(config, world, rank=rank, step=guard.step() if guard else None, peak=resident,
+                                   how="its resident set passed the budget and it stopped"), "oom")
+            _exit(1)
+
+        guard = MemoryGuard(int(budget * 2**30), over_budget).start()
     code = 0
     try:
-        train(config)
+        train(config, guard=guard)
     except TrainingError as e:
         code = e.exit_code
         # A config-like error is the same on every rank: rank 0 says it. A failure is per rank.
         if code != 2 or os.environ.get("RANK", "0") == "0":
-            print(f"{stamp()} error: {e}", file=sys.stderr, flush=True)
+            say(str(e), e.kind)
         _tell_torchrun(f"error: {e}")
     _exit(code)
 

@@ -2,12 +2,21 @@
 
 Method. Every measurement is one short training run (`--steps`, default 2, of
 `cpcompose.training.trainer.Trainer.train_step`) of a small Llama on the synthetic
-copy task, batch 1, float32, no activation checkpointing, the ring strategy with
-the zigzag layout. This script starts the P ranks itself, each a fresh Python
+copy task, batch 1, float32, no activation checkpointing, the whole logits
+(`training.fused_loss = false`), the ring strategy with the zigzag layout. This script
+starts the P ranks itself (`scripts/memory_trials.py`), each a fresh Python
 process (so nothing of this script's own memory is counted) that joins a gloo group
 with a timeout, builds the Trainer from `train_configs/debug_cpu.toml` plus
 overrides, runs the steps and reports its own numbers. Threads per rank: cores // P
 (at least 1), as `python -m cpcompose.train` does, so cp=1 uses both cores.
+
+Three experiments: the fixed-sequence table, the longest sequence under a budget (both
+below), and the 128k-vocabulary experiment (`scripts/memory_vocab.py`): a Llama at
+scaled-down Llama-3 proportions with Llama 3's vocabulary, before and after each memory
+feature (fused loss, tiled MLP; checkpointing on request; offload is CUDA-only), cp=1 and
+cp=2, with the memory plan's per-token parts, its predicted longest sequence and its
+predicted peak beside every measurement. Modes whose options this build rejects, or
+accepts without honouring, are skipped and say so.
 
 Peak memory is the rank's resident-set high-water mark,
 `resource.getrusage(RUSAGE_SELF).ru_maxrss`, after the last step. Every table shows
@@ -60,20 +69,15 @@ glibc's defaults. The machine may be shared: wall times are noisy, CPU times les
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
-import resource
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-CONFIG = ROOT / "train_configs" / "debug_cpu.toml"
+import memory_vocab
+from memory_trials import fit_line, fmt, machine, mem_available_mib, run_trial, table
 
 # Table 1: activations are most of the memory (4 layers, dim 256, vocab 4096).
 TABLE_MODEL = {"dim": 256, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "ffn_hidden_dim": 768, "vocab_size": 4096}
@@ -82,149 +86,7 @@ TABLE_MODEL = {"dim": 256, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "ffn_hi
 BUDGET_MODEL = {"dim": 128, "n_layers": 2, "n_heads": 2, "n_kv_heads": 1, "ffn_hidden_dim": 384, "vocab_size": 32768}
 
 
-def trainer_args(model: dict[str, int], cp: int, seq_len: int, steps: int, dump: str) -> list[str]:
-    """The command line (as for `python -m cpcompose.train`) of one measurement."""
-    return [
-        "--config", str(CONFIG), f"--training.steps={steps}", f"--training.seq_len={seq_len}",
-        "--training.batch_size=1", f"--parallelism.cp={cp}", "--parallelism.dp_shard=-1",
-        "--parallelism.cp_strategy=ring", "--parallelism.cp_layout=zigzag", "--activation_checkpoint.mode=none",
-        "--checkpoint.enable=false", "--metrics.enable_tensorboard=false", "--metrics.plot_loss=false",
-        "--lr_scheduler.warmup_steps=1", f"--job.dump_folder={dump}",
-        *(f"--model.{k}={v}" for k, v in model.items()),
-    ]
-
-
-# --- one rank (a fresh process started by `run_trial`) ---
-
-
-def rank_main(rank: int, world: int, store: str, timeout: float, argv: list[str], out: str) -> None:
-    """Build the Trainer, run its steps, write this rank's numbers to `out`."""
-    import torch
-    import torch.distributed as dist
-
-    from cpcompose.config import load_config
-    from cpcompose.training.trainer import Trainer
-
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=timeout))
-    try:
-        trainer = Trainer(load_config(argv))
-        built = _rss_mib()
-        saved: dict[int, int] = {}  # storage address -> bytes, for every tensor autograd keeps
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            s = t.untyped_storage()
-            saved[s.data_ptr()] = s.nbytes()
-            return t
-
-        walls, cpus, sys_s, saved_mib, losses = [], [], [], [], []
-        for _ in range(trainer.config.training.steps):
-            saved.clear()
-            dist.barrier()
-            start, before = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                losses.append(trainer.train_step())
-            after = resource.getrusage(resource.RUSAGE_SELF)
-            walls.append(time.perf_counter() - start)
-            sys_s.append(after.ru_stime - before.ru_stime)
-            cpus.append(after.ru_utime - before.ru_utime + sys_s[-1])
-            saved_mib.append(sum(saved.values()) / 2**20)
-        dist.barrier()
-        result = {"rank": rank, "peak_mib": _maxrss_mib(), "built_mib": built, "step_s": walls, "cpu_s": cpus,
-                  "sys_s": sys_s, "saved_mib": saved_mib, "losses": losses, "threads": torch.get_num_threads()}
-        Path(out).write_text(json.dumps(result))
-    finally:
-        dist.destroy_process_group()
-
-
-def _maxrss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
-
-
-def _rss_mib(pid: int | str = "self") -> float:
-    """Current resident set of a process, MiB (0 if it is gone)."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            return next(int(ln.split()[1]) for ln in f if ln.startswith("VmRSS:")) / 1024
-    except (OSError, StopIteration):
-        return 0.0
-
-
-def _mem_available_mib() -> float:
-    with open("/proc/meminfo") as f:
-        return next(int(ln.split()[1]) for ln in f if ln.startswith("MemAvailable:")) / 1024
-
-
-# --- the launcher ---
-
-
-def run_trial(
-    model: dict[str, int], cp: int, seq_len: int, *, steps: int, timeout: float, budget_mib: float | None = None
-) -> dict[str, Any]:
-    """One training run on `cp` fresh processes. Returns its per-rank numbers and a status:
-    "ok", "over budget" (a rank's RSS crossed `budget_mib`; stopped), or "failed"."""
-    with tempfile.TemporaryDirectory(prefix="cpcompose-mem-") as tmp:
-        argv = trainer_args(model, cp, seq_len, steps, os.path.join(tmp, "dump"))
-        outs = [os.path.join(tmp, f"rank{r}.json") for r in range(cp)]
-        spec = json.dumps({"world": cp, "store": os.path.join(tmp, "store"), "timeout": timeout, "argv": argv})
-        procs = [
-            subprocess.Popen(
-                [sys.executable, __file__, "--_rank", str(r), "--_spec", spec, "--_out", outs[r]],
-                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-            )
-            for r in range(cp)
-        ]
-        status, polled, deadline = "ok", 0.0, time.monotonic() + timeout
-        try:
-            while any(p.poll() is None for p in procs):
-                rss = max(_rss_mib(p.pid) for p in procs)
-                polled = max(polled, rss)
-                if budget_mib is not None and rss > budget_mib:
-                    status = "over budget"
-                    break
-                if any(p.poll() not in (None, 0) for p in procs):
-                    status = "failed"
-                    break
-                if time.monotonic() > deadline:
-                    status = "failed"
-                    break
-                time.sleep(0.05)
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-            errors = [p.communicate()[1] for p in procs]
-        if status == "ok" and any(p.returncode for p in procs):
-            status = "failed"
-        row: dict[str, Any] = {"cp": cp, "seq_len": seq_len, "status": status, "polled_max_rss_mib": polled}
-        if status == "failed":
-            tail = next((e for e in errors if e.strip()), "(no output; timed out?)")
-            row["error"] = tail.strip().splitlines()[-1][:300] if tail.strip() else tail
-            print(f"    L={seq_len} cp={cp}: FAILED: {row['error']}", flush=True)
-            return row
-        if status == "over budget":
-            print(f"    L={seq_len:>6} cp={cp}: over budget (RSS {polled:,.0f} MiB, stopped)", flush=True)
-            return row
-        ranks = [json.loads(Path(o).read_text()) for o in outs]
-    row.update(
-        ranks=ranks,
-        peak_mib=max(r["peak_mib"] for r in ranks),
-        step_s=max(r["step_s"][-1] for r in ranks),  # the last step: the first pays one-off set-up
-        cpu_s=max(r["cpu_s"][-1] for r in ranks),
-        sys_s=max(r["sys_s"][-1] for r in ranks),
-        saved_mib=max(r["saved_mib"][-1] for r in ranks),
-        threads=ranks[0]["threads"],
-    )
-    row["tokens_per_s"] = seq_len / row["step_s"]
-    if budget_mib is not None and row["peak_mib"] > budget_mib:
-        row["status"] = "over budget"
-    print(f"    L={seq_len:>6} cp={cp}: peak {row['peak_mib']:,.0f} MiB/rank, {row['step_s']:.2f} s/step, "
-          f"{row['status']}", flush=True)
-    return row
-
-
-# --- the two experiments ---
+# --- the experiments ---
 
 
 def fixed_length_table(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -249,25 +111,21 @@ def fixed_length_table(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
-def _fit(points: list[tuple[int, float]]) -> tuple[float, float]:
-    """Least-squares a, b of peak = a + b * L."""
-    n = len(points)
-    mx, my = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
-    b = sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points)
-    return my - b * mx, b
+def longest_fit(cp: int, args: argparse.Namespace, *, model: dict[str, int] = BUDGET_MODEL,
+                extra: tuple[str, ...] | None = None, seeds: list[int] | None = None) -> dict[str, Any]:
+    """Longest L (a multiple of `--resolution`) whose run fits the per-rank budget.
 
-
-def longest_fit(cp: int, args: argparse.Namespace) -> dict[str, Any]:
-    """Longest L (a multiple of `--resolution`) whose run fits the per-rank budget."""
+    `seeds`: the first two lengths to run (default `--fit-local-lens` x cp); `extra`: trainer flags of the mode.
+    """
     budget, res = args.budget_gib * 1024, args.resolution
     need = cp * budget + 1024
-    if _mem_available_mib() < need:
+    if mem_available_mib() < need:
         raise SystemExit(f"cp={cp}: {need:,.0f} MiB must be free for a {args.budget_gib} GiB budget per rank, "
-                         f"only {_mem_available_mib():,.0f} MiB is: lower --budget-gib")
+                         f"only {mem_available_mib():,.0f} MiB is: lower --budget-gib")
     trials: list[dict[str, Any]] = []
 
     def trial(seq_len: int) -> bool:
-        row = run_trial(BUDGET_MODEL, cp, seq_len, steps=args.steps, timeout=args.timeout, budget_mib=budget)
+        row = run_trial(model, cp, seq_len, steps=args.steps, timeout=args.timeout, budget_mib=budget, extra=extra)
         trials.append(row)
         if row["status"] == "failed":
             raise SystemExit(f"cp={cp} L={seq_len}: {row.get('error')}")
@@ -288,11 +146,17 @@ def longest_fit(cp: int, args: argparse.Namespace) -> dict[str, Any]:
         else:
             hi = seq_len if hi is None else min(hi, seq_len)
 
-    for local in args.fit_local_lens:
-        probe(grid(local * cp))
+    seeds = [grid(x) for x in (seeds or [local * cp for local in args.fit_local_lens])]
+    for seq_len in seeds:
+        probe(seq_len)
+    while len(points()) < 2:  # a seed was over the budget: halve below the shortest run so far
+        shorter = grid(min(t["seq_len"] for t in trials) / 2)
+        if shorter in {t["seq_len"] for t in trials}:
+            break
+        probe(shorter)
     if len(points()) < 2:
         raise SystemExit(f"cp={cp}: need two runs under the budget to fit; lower --fit-local-lens")
-    a, b = _fit(points())
+    a, b = fit_line(points())
     guess = grid((budget - a) / b)
     step = max(res, grid(0.03 * guess))
     for cand in (guess - step, guess + step):  # a tight bracket around the prediction
@@ -303,7 +167,7 @@ def longest_fit(cp: int, args: argparse.Namespace) -> dict[str, Any]:
         step *= 2
     while hi - lo > res:
         probe(max(lo + res, grid((lo + hi) / 2)))
-    a, b = _fit(points())
+    a, b = fit_line(points())
     device = args.extrapolate_gib * 1024
     return {"cp": cp, "budget_mib": budget, "longest": lo, "shortest_over": hi, "fit_a_mib": a,
             "fit_b_mib_per_token": b, "extrapolated_longest": int((device - a) / b) // (2 * cp) * (2 * cp),
@@ -313,42 +177,20 @@ def longest_fit(cp: int, args: argparse.Namespace) -> dict[str, Any]:
 # --- reporting ---
 
 
-def machine() -> dict[str, Any]:
-    import torch
-
-    model = "unknown"
-    with open("/proc/cpuinfo") as f:
-        model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), model)
-    with open("/proc/meminfo") as f:
-        total = next(int(ln.split()[1]) for ln in f if ln.startswith("MemTotal:")) / 2**20
-    return {"cpu": model, "cores": os.cpu_count(), "ram_gib": round(total, 1), "torch": torch.__version__,
-            "python": platform.python_version(), "platform": platform.platform(),
-            "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}
-
-
-def _table(headers: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---:" for _ in headers) + "|"]
-    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
-
-
-def _fmt(x: float | None, f: str = "{:,.0f}") -> str:
-    return "n/a" if x is None else f.format(x)
-
-
 def print_fixed(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
     m = TABLE_MODEL
     print(f"\nFixed sequence L={args.seq_len}: Llama {m['n_layers']} layers, dim {m['dim']}, {m['n_heads']} heads "
           f"({m['n_kv_heads']} kv), ffn {m['ffn_hidden_dim']}, vocab {m['vocab_size']}, fp32, batch 1, no AC, "
           f"ring/zigzag; fixed part measured at L={args.tiny_len}; max over ranks; last of {args.steps} steps\n")
     cores = os.cpu_count() or 1
-    print(_table(
+    print(table(
         ["cp", "threads/rank", "peak/rank (MiB)", "fixed (MiB)", "activation/rank (MiB)", "act. vs cp=1",
          "saved for bwd/rank (MiB)", "saved vs cp=1", "tok/s", "s/step", "CPU s/step (max rank)",
          "of which sys"],
-        [[str(r["cp"]), str(r["threads"]), _fmt(r["peak_mib"]), _fmt(r["fixed_mib"]), _fmt(r["activation_mib"]),
-          _fmt(r["activation_ratio"], "{:.3f}"), _fmt(r["saved_mib"]), _fmt(r["saved_ratio"], "{:.3f}"),
-          _fmt(r["tokens_per_s"]) + (f" ({r['cp']} procs on {cores} cores)" if r["cp"] > cores else ""),
-          _fmt(r["step_s"], "{:.2f}"), _fmt(r["cpu_s"], "{:.2f}"), _fmt(r["sys_s"], "{:.2f}")] for r in rows],
+        [[str(r["cp"]), str(r["threads"]), fmt(r["peak_mib"]), fmt(r["fixed_mib"]), fmt(r["activation_mib"]),
+          fmt(r["activation_ratio"], "{:.3f}"), fmt(r["saved_mib"]), fmt(r["saved_ratio"], "{:.3f}"),
+          fmt(r["tokens_per_s"]) + (f" ({r['cp']} procs on {cores} cores)" if r["cp"] > cores else ""),
+          fmt(r["step_s"], "{:.2f}"), fmt(r["cpu_s"], "{:.2f}"), fmt(r["sys_s"], "{:.2f}")] for r in rows],
     ))
     r2 = next((r for r in rows if r["cp"] == 2), None)
     if r2 and r2["activation_ratio"] is not None:
@@ -362,7 +204,7 @@ def print_budget(results: list[dict[str, Any]], args: argparse.Namespace) -> Non
     print(f"\nLongest trainable sequence under {args.budget_gib} GiB peak RSS per rank: Llama {m['n_layers']} layers, "
           f"dim {m['dim']}, vocab {m['vocab_size']}, fp32, batch 1, no AC, ring/zigzag, {args.steps} steps, "
           f"resolution {args.resolution} tokens\n")
-    print(_table(
+    print(table(
         ["cp", "longest L", "first L over", "runs", "fit a (MiB)", "fit b (KiB/token)",
          f"EXTRAPOLATED longest L at {args.extrapolate_gib} GiB/rank"],
         [[str(r["cp"]), f"{r['longest']:,}", "n/a" if r["shortest_over"] is None else f"{r['shortest_over']:,}",
@@ -397,30 +239,25 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per run (also the gloo timeout)")
     p.add_argument("--skip-table", action="store_true")
     p.add_argument("--skip-budget", action="store_true")
+    p.add_argument("--skip-vocab", action="store_true", help="skip the 128k-vocabulary before/after experiment")
+    p.add_argument("--vocab-modes", nargs="+", default=memory_vocab.DEFAULT_MODES, choices=list(memory_vocab.MODES),
+                   metavar="MODE", help=f"of {list(memory_vocab.MODES)}")
+    p.add_argument("--vocab-cps", type=int, nargs="+", default=[1, 2])
     p.add_argument("--out", type=Path, default=Path("bench_results/memory.json"))
     args = p.parse_args()
     for cp in args.cps:
         if args.seq_len % (2 * cp) or args.tiny_len % (2 * cp):
             p.error(f"--seq-len and --tiny-len must be multiples of 2*cp = {2 * cp} (zigzag chunks)")
-    if any(args.resolution % (2 * cp) for cp in args.budget_cps):
-        p.error("--resolution must be a multiple of 2*cp for every --budget-cps")
+    if any(args.resolution % (2 * cp) for cp in args.budget_cps + args.vocab_cps):
+        p.error("--resolution must be a multiple of 2*cp for every --budget-cps and --vocab-cps")
     if args.steps < 2:
         p.error("--steps must be >= 2: the second step is the first with AdamW state allocated")
     return args
 
 
 def main() -> None:
-    if "--_rank" in sys.argv:  # a rank started by run_trial
-        w = argparse.ArgumentParser()
-        w.add_argument("--_rank", type=int)
-        w.add_argument("--_spec")
-        w.add_argument("--_out")
-        a = w.parse_args()
-        spec = json.loads(a._spec)
-        sys.path.insert(0, str(ROOT))
-        rank_main(a._rank, spec["world"], spec["store"], spec["timeout"], spec["argv"], a._out)
-        return
     args = parse_args()
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # cpcompose, for the memory plan
     started = time.perf_counter()
     info = machine()
     print(f"{info['cpu']}, {info['cores']} cores, {info['ram_gib']} GiB, torch {info['torch']}", flush=True)
@@ -432,11 +269,16 @@ def main() -> None:
     if not args.skip_budget:
         print(f"longest sequence under {args.budget_gib} GiB per rank:", flush=True)
         result["budget"] = [longest_fit(cp, args) for cp in args.budget_cps]
+    if not args.skip_vocab:
+        print(f"128k vocabulary, before and after each feature, under {args.budget_gib} GiB per rank:", flush=True)
+        result["vocab"] = memory_vocab.run(args, longest_fit)
     result["wall_s"] = time.perf_counter() - started
     if "fixed_length" in result:
         print_fixed(result["fixed_length"], args)
     if "budget" in result:
         print_budget(result["budget"], args)
+    if "vocab" in result:
+        memory_vocab.print_results(result["vocab"], args)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     print(f"\n{result['wall_s']:.0f} s in all; wrote {args.out}")

@@ -25,7 +25,7 @@ def test_integration_extras_pin_what_the_suite_installs() -> None:
     """Each integration's extra is what the test extra installs, so CI tests the pinned release."""
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert extras["torchtitan"] == ["torchtitan==0.3.0"]
-    assert set(extras["hf"]) | set(extras["torchtitan"]) <= set(extras["test"])
+    assert set(extras["hf"]) | set(extras["torchtitan"]) | set(extras["parquet"]) <= set(extras["test"])
     assert not any(d.split("=")[0].split(">")[0].strip() == "torch" for d in extras["torchtitan"]), (
         "pinning torch in an extra could pull a CUDA build; the README's command pins it instead"
     )

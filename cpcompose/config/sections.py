@@ -74,6 +74,11 @@ class Model:
     """RMSNorm epsilon."""
     rope_theta: float = 10000.0
     """RoPE base; long contexts want a larger one (Llama 3: 500000)."""
+    path: str | None = None
+    """model.name = "hf": the local model folder (config.json, *.safetensors, tokenizer files). Its tokenizer is
+    the data's unless data.tokenizer is set."""
+    # (hfdata adds only this field, so the data side can resolve the model's tokenizer; the hf model branch owns
+    # its checks.)
 
     def __post_init__(self) -> None:
         _positive(self, "model", "vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden_dim")
@@ -193,6 +198,9 @@ class Training:
     """Run every feed-forward over this many tiles of the local sequence, recomputing each in backward, so its
     seq x ffn_hidden_dim intermediates are never whole (DeepSpeed ALST's TiledMLP); exact, one more MLP
     forward per step. 1 = off. Not with training.compile."""
+    memory_budget_gib: float | None = None
+    """Per-rank memory the run may use: the memory plan must fit in it before launch, and a rank that passes it
+    stops, saying so. Unset: the device's memory (CUDA) or the host's RAM divided by the ranks on it (CPU)."""
 
     def __post_init__(self) -> None:
         _positive(self, "training", "steps", "batch_size", "grad_accum_steps", "loss_chunk_tokens", "tiled_mlp")
@@ -200,6 +208,18 @@ class Training:
         require(self.tiled_mlp == 1 or not self.compile, "training.tiled_mlp",
                 f"{self.tiled_mlp} tiles do not compile (the tiles' backward recomputes under autograd): set it to "
                 "1, or training.compile = false")
+        require(self.memory_budget_gib is None or 0 < self.memory_budget_gib < float("inf"),
+                "training.memory_budget_gib", f"must be a positive number of GiB, got {self.memory_budget_gib}")
+
+
+_TEXT_ONLY = {"path": None, "tokenizer": None, "eos_token": None, "format": "text", "text_key": "text",
+              "prompt_key": "prompt", "completion_key": "completion", "messages_key": "messages",
+              "chat_mask": "generation", "truncate": False}
+"""Data fields that only data.source = "text" reads, with their defaults: setting one for synthetic data is an error."""
+
+_FORMAT_ONLY = {"text_key": ("text",), "prompt_key": ("completion",), "completion_key": ("completion",),
+                "messages_key": ("chat",), "chat_mask": ("chat",), "truncate": ("completion", "chat")}
+"""Data fields that only some data.format values read."""
 
 
 @dataclass
@@ -212,13 +232,38 @@ class Data:
     """Synthetic: copy (the second half repeats the first; debug_cpu.toml: loss 0.4 by step 300) or recall
     (key/value pairs queried at the end; harder). Both need attention across CP shards to be solved."""
     path: str | None = None
-    """A .txt file (one document), a .jsonl file ({"text": ...} per line) or a directory of them."""
+    """A .txt file (one document), a .jsonl file (one JSON object per line), a .parquet file (one record per row;
+    needs pyarrow) or a folder of them (read recursively in sorted order)."""
+    format: Literal["text", "completion", "chat"] = "text"
+    """text: documents for continued pretraining, loss on every token; completion: {prompt, completion} records,
+    loss on the completion and its EOS; chat: {messages: [{role, content}, ...]} records rendered with the
+    tokenizer's chat template, loss on the assistant's tokens. completion and chat records are packed whole."""
+    text_key: str = "text"
+    """format = "text": the field of a .jsonl object / .parquet column holding the document."""
+    prompt_key: str = "prompt"
+    """format = "completion": the field holding the prompt (no loss)."""
+    completion_key: str = "completion"
+    """format = "completion": the field holding the completion (the loss)."""
+    messages_key: str = "messages"
+    """format = "chat": the field holding the list of {role, content} messages."""
+    chat_mask: Literal["generation", "incremental"] = "generation"
+    """format = "chat": how the assistant's tokens are found. generation: the template's {% generation %}
+    markers (transformers' assistant mask; a template without them is refused before launch); incremental:
+    render the conversation one message at a time and train on what each assistant message adds (for templates
+    without markers; a template that rewrites earlier turns is refused per record)."""
+    truncate: bool = False
+    """completion/chat: a record longer than training.seq_len is an error (before launch) unless this is true,
+    which keeps its first seq_len tokens (a record left with no trained token is dropped)."""
     tokenizer: str | None = None
-    """A `tokenizers` JSON file; none means byte-level (bytes 0-255, BOS 256, EOS 257)."""
+    """A tokenizer folder (tokenizer_config.json etc., read with transformers' AutoTokenizer, local files only)
+    or a `tokenizers` JSON file. Unset: model.path's tokenizer when model.name = "hf", else byte-level
+    (bytes 0-255, BOS 256, EOS 257)."""
     eos_token: str | None = None
-    """EOS token string in data.tokenizer; none tries common names (</s>, <|end_of_text|>, ...)."""
-    pack: bool = False
-    """Also return cu_seqlens (document boundaries) so attention can stay within documents."""
+    """EOS token string; none takes the tokenizer's own (a folder's eos_token; a JSON file: common names such
+    as </s>, <|end_of_text|>)."""
+    pack: bool | None = None
+    """Keep document boundaries (cu_seqlens) so attention, every mixer and the loss restart at each document.
+    Unset: on for completion/chat (always packed), off for text (windows over the concatenated documents)."""
     num_symbols: int = 64
     """Synthetic: ordinary symbols (ids 0..num_symbols-1): copied symbols, or keys, values and filler."""
     num_pairs: int = 16
@@ -233,11 +278,16 @@ class Data:
     def __post_init__(self) -> None:
         require(self.source != "text" or self.path is not None, "data.path", "required when data.source = 'text'")
         require(not self.pack or self.source == "text", "data.pack", "only applies to data.source = 'text'")
-        for name in ("path", "tokenizer", "eos_token"):  # ignored by synthetic data: say so rather than drop it
-            require(self.source == "text" or getattr(self, name) is None, f"data.{name}",
+        for name, default in _TEXT_ONLY.items():  # ignored by synthetic data: say so rather than drop it
+            require(self.source == "text" or getattr(self, name) == default, f"data.{name}",
                     "only applies to data.source = 'text'; add --data.source=text or remove it")
-        require(self.eos_token is None or self.tokenizer is not None, "data.eos_token",
-                "only applies with data.tokenizer (the byte-level tokenizer's EOS is fixed)")
+        for name, formats in _FORMAT_ONLY.items():
+            require(self.format in formats or getattr(self, name) == _TEXT_ONLY[name], f"data.{name}",
+                    f"only applies to data.format = {' or '.join(map(repr, formats))}, not {self.format!r}")
+        require(self.format == "text" or self.pack is not False, "data.pack",
+                f"{self.format} records are always packed whole with their boundaries; remove data.pack = false")
+        # Resolved here so every reader sees a bool: records are packed, text is not unless asked.
+        self.pack = self.source == "text" and (self.pack if self.pack is not None else self.format != "text")
         require(self.num_symbols >= 2, "data.num_symbols", f"must be >= 2, got {self.num_symbols}")
         require(1 <= self.num_pairs <= self.num_symbols, "data.num_pairs",
                 f"must be in [1, num_symbols], got {self.num_pairs}")

@@ -7,11 +7,11 @@ from typing import Any
 from cpcompose.config import ConfigError, JobConfig
 from cpcompose.data.batch import Batch, SampleSource
 from cpcompose.data.copy_task import SyntheticCopy, copy_task_problem
+from cpcompose.data.corpus import build_corpus_source, check_corpus
 from cpcompose.data.synthetic import SyntheticRecall, recall_task_problem
-from cpcompose.data.text import TextSource
-from cpcompose.data.tokenizer import build_tokenizer
+from cpcompose.data.tokenizer import config_tokenizer, tokenizer_choice
 
-__all__ = ["TokenBatcher", "build_data_source", "data_config_error"]
+__all__ = ["TokenBatcher", "build_data_source", "check_data", "data_config_error"]
 
 
 class TokenBatcher:
@@ -81,6 +81,37 @@ def data_config_error(config: JobConfig) -> ConfigError | None:
     return ConfigError(f"{key}: {problem.reason}")
 
 
+def _vocab_error(config: JobConfig, vocab: int, what: str) -> ConfigError | None:
+    """model.vocab_size must cover the data's ids. For a Hugging Face model (model.name = "hf") it is the model's
+    own vocabulary (config.json's), so the tokenizer is what to change."""
+    m = config.model
+    if vocab <= m.vocab_size:
+        return None
+    if m.name == "hf":
+        choice = tokenizer_choice(config)
+        return ConfigError(f"{choice.key}: the tokenizer {choice.path or '(byte-level)'} has {vocab} ids, more than the "
+                           f"model's vocabulary of {m.vocab_size} ({m.path}/config.json); leave data.tokenizer unset "
+                           "to use the model's own")
+    return ConfigError(f"model.vocab_size: {m.vocab_size} does not cover the {vocab} ids of {what}; "
+                       f"set --model.vocab_size={vocab} or more")
+
+
+def check_data(config: JobConfig) -> None:
+    """The pre-launch data check: the synthetic task's parameters and vocabulary, or the tokenizer, the
+    vocabulary and a scan of the files (see :func:`cpcompose.data.corpus.check_corpus` for what it reads).
+
+    Raises:
+        ConfigError: naming the key to change (and the file, line or row of a bad record).
+    """
+    if config.data.source == "synthetic":
+        build_data_source(config, dp_rank=0, dp_size=1)  # cheap: checks the task and the vocabulary
+        return
+    tokenizer = config_tokenizer(config)
+    if (error := _vocab_error(config, tokenizer.vocab_size, "the tokenizer")) is not None:
+        raise error
+    check_corpus(config, tokenizer)
+
+
 def build_data_source(config: JobConfig, *, dp_rank: int, dp_size: int) -> TokenBatcher:
     """The loader of one data-parallel rank, as ``config.data`` describes.
 
@@ -88,11 +119,9 @@ def build_data_source(config: JobConfig, *, dp_rank: int, dp_size: int) -> Token
         config: the run configuration; its ``training.batch_size`` is global (see the field's doc).
         dp_rank: this rank's coordinate on the dp (= dp_replicate x dp_shard) mesh.
         dp_size: the dp mesh size.
-    Returns:
-        A :class:`TokenBatcher` yielding ``batch_size / (dp_size * grad_accum_steps)`` sequences per call.
     Raises:
-        ConfigError: the task's parameters do not fit, the batch does not split evenly, or
-            model.vocab_size does not cover the data.
+        ConfigError: the task does not fit, the batch does not split over dp, the data has a bad file or record,
+            or model.vocab_size does not cover the data.
     """
     t, d = config.training, config.data
     if (error := data_config_error(config)) is not None:
@@ -109,13 +138,12 @@ def build_data_source(config: JobConfig, *, dp_rank: int, dp_size: int) -> Token
             source = SyntheticRecall(seq_len=t.seq_len, seed=config.job.seed, num_symbols=d.num_symbols,
                                      num_pairs=d.num_pairs, num_queries=d.num_queries,
                                      key_fraction=d.key_fraction, filler=d.filler)
-        vocab = source.vocab_size
+        vocab, what = source.vocab_size, "data.source = 'synthetic'"
     else:
-        assert d.path is not None  # Data.__post_init__ requires it for text
-        tokenizer = build_tokenizer(d.tokenizer, eos_token=d.eos_token)
-        source = TextSource.from_path(d.path, tokenizer, seq_len=t.seq_len, seed=config.job.seed, pack=d.pack)
-        vocab = tokenizer.vocab_size
-    if vocab > config.model.vocab_size:
-        raise ConfigError(f"model.vocab_size: {config.model.vocab_size} does not cover the {vocab} ids of "
-                          f"data.source = '{d.source}'")
+        tokenizer = config_tokenizer(config)
+        vocab, what = tokenizer.vocab_size, "the tokenizer"
+    if (error := _vocab_error(config, vocab, what)) is not None:
+        raise error
+    if d.source == "text":
+        source = build_corpus_source(config, tokenizer)
     return TokenBatcher(source, batch_size=t.batch_size // split, dp_rank=dp_rank, dp_size=dp_size)

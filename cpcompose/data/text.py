@@ -1,57 +1,25 @@
-"""Your own text: .txt / .jsonl files, tokenized, concatenated and cut into fixed-length windows."""
+"""Plain-text documents (data.format = "text"), concatenated and cut into fixed-length windows."""
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterator
-from pathlib import Path
+from array import array
+from collections.abc import Iterable
 
 import torch
 from torch import Tensor
 
+from cpcompose.config import ConfigError
 from cpcompose.data._rng import seeded_generator
-from cpcompose.data.batch import Sample
-from cpcompose.data.documents import document_cu_seqlens, mask_document_crossings
-from cpcompose.data.tokenizer import Tokenizer
+from cpcompose.data.batch import IGNORE_INDEX, Sample
 
-__all__ = ["TextSource", "read_documents"]
-
-_SUFFIXES = (".txt", ".jsonl")
+__all__ = ["TextSource", "short_corpus_error"]
 
 
-def read_documents(path: str | Path) -> Iterator[str]:
-    """Documents under ``path``: a .txt file is one document, each line of a .jsonl file is one
-    ``{"text": ...}`` object, a directory holds such files (recursively, in sorted order so every
-    rank reads the same corpus).
-
-    Raises:
-        FileNotFoundError: ``path`` does not exist or a directory holds no .txt/.jsonl file.
-        ValueError: a .jsonl line that is not an object with a "text" string (names file and line).
-    """
-    path = Path(path)
-    if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.suffix in _SUFFIXES and p.is_file())
-        if not files:
-            raise FileNotFoundError(f"data.path: no .txt or .jsonl files under {path}")
-    elif path.is_file():
-        files = [path]
-    else:
-        raise FileNotFoundError(f"data.path: {path} does not exist")
-    for file in files:
-        if file.suffix != ".jsonl":
-            yield file.read_text(encoding="utf-8")
-            continue
-        with file.open(encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{file}:{lineno}: invalid JSON: {e}") from None
-                if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-                    raise ValueError(f'{file}:{lineno}: expected an object with a "text" string')
-                yield record["text"]
+def short_corpus_error(num_tokens: int, seq_len: int, path: object) -> ConfigError:
+    """The error for a corpus with fewer than one window (``seq_len + 1`` tokens): the same before launch and in
+    the ranks."""
+    return ConfigError(f"training.seq_len: the corpus at {path} has {num_tokens} tokens, fewer than one window of "
+                       f"training.seq_len + 1 = {seq_len + 1}; lower training.seq_len or add text")
 
 
 class TextSource:
@@ -61,33 +29,37 @@ class TextSource:
     ``[w*seq_len, w*seq_len + seq_len]``: inputs are its first seq_len tokens, labels its last seq_len,
     so consecutive windows share one token and none is wasted. Global sample ``i`` is window
     ``perm_e[i mod W]`` of epoch ``e = i // W``, with ``perm_e`` drawn from ``(seed, e)``.
-    With ``pack``, samples also carry ``cu_seqlens`` and the label at each EOS is ignored.
-    The whole corpus is tokenized in memory on every rank: meant for modest corpora.
+
+    With ``pack``, samples carry ``cu_seqlens`` (document boundaries, from where each document started, not
+    from EOS tokens, which a tokenizer may also use as BOS or pad) and no label crosses a boundary. A document
+    cut by a window edge continues in another window as a document of its own: a document longer than seq_len
+    becomes seq_len pieces. The whole corpus is tokenized in memory on every rank: meant for modest corpora.
     """
 
-    def __init__(self, tokens: Tensor, *, seq_len: int, eos_id: int, seed: int = 0, pack: bool = False) -> None:
-        """Wrap an already tokenized corpus ``tokens`` (1-D integer tensor).
+    def __init__(self, tokens: Tensor, starts: Tensor, *, seq_len: int, seed: int = 0, pack: bool = False,
+                 path: object = "data.path") -> None:
+        """Wrap an already tokenized corpus: ``tokens`` (1-D integers) and ``starts``, the sorted offsets at which
+        its documents start (the first is 0).
 
         Raises:
-            ValueError: the corpus is shorter than one window of ``seq_len + 1`` tokens.
+            ConfigError: the corpus is shorter than one window of ``seq_len + 1`` tokens (names training.seq_len).
         """
         if tokens.dim() != 1 or tokens.numel() < seq_len + 1:
-            raise ValueError(f"the corpus has {tokens.numel()} tokens, fewer than one window of "
-                             f"training.seq_len + 1 = {seq_len + 1}")
-        self.tokens, self.seq_len, self.eos_id, self.seed, self.pack = tokens, seq_len, eos_id, seed, pack
+            raise short_corpus_error(tokens.numel(), seq_len, path)
+        self.tokens, self.starts, self.seq_len, self.seed, self.pack = tokens, starts.to(torch.int64), seq_len, seed, pack
         self.num_windows = (tokens.numel() - 1) // seq_len
         self._epoch, self._perm = -1, torch.empty(0, dtype=torch.long)
 
     @classmethod
-    def from_path(cls, path: str | Path, tokenizer: Tokenizer, *, seq_len: int, seed: int = 0,
-                  pack: bool = False) -> TextSource:
-        """Read and tokenize every document under ``path`` (see :func:`read_documents`)."""
-        bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
-        ids: list[int] = []
-        for doc in read_documents(path):
-            ids += bos + tokenizer.encode(doc) + [tokenizer.eos_id]
-        # int32 halves the corpus' memory; every vocabulary fits in it.
-        return cls(torch.tensor(ids, dtype=torch.int32), seq_len=seq_len, eos_id=tokenizer.eos_id, seed=seed, pack=pack)
+    def from_documents(cls, documents: Iterable[list[int]], *, seq_len: int, seed: int = 0, pack: bool = False,
+                       path: object = "data.path") -> TextSource:
+        """Concatenate tokenized documents (each already ``[BOS] ... EOS``)."""
+        ids, starts = array("i"), array("q")  # int32 ids: a quarter of a list's memory; every vocabulary fits
+        for doc in documents:
+            starts.append(len(ids))
+            ids.extend(doc)
+        tokens = torch.frombuffer(ids, dtype=torch.int32).clone() if ids else torch.empty(0, dtype=torch.int32)
+        return cls(tokens, torch.tensor(starts, dtype=torch.int64), seq_len=seq_len, seed=seed, pack=pack, path=path)
 
     def _window(self, index: int) -> int:
         epoch, pos = divmod(index, self.num_windows)
@@ -100,8 +72,12 @@ class TextSource:
         """The sample at global position ``index`` (any non-negative integer: epochs repeat)."""
         start = self._window(index) * self.seq_len
         window = self.tokens[start : start + self.seq_len + 1].to(torch.int64, copy=True)
-        inputs, labels = window[:-1], window[1:]
+        inputs, labels = window[:-1], window[1:].clone()
         if not self.pack:
-            return Sample(input_ids=inputs, labels=labels.clone())
-        return Sample(input_ids=inputs, labels=mask_document_crossings(inputs, labels, self.eos_id),
-                      cu_seqlens=document_cu_seqlens(inputs, self.eos_id))
+            return Sample(input_ids=inputs, labels=labels)
+        # Documents starting inside the window (a start at its last label's position ends the last document).
+        lo, hi = torch.searchsorted(self.starts, torch.tensor([start + 1, start + self.seq_len + 1]))
+        inside = self.starts[lo:hi] - start  # in 1..seq_len
+        labels[inside - 1] = IGNORE_INDEX  # the token before a start would predict the next document's first
+        cu = torch.cat([torch.zeros(1, dtype=torch.int64), inside[inside < self.seq_len], torch.tensor([self.seq_len])])
+        return Sample(input_ids=inputs, labels=labels, cu_seqlens=cu.to(torch.int32))

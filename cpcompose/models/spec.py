@@ -11,7 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from cpcompose.distributed import ParallelDims
 from cpcompose.parallel.style import ContextParallel
 
-__all__ = ["BuildFn", "ModelSpec", "ParallelizeFn", "SplitForPipelineFn"]
+__all__ = ["BuildFn", "MemoryFn", "MemoryProfile", "ModelSpec", "ParallelizeFn", "SplitForPipelineFn"]
 
 
 class BuildFn(Protocol):
@@ -49,6 +49,51 @@ class SplitForPipelineFn(Protocol):
 
 
 @dataclass(frozen=True)
+class MemoryProfile:
+    """What a family's model holds during a training step, for `cpcompose.training.memory_plan` to add up.
+
+    Parameter counts are this tensor-parallel rank's share, before FSDP shards them; activation
+    figures are bytes per token of the rank's shard of the sequence, counted from what autograd
+    saves (a test checks them against a `saved_tensors_hooks` count of the real modules).
+    """
+
+    root_params: int
+    """Parameters outside the blocks (embedding, final norm, output layer): FSDP's root unit."""
+    block_params: int
+    """Parameters of one block: FSDP gathers one block (and prefetches the next) at a time."""
+    output_params: int
+    """Parameters of the output layer (the loss's weight), part of `root_params`."""
+    block_cast_params: int
+    """Parameters of one block that bfloat16 autocast copies (its linear weights; the output layer's are too):
+    autocast's cache keeps one bf16 copy of each, unsharded, until the autocast region (forward and backward)
+    ends."""
+    largest_param: int
+    """The largest single parameter tensor (what a per-tensor optimizer step needs as temporaries)."""
+    block_input: float
+    """One block's input: what activation checkpointing keeps per block."""
+    block_saved: float
+    """Everything one block saves for backward, its input included (no checkpointing; or its recompute)."""
+    block_forward: float
+    """Beyond `block_saved`, the most one block's forward holds at once."""
+    block_backward: float
+    """Beyond its saved tensors, the most one block's backward holds at once (gradients in flight)."""
+    head_saved: float
+    """What the final norm and the output layer's input keep for backward."""
+    loss: float
+    """The whole-logits loss at its peak (logits, their float32 copy, log-softmax and its gradient, the logits'
+    gradient); a fused loss holds this for one chunk of tokens."""
+    attention: tuple[int, int, int]
+    """(heads, kv_heads, head_dim) of one attention call on this tensor-parallel rank, for the CP cost model."""
+
+
+class MemoryFn(Protocol):
+    """A family's :class:`MemoryProfile` for a config's ``model`` section, tensor-parallel degree, compute dtype
+    ("float32" or "bfloat16") and number of sequence tiles of the feed-forward."""
+
+    def __call__(self, model: Any, *, tp: int, precision: str, mlp_tiles: int) -> MemoryProfile: ...
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """One model family: how to build it from the config, parallelize it, and cut it for pipelining."""
 
@@ -63,3 +108,5 @@ class ModelSpec:
     """The family's plan (see :class:`ParallelizeFn`)."""
     split_for_pipeline: SplitForPipelineFn
     """Keep only one pipeline stage's modules, with the full model's FQNs."""
+    memory: MemoryFn | None = None
+    """What the model holds per token and per parameter, for the memory plan; None: the plan cannot predict it."""

@@ -7,12 +7,13 @@ import torch
 from cpcompose.config import JobConfig
 from cpcompose.distributed import ParallelDims
 from cpcompose.models import get_model_spec
+from cpcompose.training.memory_budget import describe_memory
 
 __all__ = ["describe_plan"]
 
 
 def describe_plan(config: JobConfig, world: int) -> str:
-    """A readable summary: degrees, model size, per-rank tokens and state memory.
+    """A readable summary: degrees, model size, per-rank tokens, and the memory plan against the budget.
 
     Raises:
         ValueError: the degrees do not fit ``world`` (``config.validate(world_size=world)`` reports it first).
@@ -37,7 +38,7 @@ def describe_plan(config: JobConfig, world: int) -> str:
         f"{t.steps} steps, precision {t.mixed_precision}, activation checkpointing "
         f"{config.activation_checkpoint.mode}",
     ]
-    return "\n".join(lines)
+    return "\n".join(lines + describe_memory(config, world))
 
 
 def _blocks(cp: int, alltoall_size: int | None) -> str:

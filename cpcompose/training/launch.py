@@ -3,8 +3,13 @@
 The launcher also owns what a job needs from its environment and its end:
 - glibc's allocator settings for CPU training (set before the ranks start, since
   glibc reads them once at process start), unless the user set them;
-- one failure message: ranks print their own one-line diagnosis; a rank that
-  died without a word (killed) is reported here, and ranks left waiting on a dead
+- one failure message: ranks send their own one-line diagnosis here (a `Report`),
+  which prints it; a line that is only a consequence of another rank's failure (a
+  collective that lost its peer) waits until the end and is left out when another
+  line explains the failure, and of several ranks out of memory only the first speaks. A rank that died without a word (killed) is reported
+  here: as out of memory when the kernel's SIGKILL came while its resident set was
+  near the budget or the host was nearly out of memory (the launcher reads its
+  ranks' resident sets every `POLL_S`), else as killed. Ranks left waiting on a dead
   or failed peer are ended after a short grace instead of hanging the job;
 - Ctrl-C and SIGTERM reach the ranks, which save at the next step boundary. The
   launcher says so at the first Ctrl-C (a step can take minutes, and a silent
@@ -21,6 +26,8 @@ import socket
 import sys
 import time
 from multiprocessing.connection import wait
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
 from pathlib import Path
 from types import FrameType
 from typing import Callable
@@ -29,16 +36,20 @@ import torch
 
 from cpcompose.config import JobConfig
 from cpcompose.training.checkpoint import MANIFEST, CheckpointManager
+from cpcompose.training.errors import ErrorKind
 from cpcompose.training.metrics import stamp
+from cpcompose.training.oom import killed_line
+from cpcompose.training.resources import CPU_ALLOCATOR_ENV, host_memory, resident_bytes
 
-__all__ = ["CPU_ALLOCATOR_ENV", "GRACE_S", "INTERRUPTED_EXIT", "launch_local", "planned_world_size", "saved_so_far"]
+__all__ = ["CPU_ALLOCATOR_ENV", "GRACE_S", "INTERRUPTED_EXIT", "POLL_S", "Report", "launch_local",
+           "planned_world_size", "saved_so_far"]
 
-# A high mmap threshold keeps large tensors in the heap instead of mapping and unmapping
-# them every step; a high trim threshold keeps freed memory for the next step. Measured here:
-# one step 5.4 s -> 2.2 s (README, "A note for CPU training").
-CPU_ALLOCATOR_ENV = {"MALLOC_MMAP_THRESHOLD_": "4294967296", "MALLOC_TRIM_THRESHOLD_": "4294967296"}
+Report = Callable[[str, ErrorKind], None]
+"""How a rank hands the launcher its one-line error: `report(line, kind)`."""
+
 GRACE_S = 5.0  # after one rank failed, how long the others get to exit on their own
 INTERRUPTED_EXIT = 128 + signal.SIGINT  # what shells report for a job ended by Ctrl-C
+POLL_S = 0.1  # how often the launcher reads its ranks' resident sets
 
 
 def planned_world_size(config: JobConfig) -> int:
@@ -53,14 +64,25 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(rank: int, world: int, port: int, fn: Callable[[JobConfig], object], config: JobConfig) -> None:
+class _Reporter:
+    """A rank's end of its pipe to the launcher (picklable, unlike a closure, for spawned ranks)."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+
+    def __call__(self, line: str, kind: ErrorKind) -> None:
+        self.conn.send((line, kind))
+
+
+def _child(rank: int, world: int, port: int, fn: Callable[[JobConfig, Report], object], config: JobConfig,
+           conn: Connection) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
         WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
     )
     if not torch.cuda.is_available():
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # don't oversubscribe the cores
-    fn(config)
+    fn(config, _Reporter(conn))
 
 
 def saved_so_far(config: JobConfig) -> str:
@@ -112,18 +134,20 @@ class _CtrlC:
         os._exit(INTERRUPTED_EXIT)  # nothing else to wait for; skip the supervisor's account of the kills
 
 
-def launch_local(fn: Callable[[JobConfig], object], config: JobConfig, world: int) -> int:
-    """Run `fn(config)` on `world` local processes, as torchrun would; returns the job's exit code.
+def launch_local(fn: Callable[[JobConfig, Report], object], config: JobConfig, world: int) -> int:
+    """Run `fn(config, report)` on `world` local processes, as torchrun would; returns the job's exit code.
 
-    `fn` reports its own errors and exits 1 (a failure it described) or 2 (a config or
-    environment error); any other non-zero exit is described here.
+    `fn` reports its own errors through `report` and exits 1 (a failure it described) or 2
+    (a config or environment error); any other non-zero exit is described here.
     """
     if config.training.device != "cuda":
         for key, value in CPU_ALLOCATOR_ENV.items():
             os.environ.setdefault(key, value)
     ctx = mp.get_context("spawn")
     port = _free_port()
-    procs = [ctx.Process(target=_child, args=(r, world, port, fn, config), name=f"rank{r}") for r in range(world)]
+    pipes = [ctx.Pipe(duplex=False) for _ in range(world)]
+    procs = [ctx.Process(target=_child, args=(r, world, port, fn, config, pipes[r][1]), name=f"rank{r}")
+             for r in range(world)]
     # Ctrl-C reaches every rank through the terminal; a SIGTERM sent to the launcher is passed on.
     # The ranks start with SIGINT ignored (inherited), until their trainer installs its handler.
     old_int = signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -131,33 +155,87 @@ def launch_local(fn: Callable[[JobConfig], object], config: JobConfig, world: in
     try:
         for p in procs:
             p.start()
+        for _, send in pipes:
+            send.close()  # the ranks hold their ends: a dead rank's pipe reads as closed
         signal.signal(signal.SIGINT, _CtrlC(procs, config))
-        return _supervise(procs)
+        return _Supervisor(procs, [recv for recv, _ in pipes], config, world).run()
     finally:
         signal.signal(signal.SIGINT, old_int)
         signal.signal(signal.SIGTERM, old_term)
 
 
-def _supervise(procs: list) -> int:
-    """Wait for every rank; once one fails, end the rest after GRACE_S; returns the exit code."""
-    deadline = None
-    while running := [p for p in procs if p.exitcode is None]:  # one snapshot: waiting on none would block
-        timeout = None if deadline is None else max(deadline - time.monotonic(), 0)
-        wait([p.sentinel for p in running], timeout=timeout)
-        for p in running:
-            p.join(timeout=0)
-        if deadline is None and any(p.exitcode not in (None, 0) for p in procs):
-            deadline = time.monotonic() + GRACE_S
-        if deadline is not None and time.monotonic() >= deadline:
-            for p in procs:
-                if p.exitcode is None:
-                    p.kill()
-                    p.join()
-    codes = [p.exitcode for p in procs]
-    if all(c == 0 for c in codes):
-        return 0
-    if not any(c in (1, 2) for c in codes):  # nobody explained: say who died and how
-        rank, code = next((r, c) for r, c in enumerate(codes) if c != 0)
-        how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
-        print(f"rank {rank} {how}; the job stopped", file=sys.stderr, flush=True)
-    return 2 if 2 in codes else 1
+@dataclass
+class _Supervisor:
+    """Waits for every rank, prints their lines, ends the rest once one failed, names an out-of-memory kill."""
+
+    procs: list
+    pipes: list[Connection]
+    config: JobConfig
+    world: int
+    killed: set[int] = field(default_factory=set)  # ranks this launcher ended
+    memory: dict[int, tuple[int, int, int, int]] = field(default_factory=dict)  # last (rss, peak, avail, total)
+    held: list[str] = field(default_factory=list)  # consequences, printed at the end if nothing explains them
+    explained: bool = False
+    out_of_memory: bool = False
+
+    def run(self) -> int:
+        deadline = None
+        while running := [p for p in self.procs if p.exitcode is None]:  # a snapshot: waiting on none would block
+            timeout = POLL_S if deadline is None else min(POLL_S, max(deadline - time.monotonic(), 0))
+            wait([p.sentinel for p in running] + [c for c in self.pipes if not c.closed], timeout=timeout)
+            self._read_lines()
+            self._read_memory()
+            for p in running:
+                p.join(timeout=0)
+            if deadline is None and any(p.exitcode not in (None, 0) for p in self.procs):
+                deadline = time.monotonic() + GRACE_S
+            if deadline is not None and time.monotonic() >= deadline:
+                for r, p in enumerate(self.procs):
+                    if p.exitcode is None:
+                        self.killed.add(r)
+                        p.kill()
+                        p.join()
+        self._read_lines()
+        return self._finish([p.exitcode for p in self.procs])
+
+    def _read_lines(self) -> None:
+        for conn in self.pipes:
+            while not conn.closed and conn.poll():
+                try:
+                    line, kind = conn.recv()
+                except EOFError:
+                    conn.close()
+                    break
+                if kind == "consequence":
+                    self.held.append(line)
+                elif kind == "error" or not self.out_of_memory:  # of several ranks out of memory, the first
+                    self.out_of_memory |= kind == "oom"
+                    self.explained = True
+                    print(line, file=sys.stderr, flush=True)
+
+    def _read_memory(self) -> None:
+        total, available = host_memory()
+        for r, p in enumerate(self.procs):
+            if p.exitcode is None and p.pid and (now := resident_bytes(p.pid)) is not None:
+                self.memory[r] = (now[0], now[1], available, total)
+
+    def _finish(self, codes: list) -> int:
+        if all(c == 0 for c in codes):
+            return 0
+        for r, code in enumerate(codes):
+            if code == -signal.SIGKILL and r not in self.killed and r in self.memory and not self.out_of_memory:
+                rss, peak, available, total = self.memory[r]
+                line = killed_line(self.config, self.world, rank=r, peak=peak, resident=rss, available=available,
+                                   total=total)
+                if line is not None:
+                    print(f"{stamp()} error: {line}", file=sys.stderr, flush=True)
+                    self.explained = True
+                    break
+        if not self.explained:
+            for line in self.held:
+                print(line, file=sys.stderr, flush=True)
+        if not self.explained and not self.held and not any(c in (1, 2) for c in codes):
+            rank, code = next((r, c) for r, c in enumerate(codes) if c != 0)  # nobody explained: who died and how
+            how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+            print(f"rank {rank} {how}; the job stopped", file=sys.stderr, flush=True)
+        return 2 if 2 in codes else 1

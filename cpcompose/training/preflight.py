@@ -7,22 +7,19 @@ check raises a ConfigError whose one-line message names the key to change.
 
 from __future__ import annotations
 
-import codecs
 import tempfile
 from pathlib import Path
 
 import torch
 
 from cpcompose.config import ConfigError, JobConfig
-from cpcompose.data.loader import build_data_source, data_config_error
-from cpcompose.data.tokenizer import build_tokenizer
+from cpcompose.data.loader import check_data, data_config_error
 from cpcompose.models import model_names
+from cpcompose.training.memory_budget import check_memory
 from cpcompose.training.checkpoint import CheckpointManager, earlier_run_message, saved_step, verify
 from cpcompose.training.run_lock import LOCK_NAME, holder
 
 __all__ = ["check_choices", "preflight"]
-
-_SUFFIXES = (".txt", ".jsonl")
 
 
 def check_choices(config: JobConfig) -> None:
@@ -40,7 +37,7 @@ def check_choices(config: JobConfig) -> None:
 
 
 def preflight(config: JobConfig, world: int) -> str | None:
-    """Check the choices (`check_choices`), device, data, vocabulary and dump folder.
+    """Check the choices (`check_choices`), device, data, vocabulary, the memory plan and the dump folder.
 
     Returns:
         A message when there is nothing to train (the checkpoint already reached
@@ -51,6 +48,7 @@ def preflight(config: JobConfig, world: int) -> str | None:
     check_choices(config)
     _check_device(config)
     _check_data(config, world)
+    check_memory(config, world)
     return _check_dump_folder(config)
 
 
@@ -60,50 +58,10 @@ def _check_device(config: JobConfig) -> None:
         raise ConfigError(f"training.device: 'cuda' requested but {why}; set --training.device=cpu (or auto)")
 
 
-def _data_files(path: Path) -> list[Path]:
-    if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.suffix in _SUFFIXES and p.is_file())
-        if not files:
-            raise ConfigError(f"data.path: no .txt or .jsonl files under {path}")
-        return files
-    if not path.is_file():
-        raise ConfigError(f"data.path: {path} does not exist")
-    return [path]
-
-
-def _check_utf8(file: Path) -> None:
-    decoder = codecs.getincrementaldecoder("utf-8")()
-    offset = 0
-    with file.open("rb") as f:
-        while chunk := f.read(1 << 22):
-            try:
-                decoder.decode(chunk)
-            except UnicodeDecodeError as e:
-                raise ConfigError(
-                    f"data.path: {file} is not UTF-8 text (byte {offset + e.start}); cpcompose reads .txt/.jsonl "
-                    "text files only"
-                ) from None
-            offset += len(chunk)
-        try:
-            decoder.decode(b"", final=True)
-        except UnicodeDecodeError:
-            raise ConfigError(f"data.path: {file} ends inside a UTF-8 character (truncated?)") from None
-
-
 def _check_data(config: JobConfig, world: int) -> None:
-    d = config.data
-    if d.source == "synthetic":
-        build_data_source(config, dp_rank=0, dp_size=1)  # cheap: checks the vocabulary covers the task
-        return
-    assert d.path is not None
-    for file in _data_files(Path(d.path)):
-        _check_utf8(file)
-    if d.tokenizer is not None and not Path(d.tokenizer).is_file():
-        raise ConfigError(f"data.tokenizer: {d.tokenizer} does not exist")
-    vocab = build_tokenizer(d.tokenizer, eos_token=d.eos_token).vocab_size
-    if vocab > config.model.vocab_size:
-        raise ConfigError(f"model.vocab_size: {config.model.vocab_size} is smaller than the tokenizer's {vocab} ids; "
-                          f"set --model.vocab_size={vocab} or more")
+    """The tokenizer, the vocabulary and the files (every record of a small corpus, a sample of a large one);
+    the ranks repeat the same checks on everything they load (`cpcompose.data.check_data`)."""
+    check_data(config)
 
 
 def _check_dump_folder(config: JobConfig) -> str | None:

@@ -24,7 +24,7 @@ from torch import Tensor
 
 from cpcompose import _compat
 from cpcompose.comm import CommMeter
-from cpcompose.config import JobConfig
+from cpcompose.config import ConfigError, JobConfig
 from cpcompose.data import IGNORE_INDEX, Batch, build_data_source
 from cpcompose.distributed import ParallelDims, build_pipeline_schedule, build_pipeline_stage, flat_mesh
 from cpcompose.layouts import PackedLayout, resolve_layout
@@ -99,7 +99,10 @@ class Trainer:
             self.optimizer, name=s.name, warmup_steps=s.warmup_steps, total_steps=c.training.steps,
             min_lr_ratio=s.min_lr_ratio,
         )
-        self.data = build_data_source(c, dp_rank=dp_mesh.get_local_rank(), dp_size=dp_mesh.size())
+        try:  # a bad record the pre-launch scan did not reach: the same one line on every rank, printed once
+            self.data = build_data_source(c, dp_rank=dp_mesh.get_local_rank(), dp_size=dp_mesh.size())
+        except ConfigError as e:
+            raise TrainingError(str(e), exit_code=2) from None
         self.dp_group = dp_mesh.get_group()
         self.schedule = self._build_schedule() if self.dims.pp_enabled else None
         dump = Path(c.job.dump_folder)
@@ -272,7 +275,7 @@ class Trainer:
             raise TrainingError(describe_comm_failure(
                 cause, rank=dist.get_rank(), step=self.step, timeout_s=self.config.comm.timeout_s,
                 laggards=self.progress.laggards(self.step),
-            )) from e
+            ), kind="consequence") from e
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)

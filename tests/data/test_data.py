@@ -20,8 +20,8 @@ from cpcompose.data import (
     TextSource,
     TokenBatcher,
     build_data_source,
-    document_cu_seqlens,
-    read_documents,
+    data_files,
+    iter_records,
 )
 
 SYNTH = ["--data.task=recall", "--training.seq_len=256", "--training.batch_size=4", "--data.num_pairs=8", "--data.num_queries=4"]
@@ -207,23 +207,27 @@ def test_jsonl_and_directories_are_read_in_sorted_order(tmp_path: Path) -> None:
     (tmp_path / "a.txt").write_text("first")
     (tmp_path / "sub" / "c.txt").write_text("fourth")
     (tmp_path / "notes.md").write_text("ignored")
-    assert list(read_documents(tmp_path)) == ["first", "second", "third", "fourth"]
+    records = list(iter_records(data_files(tmp_path)))
+    assert [r.value if isinstance(r.value, str) else r.value["text"] for r in records] == [
+        "first", "second", "third", "fourth"]
+    assert [r.where for r in records][1:3] == [f"{tmp_path / 'b.jsonl'}:1", f"{tmp_path / 'b.jsonl'}:3"]
     loader = text_loader(tmp_path / "b.jsonl", seq_len=4)
     assert isinstance(loader.source, TextSource)
     assert loader.source.tokens.tolist() == corpus(["second", "third"])
 
 
-def test_bad_jsonl_line_names_file_and_line(tmp_path: Path) -> None:
+def test_bad_jsonl_line_names_file_line_and_key(tmp_path: Path) -> None:
     (tmp_path / "d.jsonl").write_text(json.dumps({"text": "ok"}) + "\n" + json.dumps({"body": "x"}) + "\n")
-    with pytest.raises(ValueError, match=r"d.jsonl:2: expected an object with a \"text\" string"):
-        list(read_documents(tmp_path / "d.jsonl"))
-    with pytest.raises(FileNotFoundError, match="data.path: .* does not exist"):
-        list(read_documents(tmp_path / "missing"))
+    with pytest.raises(ConfigError, match=r"^data.text_key: .*d.jsonl:2 has no 'text' field \(it has 'body'\)"):
+        text_loader(tmp_path / "d.jsonl", seq_len=2)
+    with pytest.raises(ConfigError, match="^data.path: .* does not exist"):
+        text_loader(tmp_path / "missing", seq_len=2)
 
 
-def test_corpus_shorter_than_a_window_is_an_error(tmp_path: Path) -> None:
+def test_corpus_shorter_than_a_window_names_seq_len(tmp_path: Path) -> None:
     (tmp_path / "a.txt").write_text("tiny")
-    with pytest.raises(ValueError, match="fewer than one window"):
+    with pytest.raises(ConfigError, match=r"^training.seq_len: the corpus at .*a.txt has 6 tokens, fewer than one "
+                                          r"window of training.seq_len \+ 1 = 65"):
         text_loader(tmp_path / "a.txt", seq_len=64)
 
 
@@ -250,10 +254,22 @@ def test_packing_returns_valid_cu_seqlens_and_masks_labels_across_documents(tmp_
     assert boundaries > 0
 
 
-def test_document_cu_seqlens_ignores_an_eos_in_the_last_position() -> None:
-    ids = torch.tensor([5, 9, 1, 9, 2, 9])
-    assert document_cu_seqlens(ids, eos_id=9).tolist() == [0, 2, 4, 6]
-    assert document_cu_seqlens(torch.tensor([1, 2, 3]), eos_id=9).tolist() == [0, 3]
+def test_packed_boundaries_come_from_where_documents_start_not_from_eos_ids() -> None:
+    """A tokenizer may use its EOS id as BOS or inside text (GPT-2's <|endoftext|>): only the recorded starts count.
+
+    Documents [9, 1, 9], [9, 2, 3, 9], [9, 4, 9] with 9 as both BOS and EOS: windows of 4 tokens (+1 label).
+    """
+    tokens = torch.tensor([9, 1, 9, 9, 2, 3, 9, 9, 4, 9])
+    source = TextSource(tokens, torch.tensor([0, 3, 7]), seq_len=4, pack=True)
+    by_start = {int(source._window(i)) * 4: source.sample(i) for i in range(source.num_windows)}
+    first, second = by_start[0], by_start[4]
+    assert first.input_ids.tolist() == [9, 1, 9, 9] and first.cu_seqlens.tolist() == [0, 3, 4]
+    assert first.labels.tolist() == [1, 9, IGNORE_INDEX, 2]  # the last EOS predicts nothing in the next document
+    assert second.input_ids.tolist() == [2, 3, 9, 9] and second.cu_seqlens.tolist() == [0, 3, 4]
+    assert second.labels.tolist() == [3, 9, IGNORE_INDEX, 4]
+    # A document starting right after the window: its first token is the last label, which must not be trained.
+    edge = TextSource(torch.tensor([5, 6, 7, 9, 8, 8]), torch.tensor([0, 4]), seq_len=4, pack=True).sample(0)
+    assert edge.cu_seqlens.tolist() == [0, 4] and edge.labels.tolist() == [6, 7, 9, IGNORE_INDEX]
 
 
 def test_text_resume_across_an_epoch_boundary(tmp_path: Path) -> None:
@@ -271,5 +287,5 @@ def test_text_resume_across_an_epoch_boundary(tmp_path: Path) -> None:
 
 def test_hf_tokenizer_without_the_package_explains_the_fix(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setitem(sys.modules, "tokenizers", None)  # makes `import tokenizers` fail
-    with pytest.raises(ImportError, match="pip install tokenizers"):
+    with pytest.raises(ConfigError, match="^data.tokenizer: .*pip install tokenizers"):
         HFTokenizer(str(tmp_path / "tokenizer.json"))

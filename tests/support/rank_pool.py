@@ -73,7 +73,9 @@ def _worker(rank: int, world: int, store: str, conn: Connection, device: Device)
 
     log_dir = os.environ.get("CPCOMPOSE_WORKER_LOGS")  # one stderr file per worker, where ranks interleave
     log = open(os.path.join(log_dir, f"P{world}-{device}-rank{rank}-{os.getpid()}.log"), "w") if log_dir else None
-    faulthandler.enable(log or sys.stderr)  # a crash (segfault in a kernel or a backend) prints its Python stack
+    # a crash (segfault in a kernel or a backend) prints its Python stack; the process's own stderr, since a
+    # pool forked inside a test that captures sys.stderr (capsys) inherits a stream with no file descriptor
+    faulthandler.enable(log or sys.__stderr__)
     torch.set_num_threads(1)
     backend = "gloo"
     if device == "cuda":

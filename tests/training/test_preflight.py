@@ -79,7 +79,7 @@ def test_nothing_to_train_starts_no_rank(pools, tmp_path: Path, capsys) -> None:
     assert not (tmp_path / "tb").exists()
 
 
-def report_env(config) -> None:
+def report_env(config, report) -> None:
     Path(config.job.dump_folder, "env.txt").write_text(
         "\n".join(f"{k}={__import__('os').environ.get(k)}" for k in CPU_ALLOCATOR_ENV))
 

@@ -1,0 +1,209 @@
+"""The memory plan: each rank's peak memory, by part, predicted from the config before any rank starts.
+
+A step passes through phases; the peak is the largest of them (T: tokens per rank per forward,
+L: blocks on this rank's pipeline stage, S: FSDP's shard degree dp_shard x cp when FSDP is on):
+
+* every phase: the process itself (interpreter, torch, communication buffers; measured, see
+  `PROCESS_BYTES`), the float32 parameters and two AdamW moments, sharded S ways; gradients
+  too once they exist (backward, the step; with gradient accumulation, always).
+* forward and backward also hold FSDP's gathered units (the root's embedding and output layer
+  stay gathered, and two blocks: the one running and the one prefetched) and, under bfloat16
+  autocast, a bf16 copy of every linear weight (autocast's cache keeps them until backward ends).
+* "loss": the activations every block keeps (all it saves, or its input alone with activation
+  checkpointing; offloaded to host memory with `activation_checkpoint.offload` on CUDA), the
+  final norm's, and the loss at its peak: the whole logits several times over, or one chunk of
+  `training.loss_chunk_tokens` with `training.fused_loss`.
+* "forward" / "backward": the same activations plus one block's work: its forward, or its
+  recompute (checkpointing) and its gradients in flight; attention's received K/V and dK/dV
+  buffers (the CP cost model's per-strategy count, `cpcompose.attention.cost.model`); the
+  gathered root's gradients.
+* "optimizer step": parameters, gradients, moments and the step's temporaries.
+
+The model's own figures (bytes per token of each block, parameters per unit) come from its
+family's `ModelSpec.memory` (`cpcompose.models.llama.memory` for the Llama). Fits and refusals
+are `cpcompose.training.memory_budget`'s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cpcompose.attention.blocks import MaskSpec
+from cpcompose.attention.choose import candidates
+from cpcompose.attention.cost import AttentionCall, default_calibration
+from cpcompose.attention.cost.calibration import Calibration
+from cpcompose.attention.registry import STRATEGIES
+from cpcompose.config import JobConfig
+from cpcompose.distributed import ParallelDims
+from cpcompose.layouts import resolve_layout
+from cpcompose.models import get_model_spec
+from cpcompose.models.spec import MemoryProfile
+
+__all__ = ["PROCESS_BYTES", "MemoryPlan", "plan_memory"]
+
+GiB = 2**30
+PROCESS_BYTES = {"cpu": 330 * 2**20, "cuda": 1 * GiB}
+"""A rank's own size beside its tensors. CPU: fitted to twelve trainer runs on this machine (1 and 2 ranks,
+32k and 128k vocabularies, float32 and bf16, with and without checkpointing; peak RSS from 1.6 to 5.2 GiB): a rank
+built with a tiny model holds 305-375 MiB beyond its parameters, and 330 MiB leaves every prediction within
+8% of the measured peak (`scripts/bench_memory.py` prints the comparison). CUDA: the context, cuBLAS workspaces
+and NCCL buffers, which `max_memory_allocated` does not count but the device must hold: a round figure, not
+measured (no GPU here)."""
+
+HEAP_CEILING = 32 * 2**20
+"""glibc serves smaller allocations from its heap, which keeps freed chunks resident; larger ones are mapped
+and unmapped exactly (its default mmap threshold adapts up to this size)."""
+CUDA_SLACK = 0.10
+"""The caching allocator's fragmentation on CUDA, as a fraction of the activations' and the loss's bytes
+(a round figure, not measured here)."""
+TUNED_SLACK = 1.5
+"""With the CPU launcher's allocator settings (`resources.CPU_ALLOCATOR_ENV`: everything from the heap, nothing
+trimmed) the heap fragments across steps: measured here, the peak grew by 0.15 to 1.9 times the step's largest
+tensor after the first step (1.5 covers most cases; see scripts/bench_memory.py)."""
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """One rank's predicted peak, by part (bytes, at the phase where the sum is largest)."""
+
+    parts: tuple[tuple[str, int], ...]
+    """(part, bytes) at the peak phase, in a fixed order; parts of 0 bytes are kept (the table shows them)."""
+    phase: str
+    """Where the peak falls: "forward", "loss", "backward" or "optimizer step"."""
+    host_bytes: int
+    """Checkpointed activations kept in host memory instead (`activation_checkpoint.offload`, CUDA)."""
+    tokens: int
+    """Tokens per rank per forward (one micro-step's, or one pipeline microbatch's)."""
+    phase_totals: tuple[tuple[str, int], ...] = ()
+    """Every phase's predicted total, bytes (the peak is the largest)."""
+
+    @property
+    def total(self) -> int:
+        """The predicted peak, bytes."""
+        return sum(b for _, b in self.parts)
+
+    def part(self, name: str) -> int:
+        """One part's bytes (0 for a part the plan does not have)."""
+        return dict(self.parts).get(name, 0)
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:.2f} GiB"
+
+
+def attention_bytes(config: JobConfig, profile: MemoryProfile, *, rows: int, row_len: int, device_type: str) -> int:
+    """Peak extra bytes of one CP attention call: the strategy's received K/V and dK/dV buffers (0 without CP).
+
+    `strategy = "auto"` may pick any candidate per call: the largest of theirs.
+    """
+    p = config.parallelism
+    if p.cp == 1:
+        return 0
+    heads, kv_heads, head_dim = profile.attention
+    dtype = "bfloat16" if config.training.mixed_precision == "bfloat16" else "float32"
+    call = AttentionCall(batch=rows, heads=heads, kv_heads=kv_heads, head_dim=head_dim, seq_len=row_len,
+                         layout=resolve_layout(p.cp_layout, p.cp), mask=MaskSpec(causal=True), dtype=dtype)
+    cal = Calibration.load(p.cp_calibration) if p.cp_calibration else default_calibration(device_type)
+    options = candidates(p.cp) if p.cp_strategy == "auto" else [(p.cp_strategy, p.cp_alltoall_size)]
+    peak = 0
+    for name, size in options:
+        strategy = STRATEGIES[name]
+        a = strategy.block_size(p.cp, size)
+        peak = max(peak, max(strategy.cost.memory(call, a, r, cal) for r in range(p.cp)))
+    return peak
+
+
+def plan_memory(config: JobConfig, world: int, *, device_type: str, tuned_allocator: bool = False) -> MemoryPlan:
+    """Predict one rank's peak memory for `config` on `world` ranks of `device_type` ("cpu" or "cuda").
+
+    `tuned_allocator`: the CPU ranks run with the launcher's glibc settings (`resources.CPU_ALLOCATOR_ENV`).
+
+    Raises:
+        ValueError: the degrees do not fit `world`, or the model family has no memory profile.
+    """
+    c, t, p = config, config.training, config.parallelism
+    dims = ParallelDims.from_config(p, world)
+    spec = get_model_spec(c.model.name)
+    if spec.memory is None:
+        raise ValueError(f"model.name: the {c.model.name!r} family has no memory profile; the plan cannot predict it")
+    prof = spec.memory(c.model, tp=dims.tp, precision=t.mixed_precision, mlp_tiles=t.tiled_mlp)
+    dp = dims.dp_size
+    rows = t.batch_size // (dp * t.grad_accum_steps)  # sequences per micro-step on this dp rank
+    micro = p.pp_microbatches if dims.pp > 1 else 1
+    row_len = t.seq_len * (rows if c.data.pack else 1)  # a packed micro-batch is one row
+    tokens = max(1, rows * t.seq_len // dims.cp // micro)
+    attention = attention_bytes(c, prof, rows=1 if c.data.pack else max(1, rows // micro), row_len=row_len,
+                                device_type=device_type)
+    stages = [0, dims.pp - 1] if dims.pp > 1 else [0]
+    plans = [_stage(c, dims, prof, s, tokens, attention, device_type, tuned_allocator)
+             for s in dict.fromkeys(stages)]
+    return max(plans, key=lambda plan: plan.total)
+
+
+def _stage(c: JobConfig, dims: ParallelDims, prof: MemoryProfile, stage: int, T: int, attention: int,
+           device_type: str, tuned: bool) -> MemoryPlan:
+    """The plan of one pipeline stage (the first holds the most microbatches, the last the loss)."""
+    t, ac = c.training, c.activation_checkpoint
+    last, first = stage == dims.pp - 1, stage == 0
+    L = c.model.n_layers // dims.pp
+    micro = c.parallelism.pp_microbatches
+    # Microbatches whose activations a stage holds at once: GPipe all of them, 1F1B at most pp - stage.
+    in_flight = 1 if dims.pp == 1 else micro if c.parallelism.pp_schedule == "GPipe" else min(micro, dims.pp - stage)
+    shards = dims.fsdp_size if dims.dp_cp_size > 1 else 1
+    fsdp = dims.dp_cp_size > 1
+    embedding = prof.root_params - prof.output_params
+    root = (embedding if first else 0) + (prof.output_params if last else 0)
+    params = root + L * prof.block_params
+    state = 4 * params // shards
+    moments = 2 * state
+    # The root stays gathered; blocks are gathered two at a time (running, prefetched), or all with PP (no reshard).
+    gathered = (4 * root + 4 * prof.block_params * (L if dims.pp > 1 else min(L, 2))) if fsdp else 0
+    cast = 2 * (L * prof.block_cast_params + (prof.output_params if last else 0)) if t.mixed_precision == "bfloat16" \
+        else 0
+    checkpointing = ac.mode == "full"
+    offload = checkpointing and ac.offload and device_type == "cuda"
+    keep = prof.block_input if checkpointing else prof.block_saved
+    kept_blocks = min(L, 2) if offload else L
+    activations = int(keep * T * kept_blocks * in_flight)
+    host = int(keep * T * L * in_flight) if offload else 0
+    loss_tokens = min(t.loss_chunk_tokens, T) if t.fused_loss else T
+    loss = int(prof.head_saved * T + prof.loss * loss_tokens) if last else 0
+    c_bytes = 4 if t.mixed_precision == "float32" else 2
+    # Unfused, the trainer's `logits` variable keeps them (compute dtype) through backward and the step.
+    held_logits = int(c_bytes * prof.output_params // c.model.dim * T) if last and not t.fused_loss else 0
+    # A checkpointed block holds all it would save while it runs: in forward, and again in its recompute.
+    recompute = int((prof.block_saved if checkpointing else 0) * T)
+    grads_always = t.grad_accum_steps > 1
+    # FSDP reduce-scatters a unit's gathered gradients through an input buffer of the same size.
+    gathered_grads = 2 * (4 * root + 4 * prof.block_params) if fsdp else 0
+    process = PROCESS_BYTES[device_type]
+    if device_type == "cuda":
+        retained = 0
+    else:  # glibc keeps a block's freed working set in its heap: once, or twice with recompute (measured)
+        retained = int((2 if checkpointing else 1) * prof.block_saved * T) if prof.block_input * T < HEAP_CEILING else 0
+        if tuned:
+            vocab = prof.output_params // c.model.dim
+            retained += int(TUNED_SLACK * (4 * vocab * loss_tokens if last else prof.block_input * T))
+    base = {"process": process, "parameters": state, "optimizer state": moments}
+
+    def phase(grads: int, gathered_now: int, cast_now: int, acts: int, work: int, attn: int, loss_now: int,
+              temporaries: int, reducing: int = 0) -> dict[str, int]:
+        return {**base, "gradients": grads, "gathered parameters": gathered_now, "gathered gradients": reducing,
+                "bf16 weight copies": cast_now,
+                "activations": acts, "one block in flight": work, "attention K/V in flight": attn, "loss": loss_now,
+                "optimizer temporaries": temporaries,
+                "allocator slack": int(CUDA_SLACK * (acts + work + attn + loss_now)) if device_type == "cuda"
+                else retained}
+
+    step_temps = 2 * 4 * prof.largest_param // shards if device_type == "cpu" else state  # per-tensor vs foreach
+    during = state if grads_always else 0
+    phases = {
+        "forward": phase(during, gathered, cast, activations, recompute + int(prof.block_forward * T), attention,
+                         0, 0),
+        "loss": phase(during, gathered, cast, activations, 0, 0, loss, 0),
+        "backward": phase(state, gathered, cast, activations, recompute + int(prof.block_backward * T), attention,
+                          held_logits, 0, gathered_grads),
+        "optimizer step": phase(state, 0, 0, 0, 0, 0, held_logits, step_temps),
+    }
+    name = max(phases, key=lambda k: sum(phases[k].values()))
+    return MemoryPlan(tuple(phases[name].items()), name, host, T, tuple((k, sum(v.values())) for k, v in phases.items()))

@@ -1,0 +1,67 @@
+"""What the run gets from its machine: the device type, glibc's allocator settings, and memory as the OS counts it.
+
+Shared by the launcher (which sets the allocator and watches its ranks), the memory plan (which
+predicts for that allocator) and the out-of-memory reports (which read the resident sets).
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+
+import torch
+
+from cpcompose.config import JobConfig
+
+__all__ = [
+    "CPU_ALLOCATOR_ENV", "host_memory", "peak_resident_bytes", "resident_bytes", "run_device_type",
+    "uses_tuned_allocator",
+]
+
+# A high mmap threshold keeps large tensors in the heap instead of mapping and unmapping
+# them every step; a high trim threshold keeps freed memory for the next step. Measured here:
+# one step 5.4 s -> 2.2 s (README, "A note for CPU training"). The cost: the heap fragments
+# across steps, which the memory plan allows for (`memory_plan.TUNED_SLACK`).
+CPU_ALLOCATOR_ENV = {"MALLOC_MMAP_THRESHOLD_": "4294967296", "MALLOC_TRIM_THRESHOLD_": "4294967296"}
+
+
+def run_device_type(config: JobConfig) -> str:
+    """"cuda" or "cpu", as the trainer will choose."""
+    device = config.training.device
+    return "cuda" if device == "cuda" or (device == "auto" and torch.cuda.is_available()) else "cpu"
+
+
+def uses_tuned_allocator(config: JobConfig, world: int) -> bool:
+    """Whether CPU ranks will run with `CPU_ALLOCATOR_ENV`: set here already, or set by the launcher when it
+    starts the ranks (`python -m cpcompose.train` with more than one rank; a lone rank runs in this process)."""
+    if run_device_type(config) == "cuda":
+        return False
+    key, value = next(iter(CPU_ALLOCATOR_ENV.items()))
+    if key in os.environ:
+        return os.environ[key] == value
+    return "RANK" not in os.environ and world > 1
+
+
+def _status_kib(pid: int | str, field: str) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field))
+
+
+def resident_bytes(pid: int | str = "self") -> tuple[int, int] | None:
+    """(current, peak) resident set of a process, bytes; None once it is gone."""
+    try:
+        return _status_kib(pid, "VmRSS:") * 1024, _status_kib(pid, "VmHWM:") * 1024
+    except (OSError, StopIteration):
+        return None
+
+
+def peak_resident_bytes() -> int:
+    """This process's resident-set high-water mark."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def host_memory() -> tuple[int, int]:
+    """(total, available) RAM of this host, bytes."""
+    with open("/proc/meminfo") as f:
+        info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
+    return info["MemTotal"], info["MemAvailable"]
