@@ -114,7 +114,6 @@ def test_missing_config_file_is_a_config_error(tmp_path: Path) -> None:
         (["--parallelism.pp=4", "--parallelism.pp_microbatches=2"],
          r"^parallelism.pp_microbatches: 1F1B needs >= pp = 4"),
         (["--training.grad_accum_steps=3"], r"^training.batch_size: 8 must be divisible by .* = 3"),
-        (["--lr_scheduler.warmup_steps=500"], r"^lr_scheduler.warmup_steps: 500 exceeds training.steps"),
         (["--data.task=recall", "--data.num_symbols=256", "--data.num_pairs=100"], r"^data.num_pairs: 100 triples \(KEY k v\) do not fit"),
         (["--data.task=recall", "--data.num_queries=16", "--data.key_fraction=0.95"],
          r"^data.num_queries: 16 triples \(QUERY k v\) do not fit"),
