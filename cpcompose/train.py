@@ -182,12 +182,13 @@ def main(argv: list[str] | None = None) -> int:
         config.validate(world_size=world)
         check_choices(config)
         nothing_to_do = None if config.job.dry_run else preflight(config, world)
+        plan = describe_plan(config, world) if config.job.dry_run else None  # a model folder it cannot read: refused
     except ConfigError as e:
         if rank0:
             print(f"config error: {e}", file=sys.stderr, flush=True)
         return 2
-    if config.job.dry_run:
-        print(describe_plan(config, world))
+    if plan is not None:
+        print(plan)
         return 0
     if nothing_to_do is not None:
         if rank0:

@@ -25,10 +25,11 @@ from cpcompose.config import HF_MODEL, ConfigError, JobConfig
 from cpcompose.distributed import ParallelDims
 from cpcompose.layouts import PackedLayout
 from cpcompose.models import get_model_spec, model_names
+from cpcompose.models.spec import MemoryProfile
 from cpcompose.parallel import ContextParallel, verify
 from cpcompose.training.errors import TrainingError
 
-__all__ = ["TrainedModel", "build_trained_model", "check_model", "describe_model", "family_names"]
+__all__ = ["TrainedModel", "build_trained_model", "check_model", "describe_model", "family_names", "memory_profile"]
 
 
 def family_names() -> tuple[str, ...]:
@@ -64,6 +65,22 @@ def describe_model(config: JobConfig) -> tuple[int, str]:
         n = sum(x.numel() for x in model.parameters())
     return n, (f"{m.name}, {n / 1e9:.3f} B parameters ({m.n_layers} layers, dim {m.dim}, {m.n_heads} heads, "
                f"{m.n_kv_heads} kv heads)")
+
+
+def memory_profile(config: JobConfig, *, tp: int, precision: str, mlp_tiles: int) -> MemoryProfile:
+    """What the configured model holds per token and per parameter, for the memory plan.
+
+    Raises:
+        ValueError: the family has no profile (a Hugging Face model: not yet), so the plan cannot predict it.
+    """
+    m = config.model
+    if m.name == HF_MODEL:
+        raise ValueError("model.name = 'hf': no memory profile for Hugging Face models yet (the plan counts what "
+                         "each module saves, known for cpcompose's own families only)")
+    spec = get_model_spec(m.name)
+    if spec.memory is None:
+        raise ValueError(f"model.name: the {m.name!r} family has no memory profile; the plan cannot predict it")
+    return spec.memory(m, tp=tp, precision=precision, mlp_tiles=mlp_tiles)
 
 
 @dataclass

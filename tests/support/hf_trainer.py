@@ -50,10 +50,10 @@ def text_corpus(folder: Path, documents: int = 60) -> Path:
 
 
 def hf_args(model: Path, corpus: Path, dump: Path, *extra: str, steps: int = 4) -> list[str]:
-    """A short run of the model in `model` on packed text tokenized with the model's own tokenizer."""
+    """A short run of the model in `model` on packed text tokenized with the model's own tokenizer (model.path's:
+    data.tokenizer unset)."""
     return [
-        "--model.name=hf", f"--model.path={model}", "--data.source=text", f"--data.path={corpus}",
-        f"--data.tokenizer={model / 'tokenizer.json'}", "--data.eos_token=<|eos|>", "--data.pack=true",
+        "--model.name=hf", f"--model.path={model}", "--data.source=text", f"--data.path={corpus}", "--data.pack=true",
         "--training.seq_len=64", "--training.batch_size=2", f"--training.steps={steps}", "--training.device=cpu",
         "--lr_scheduler.warmup_steps=1", "--optimizer.lr=3e-3", "--metrics.log_freq=100",
         f"--job.dump_folder={dump}", *extra,

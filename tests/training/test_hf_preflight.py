@@ -89,7 +89,7 @@ def _cases(llama: Path, tmp: Path) -> list[tuple[Path, list[str], str, str]]:
         (llama, ['--model.rope_scaling={"factor": 2.0}'], "model.rope_scaling", "rope_type is 'default'"),
         (llama, ["--model.rope_scaling=yarn"], "model.rope_scaling", "expected a JSON object"),
         (llama, ["--training.seq_len=8192"], "training.seq_len", "max_position_embeddings"),
-        (small, [], "data.tokenizer", "more than the model's vocabulary of 100"),
+        (small, [f"--data.tokenizer={llama}"], "data.tokenizer", "more than the model's vocabulary of 100"),
         (llama, ["--model.vocab_size=64"], "model.vocab_size", "does not apply"),
         (llama, ["--parallelism.tp=2"], "parallelism.tp", "tensor parallelism"),
         (llama, ["--parallelism.pp=2"], "parallelism.pp", "pipeline"),

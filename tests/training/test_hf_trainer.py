@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.support.hf_data import chat_records, write_jsonl
 from tests.support.hf_trainer import hf_args, make_model, reference_first_loss, text_corpus, train
 
 RTOL = 1e-5
@@ -102,3 +103,17 @@ def test_family_matches_cp1(pools, folders, corpus, tmp_path, family: str) -> No
     assert two["losses"][0] == pytest.approx(reference, rel=REFERENCE_RTOL)
     _close(two["losses"], one["losses"])
     assert one["losses"][-1] < one["losses"][0], "the loss falls"
+
+
+def test_chat_records_match_cp1_and_transformers(pools, folders, tmp_path) -> None:
+    """Conversations rendered with the model's own chat template, loss on the assistant's tokens only, packed
+    whole: Qwen3 at cp=2 equals cp=1, and step 1 equals transformers' loss on each conversation alone."""
+    data = write_jsonl(tmp_path / "chat.jsonl", chat_records(24, seed=5))
+    args = ["--data.format=chat", "--training.seq_len=128"]
+    one = train(pools, 1, hf_args(folders("qwen3"), data, tmp_path / "one", *args))
+    two = train(pools, 2, hf_args(folders("qwen3"), data, tmp_path / "two", "--parallelism.cp=2",
+                                  "--parallelism.cp_strategy=allgather", *args))
+    assert one["error"] is None and two["error"] is None, (one["error"], two["error"])
+    reference = reference_first_loss(hf_args(folders("qwen3"), data, tmp_path / "one", *args))
+    assert two["losses"][0] == pytest.approx(reference, rel=REFERENCE_RTOL)
+    _close(two["losses"], one["losses"])
