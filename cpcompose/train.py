@@ -206,14 +206,15 @@ def main(argv: list[str] | None = None) -> int:
         config.validate(world_size=world)
         check_choices(config)
         nothing_to_do = None if config.job.dry_run else preflight(config, world)
+        plan = describe_plan(config, world) if config.job.dry_run else None  # a model folder it cannot read: refused
     except ConfigError as e:
         if rank0:
             print(f"config error: {e}", file=sys.stderr, flush=True)
         _tell_torchrun(f"config error: {e}")
         return 2
-    if config.job.dry_run:
-        if rank0:
-            print(describe_plan(config, world))
+    if plan is not None:
+        if rank0:  # under torchrun every rank plans; one prints
+            print(plan)
         return 0
     if nothing_to_do is not None:
         if rank0:

@@ -33,6 +33,7 @@ arguments its functions take; every repository path a command names must exist.
 from __future__ import annotations
 
 import ast
+import contextlib
 import importlib
 import inspect
 import os
@@ -40,6 +41,7 @@ import re
 import shlex
 import subprocess
 import sys
+import tempfile
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -375,6 +377,34 @@ def check_torchtitan_launch(block: Block) -> None:
     degree = int(args[args.index("--parallelism.context_parallel_degree") + 1])
     assert config.parallelism.context_parallel_degree == degree
     assert config.cpcompose.strategy == args[args.index("--cpcompose.strategy") + 1]
+
+
+def check_your_data(block: Block) -> None:
+    """The `[data]` example (with its tokenizer line filled in) passes the pre-launch check on chat records,
+    and the README's example of a bad record is, word for word, the line that check prints."""
+    from cpcompose.config import ConfigError, load_config
+    from cpcompose.training.preflight import preflight
+    from tests.support.hf_data import chat_records, tiny_tokenizer_folder, write_jsonl
+
+    said = re.search(r"`config error: (data\.path: data/conversations\.jsonl:(\d+): messages\[(\d+)\]\.role is "
+                     r"'(\w+)', [^`]+)`", README.read_text())
+    assert said, "the README's example of a bad record moved: update check_your_data"
+    line, index, role = int(said.group(2)), int(said.group(3)), said.group(4)
+    folder = Path(tempfile.mkdtemp(prefix="cpcompose-readme-data-"))
+    text = block.text.replace('# tokenizer = "models/tiny-llama"', f'tokenizer = "{tiny_tokenizer_folder()}"')
+    assert text != block.text, block.text
+    (folder / "data.toml").write_text(text)
+    (folder / "data").mkdir()
+    records = chat_records(line)
+    argv = ["--config", "data.toml", "--job.dump_folder=out", "--model.vocab_size=320", "--training.seq_len=256"]
+    with contextlib.chdir(folder):
+        write_jsonl(Path("data/conversations.jsonl"), records)
+        assert preflight(load_config(argv), 1) is None
+        records[line - 1]["messages"][index]["role"] = role
+        write_jsonl(Path("data/conversations.jsonl"), records)
+        with pytest.raises(ConfigError) as refused:
+            preflight(load_config(argv), 1)
+    assert str(refused.value) == said.group(1), str(refused.value)
 
 
 @pytest.mark.parametrize("block", [b for b in BLOCKS if b.kind == "check"], ids=lambda b: b.name)

@@ -93,6 +93,12 @@ def _convert(key: str, value: Any, tp: Any, *, from_text: bool = True) -> Any:
         require(isinstance(items, (list, tuple)) and len(items) == len(args), key,
                  f"expected {len(args)} comma-separated values, got {value!r}")
         return tuple(_convert(key, v, a, from_text=isinstance(value, str)) for v, a in zip(items, args))
+    if tp is dict and isinstance(value, str) and from_text:  # a table on the command line: JSON
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise ConfigError(f"{key}: expected a JSON object such as '{{\"rope_type\": \"yarn\"}}', "
+                              f"got {value!r} ({e})") from None
     if isinstance(value, str) and tp is not str and from_text:
         text = value.strip().lower()
         try:
