@@ -112,6 +112,7 @@ class Trainer:
         self.step = 0
         self._num_tokens = torch.zeros(())  # this step's global count of valid labels
         self.grad_norm = 0.0
+        self.step_lr = 0.0
         self.history: list[tuple[int, float]] = []  # (step, loss) of the whole run, across resumes
         self.stop_signal = 0  # set by the SIGTERM/SIGINT handler; acted on at the next step boundary
         self.fault = Fault.from_env()
@@ -203,6 +204,7 @@ class Trainer:
             self.model.parameters(), c.training.max_norm,
             pp_group=self.mesh["pp"].get_group() if self.dims.pp_enabled else None,
         )
+        self.step_lr = self.optimizer.param_groups[0]["lr"]  # the rate this step used; the scheduler moves on
         self.optimizer.step()
         self.scheduler.step()
         return self._global_loss(local)
@@ -299,7 +301,7 @@ class Trainer:
             dist.all_gather(everyone, peaks)
             self.logger.log(
                 StepMetrics(
-                    step=self.step, loss=loss, lr=self.scheduler.get_last_lr()[0], grad_norm=float(self.grad_norm),
+                    step=self.step, loss=loss, lr=self.step_lr, grad_norm=float(self.grad_norm),
                     tokens_per_s=tokens_per_step / elapsed, step_time_s=elapsed,
                     peak_memory_mib=[float(x) for x in everyone], cp_bytes_sent=self.meter.total,
                     cp_strategies=dict(self.meter.strategies), cp_predicted_s=self.meter.predicted_s,
