@@ -17,9 +17,11 @@ are summed over dp x cp by FSDP's reduce-scatter.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import tempfile
+import time
 from datetime import timedelta
 
 import torch
@@ -32,6 +34,7 @@ from cpcompose.config import ConfigError, JobConfig, load_config  # noqa: E402
 from cpcompose.training.errors import ErrorKind, TrainingError  # noqa: E402
 from cpcompose.training.faults import is_comm_failure  # noqa: E402
 from cpcompose.training.launch import Report, launch_local, planned_world_size  # noqa: E402
+from cpcompose.training.lr_schedule import warmup_note  # noqa: E402
 from cpcompose.training.oom import (  # noqa: E402
     MemoryGuard,
     apply_cuda_budget,
@@ -143,7 +146,27 @@ def run_rank(config: JobConfig, report: Report | None = None) -> None:
         # A config-like error is the same on every rank: rank 0 says it. A failure is per rank.
         if code != 2 or os.environ.get("RANK", "0") == "0":
             say(str(e), e.kind)
+        _tell_torchrun(f"error: {e}")
     _exit(code)
+
+
+def _tell_torchrun(message: str) -> None:
+    """Under torchrun, leave this rank's one-line error where torchrun's failure summary reads it.
+
+    torchrun ends a failed job with a summary of every rank that exited non-zero; without
+    an error file each entry says only "To enable traceback see: <url>". With one, the
+    summary's "Root Cause" names the error: the record torchrun's own `ErrorHandler`
+    writes, with our line where it puts the traceback. Outside torchrun: nothing.
+    """
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    record = {"message": message, "extraInfo": {"py_callstack": message, "timestamp": str(int(time.time()))}}
+    try:
+        with open(path, "w") as f:
+            json.dump({"message": record}, f)
+    except OSError:  # the summary then says less; the error itself was printed
+        pass
 
 
 def _exit(code: int) -> None:
@@ -165,8 +188,9 @@ def _outputs(config: JobConfig) -> str:
     if config.metrics.plot_loss:
         parts.append(f"plot {dump}/loss.png")
     t = config.training
+    note = warmup_note(config.lr_scheduler.warmup_steps, t.steps)
     return (f"  tokens per step: {t.batch_size * t.seq_len:,}\n"
-            f"  outputs: " + ", ".join(parts))
+            f"  outputs: " + ", ".join(parts) + (f"\n  {note}" if note else ""))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -182,12 +206,15 @@ def main(argv: list[str] | None = None) -> int:
         config.validate(world_size=world)
         check_choices(config)
         nothing_to_do = None if config.job.dry_run else preflight(config, world)
+        plan = describe_plan(config, world) if config.job.dry_run else None  # a model folder it cannot read: refused
     except ConfigError as e:
         if rank0:
             print(f"config error: {e}", file=sys.stderr, flush=True)
+        _tell_torchrun(f"config error: {e}")
         return 2
-    if config.job.dry_run:
-        print(describe_plan(config, world))
+    if plan is not None:
+        if rank0:  # under torchrun every rank plans; one prints
+            print(plan)
         return 0
     if nothing_to_do is not None:
         if rank0:

@@ -9,6 +9,7 @@ defaults < ``--config FILE.toml`` < ``--section.key=value``. Every mistake raise
 from cpcompose.config.job_config import JobConfig
 from cpcompose.config.loader import format_help, load_config
 from cpcompose.config.sections import (
+    HF_MODEL,
     ActivationCheckpoint,
     Checkpoint,
     Comm,
@@ -24,7 +25,7 @@ from cpcompose.config.sections import (
 )
 
 __all__ = [
-    "ActivationCheckpoint", "Checkpoint", "Comm", "ConfigError", "Data", "Job", "JobConfig",
+    "HF_MODEL", "ActivationCheckpoint", "Checkpoint", "Comm", "ConfigError", "Data", "Job", "JobConfig",
     "LRScheduler", "Metrics", "Model", "Optimizer", "Parallelism", "Training",
     "format_help", "load_config",
 ]

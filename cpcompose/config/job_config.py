@@ -14,6 +14,7 @@ from cpcompose.config.sections import (
     Job,
     LRScheduler,
     Metrics,
+    HF_MODEL,
     Model,
     Optimizer,
     Parallelism,
@@ -66,6 +67,7 @@ class JobConfig:
             ConfigError: naming the key to change.
         """
         p, m, t, d = self.parallelism, self.model, self.training, self.data
+        self._validate_hf()
         dp: int | None = p.dp_replicate * p.dp_shard if p.dp_shard != -1 else None
         if world_size is not None:
             try:
@@ -90,5 +92,18 @@ class JobConfig:
         require(not (d.pack and p.pp > 1), "data.pack",
                 "packed documents are one sequence per micro-batch, which pipeline microbatches cannot split; "
                 "set parallelism.pp = 1")
-        require(self.lr_scheduler.warmup_steps <= t.steps, "lr_scheduler.warmup_steps",
-                f"{self.lr_scheduler.warmup_steps} exceeds training.steps = {t.steps}")
+
+    def _validate_hf(self) -> None:
+        """What a Hugging Face model (`model.name = "hf"`) does not take from the trainer's options."""
+        p, hf = self.parallelism, self.model.name == HF_MODEL
+        require(hf or self.checkpoint.export_hf is None, "checkpoint.export_hf",
+                f"writes a Hugging Face model: only with model.name = '{HF_MODEL}'")
+        if not hf:
+            return
+        require(p.tp == 1, "parallelism.tp", f"{p.tp}: a Hugging Face model (model.name = 'hf') takes no tensor "
+                "parallelism here; use parallelism.cp and parallelism.dp_shard (FSDP) instead")
+        require(p.pp == 1, "parallelism.pp", f"{p.pp}: a Hugging Face model (model.name = 'hf') is not cut into "
+                "pipeline stages here; use parallelism.cp and parallelism.dp_shard (FSDP) instead")
+        require(not self.training.compile, "training.compile",
+                "not with model.name = 'hf': its attention runs cpcompose's checks in Python, which "
+                "torch.compile(fullgraph=True) cannot trace; set training.compile = false")

@@ -93,6 +93,12 @@ def _convert(key: str, value: Any, tp: Any, *, from_text: bool = True) -> Any:
         require(isinstance(items, (list, tuple)) and len(items) == len(args), key,
                  f"expected {len(args)} comma-separated values, got {value!r}")
         return tuple(_convert(key, v, a, from_text=isinstance(value, str)) for v, a in zip(items, args))
+    if tp is dict and isinstance(value, str) and from_text:  # a table on the command line: JSON
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise ConfigError(f"{key}: expected a JSON object such as '{{\"rope_type\": \"yarn\"}}', "
+                              f"got {value!r} ({e})") from None
     if isinstance(value, str) and tp is not str and from_text:
         text = value.strip().lower()
         try:
@@ -109,9 +115,46 @@ def _convert(key: str, value: Any, tp: Any, *, from_text: bool = True) -> Any:
     return value
 
 
+# Names other trainers use for a key, so that their users are pointed at ours (leaf names only).
+_ALIASES = {
+    "learning_rate": "optimizer.lr", "max_steps": "training.steps", "warmup": "lr_scheduler.warmup_steps",
+    "seq_length": "training.seq_len", "max_seq_len": "training.seq_len", "context_parallel_degree": "parallelism.cp",
+    "context_parallel": "parallelism.cp", "global_batch_size": "training.batch_size", "dp": "parallelism.dp_shard",
+}
+
+
+def _candidates(name: str, known: list[str]) -> list[str]:
+    """The keys a mistyped `name` most likely meant, searched in every section.
+
+    The key name decides, its section only breaks ties: the same name in another
+    section (`training.lr` -> `optimizer.lr`: the user knew the name, not its section),
+    then another trainer's name for it (`learning_rate`), then the closest spelling of
+    the name in any section (`training.seqlen` -> `training.seq_len`, `training.warmup`
+    -> `lr_scheduler.warmup_steps`).
+    """
+    section, _, leaf = name.rpartition(".")
+
+    def near(a: str, b: str) -> float:
+        return difflib.SequenceMatcher(None, a, b).ratio()
+
+    def rank(keys: list[str]) -> list[str]:
+        return sorted(keys, key=lambda k: -near(section, k.rpartition(".")[0]))
+
+    same = [k for k in known if k.rpartition(".")[2] == leaf]
+    if same:  # several sections may have it (`name`)
+        return rank(same)[:3]
+    if _ALIASES.get(leaf) in known:
+        return [_ALIASES[leaf]]
+    scored = [(near(leaf, k.rpartition(".")[2]), k) for k in known]
+    best = max((score for score, _ in scored), default=0.0)
+    return rank([k for score, k in scored if score == best])[:1] if best >= 0.6 else []
+
+
 def _suggest(name: str, known: list[str], prefix: str = "") -> str:
-    match = difflib.get_close_matches(name, known, n=1)
-    return f" (did you mean '{prefix}{match[0]}'?)" if match else ""
+    matches = _candidates(name, known)
+    if not matches:
+        return ""
+    return " (did you mean " + " or ".join(f"'{prefix}{m}'" for m in matches) + "?)"
 
 
 def _parse_argv(argv: list[str], known: dict[str, Any]) -> tuple[str | None, list[tuple[str, str]]]:

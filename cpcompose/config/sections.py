@@ -7,6 +7,7 @@ starts with the key to change.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -17,7 +18,7 @@ from cpcompose.comm import CommMeter
 from cpcompose.layouts import DEFAULT_LAYOUT
 
 __all__ = [
-    "ActivationCheckpoint", "Checkpoint", "Comm", "ConfigError", "Data", "Job", "LRScheduler",
+    "HF_MODEL", "ActivationCheckpoint", "Checkpoint", "Comm", "ConfigError", "Data", "Job", "LRScheduler",
     "Metrics", "Model", "Optimizer", "Parallelism", "Training", "require",
 ]
 
@@ -52,14 +53,24 @@ class Job:
     """Validate the config and print the parallel plan, then exit without training."""
 
 
+HF_MODEL = "hf"
+"""`model.name` of a Hugging Face causal LM read from `model.path` (the trainer's other families are its own)."""
+
+
 @dataclass
 class Model:
-    """Model family and its decoder shape."""
+    """Model family and its shape: the fields from vocab_size to norm_eps shape cpcompose's own llama;
+    model.name = "hf" reads the shape, the weights and the vocabulary from model.path instead."""
 
     name: str = "llama"
-    """Model family, looked up in cpcompose.models.registry (which builds and parallelizes it): llama."""
+    """Model family: llama (cpcompose's Llama, from random weights) or hf (a Hugging Face causal LM from
+    model.path, e.g. Llama 3, Qwen 3, Mistral, Gemma 3, DeepSeek-V3, Qwen3-Next, LFM2)."""
+    path: str | None = None
+    """hf: a local folder as save_pretrained writes it (config.json, *.safetensors, tokenizer files); nothing is
+    downloaded. Its tokenizer is the data's unless data.tokenizer is set."""
     vocab_size: int = 320
-    """Embedding rows; must cover the data's ids (byte-level text: 258, synthetic: num_symbols + 4)."""
+    """Embedding rows; must cover the data's ids (byte-level text: 258, synthetic: num_symbols + 4).
+    hf: read from model.path's config.json."""
     dim: int = 128
     """Hidden size."""
     n_layers: int = 4
@@ -72,13 +83,18 @@ class Model:
     """SwiGLU inner size."""
     norm_eps: float = 1e-5
     """RMSNorm epsilon."""
-    rope_theta: float = 10000.0
-    """RoPE base; long contexts want a larger one (Llama 3: 500000)."""
-    path: str | None = None
-    """model.name = "hf": the local model folder (config.json, *.safetensors, tokenizer files). Its tokenizer is
-    the data's unless data.tokenizer is set."""
-    # (hfdata adds only this field, so the data side can resolve the model's tokenizer; the hf model branch owns
-    # its checks.)
+    rope_theta: float | None = None
+    """RoPE base; long contexts want a larger one (Llama 3: 500000). llama: unset means 10000. hf: unset keeps
+    config.json's; set, it replaces it (context extension)."""
+    rope_scaling: dict | None = None
+    """hf: RoPE scaling for context extension, merged over config.json's RoPE settings (transformers'
+    rope_parameters), e.g. [model.rope_scaling] rope_type = "yarn", factor = 4.0 (on the command line as JSON:
+    --model.rope_scaling='{"rope_type": "yarn", "factor": 4.0}'); original_max_position_embeddings defaults to
+    config.json's max_position_embeddings. For models with settings per layer type (Gemma 3), a table per layer
+    type: [model.rope_scaling.full_attention]."""
+    max_position_embeddings: int | None = None
+    """hf: the longest sequence the model is told it supports (config.json's when unset); training.seq_len may
+    not exceed it."""
 
     def __post_init__(self) -> None:
         _positive(self, "model", "vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden_dim")
@@ -86,6 +102,40 @@ class Model:
         require((self.dim // self.n_heads) % 2 == 0, "model.dim", "head_dim = dim / n_heads must be even for RoPE")
         require(self.n_heads % self.n_kv_heads == 0, "model.n_kv_heads",
                 f"{self.n_kv_heads} must divide n_heads={self.n_heads}")
+        require(self.rope_theta is None or self.rope_theta > 0, "model.rope_theta", f"must be > 0, got {self.rope_theta}")
+        require(self.max_position_embeddings is None or self.max_position_embeddings > 0,
+                "model.max_position_embeddings", f"must be > 0, got {self.max_position_embeddings}")
+        if self.name != HF_MODEL:
+            for key in ("path", "rope_scaling", "max_position_embeddings"):
+                require(getattr(self, key) is None, f"model.{key}",
+                        f"only applies to model.name = '{HF_MODEL}' (a Hugging Face model); remove it")
+            return
+        require(self.path is not None, "model.path", "required with model.name = 'hf': a local folder with "
+                "config.json, *.safetensors and the tokenizer files (e.g. one written by save_pretrained)")
+        vocab = _hf_vocab_size(Path(self.path))
+        default = Model.__dataclass_fields__["vocab_size"].default
+        require(self.vocab_size in (default, vocab), "model.vocab_size",
+                f"does not apply to model.name = 'hf': the vocabulary is {self.path}/config.json's ({vocab}); "
+                "remove it")
+        self.vocab_size = vocab  # what the data's ids are checked against
+
+
+def _hf_vocab_size(folder: Path) -> int:
+    """The vocabulary of the Hugging Face model in `folder` (its config.json; read here, without transformers,
+    so that the data's ids are checked against it wherever the config is)."""
+    config = folder / "config.json"
+    require(folder.is_dir(), "model.path", f"{folder} is not a folder (model.name = 'hf' reads a local folder "
+            "as save_pretrained writes it; nothing is downloaded)")
+    require(config.is_file(), "model.path", f"{folder} has no config.json: not a Hugging Face model folder")
+    try:
+        fields = json.loads(config.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"model.path: {config} does not read as JSON ({e})") from None
+    vocab = fields.get("vocab_size") if isinstance(fields, dict) else None
+    if vocab is None and isinstance(fields, dict) and isinstance(fields.get("text_config"), dict):
+        vocab = fields["text_config"].get("vocab_size")
+    require(isinstance(vocab, int) and vocab > 0, "model.path", f"{config} has no positive vocab_size")
+    return vocab
 
 
 @dataclass
@@ -324,7 +374,8 @@ class LRScheduler:
     name: Literal["cosine", "constant"] = "cosine"
     """Shape after warmup."""
     warmup_steps: int = 10
-    """Linear warmup from 0 to optimizer.lr."""
+    """Linear warmup from 0 to optimizer.lr. More than training.steps is shortened to training.steps (the
+    run's banner says so), so that a short trial (--training.steps=3) of a long run's config runs as is."""
     min_lr_ratio: float = 0.1
     """Cosine ends at lr * min_lr_ratio."""
 
@@ -348,6 +399,11 @@ class Checkpoint:
     resume: bool = True
     """With checkpoint.enable, resume from the newest intact checkpoint in folder (corrupt ones are skipped
     and renamed step-N.corrupt). false starts a new run, which the folder must not already hold checkpoints for."""
+    export_hf: str | None = None
+    """model.name = "hf": when training ends, write the model to this folder as a Hugging Face model
+    (from_pretrained loads it): the weights as model.path stores them (names, dtypes, files), config.json with the
+    model.rope_* / max_position_embeddings overrides, and model.path's tokenizer files. On a run already at
+    training.steps it resumes the last checkpoint and only exports."""
 
     def __post_init__(self) -> None:
         _positive(self, "checkpoint", "interval")

@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["apply_activation_checkpointing", "offloaded_saved_inputs"]
+__all__ = ["ContextFn", "apply_activation_checkpointing", "offloaded_saved_inputs"]
 
 
 def offloaded_saved_inputs(*args: Any) -> contextlib.AbstractContextManager:
@@ -33,29 +33,39 @@ def offloaded_saved_inputs(*args: Any) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
+ContextFn = Callable[[], tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]]
+"""`torch.utils.checkpoint`'s `context_fn`: (context around the forward, context around the recomputation)."""
+
+
 class _CheckpointedForward:
     """Mixin: run the class's forward under non-reentrant activation checkpointing."""
 
+    _checkpoint_options: dict[str, Any] = {}  # {"context_fn": ...} when one was asked for, else torch's default
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return checkpoint(super().forward, *args, use_reentrant=False, **kwargs)  # type: ignore[misc]
+        return checkpoint(super().forward, *args, use_reentrant=False,  # type: ignore[misc]
+                          **self._checkpoint_options, **kwargs)
 
 
-class _OffloadedCheckpointedForward:
+class _OffloadedCheckpointedForward(_CheckpointedForward):
     """Mixin: the same, with the checkpoint's saved inputs in host memory (on CUDA)."""
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         with offloaded_saved_inputs(*args, *kwargs.values()):
-            return checkpoint(super().forward, *args, use_reentrant=False, **kwargs)  # type: ignore[misc]
+            return super().forward(*args, **kwargs)
 
 
 @functools.cache
-def _checkpointed_class(cls: type, offload: bool) -> type:
-    # One subclass per block class (and offload choice), so every block of a model shares it.
+def _checkpointed_class(cls: type, offload: bool, context_fn: ContextFn | None) -> type:
+    # One subclass per block class (and offload and context choice), so every block of a model shares it.
     mixin = _OffloadedCheckpointedForward if offload else _CheckpointedForward
-    return type(f"{'Offloaded' if offload else ''}Checkpointed{cls.__name__}", (mixin, cls), {})
+    body = {} if context_fn is None else {"_checkpoint_options": {"context_fn": context_fn}}
+    return type(f"{'Offloaded' if offload else ''}Checkpointed{cls.__name__}", (mixin, cls), body)
 
 
-def apply_activation_checkpointing(blocks: Iterable[nn.Module], *, offload: bool = False) -> None:
+def apply_activation_checkpointing(
+    blocks: Iterable[nn.Module], *, offload: bool = False, context_fn: ContextFn | None = None
+) -> None:
     """Make each block recompute its forward during backward, in place.
 
     The class is swapped (as ``fully_shard`` does) instead of wrapping the module,
@@ -69,7 +79,10 @@ def apply_activation_checkpointing(blocks: Iterable[nn.Module], *, offload: bool
         offload: keep each block's saved inputs in pinned host memory between forward and
             backward when they are CUDA tensors (see the module docstring); on the CPU it
             changes nothing.
+        context_fn: the checkpoint's `context_fn`, for models whose CP lives in a region rather
+            than in hooks: `cpcompose.parallel.recompute_context` re-enters the region the forward
+            ran in around the recomputation (a Hugging Face model under `context_parallel`).
     """
     for block in blocks:
-        if not isinstance(block, (_CheckpointedForward, _OffloadedCheckpointedForward)):
-            block.__class__ = _checkpointed_class(type(block), offload)
+        if not isinstance(block, _CheckpointedForward):
+            block.__class__ = _checkpointed_class(type(block), offload, context_fn)

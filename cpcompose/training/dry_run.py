@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import torch
-
 from cpcompose.config import JobConfig
 from cpcompose.distributed import ParallelDims
-from cpcompose.models import get_model_spec
+from cpcompose.training.families import describe_model
 from cpcompose.training.memory_budget import describe_memory
 
 __all__ = ["describe_plan"]
@@ -20,9 +18,7 @@ def describe_plan(config: JobConfig, world: int) -> str:
     """
     p, t = config.parallelism, config.training
     dims = ParallelDims.from_config(p, world)
-    with torch.device("meta"):
-        model = get_model_spec(config.model.name).build(config.model, max_seq_len=config.max_seq_len())
-        n_params = sum(x.numel() for x in model.parameters())
+    n_params, model = describe_model(config)
     shards = dims.fsdp_size * dims.tp * dims.pp  # FSDP shards over dp_shard x cp, TP and PP split too
     state_gib = n_params * 16 / shards / 2**30  # fp32 params + grads + Adam moments
     local_seq = t.seq_len // p.cp
@@ -31,8 +27,7 @@ def describe_plan(config: JobConfig, world: int) -> str:
         f"  mesh: pp={dims.pp} dp_replicate={dims.dp_replicate} dp_shard={dims.dp_shard} cp={dims.cp} tp={dims.tp}",
         f"  context parallel: strategy={p.cp_strategy}{_blocks(p.cp, p.cp_alltoall_size)} layout={p.cp_layout}; "
         f"{t.seq_len:,} tokens per sequence, {local_seq:,} per CP rank",
-        f"  model: {config.model.name}, {n_params / 1e9:.3f} B parameters ({config.model.n_layers} layers, "
-        f"dim {config.model.dim}, {config.model.n_heads} heads, {config.model.n_kv_heads} kv heads)",
+        f"  model: {model}",
         f"  parameter + gradient + AdamW state: {state_gib:.2f} GiB per rank (fp32, sharded {shards}-way)",
         f"  batch: {t.batch_size} sequences per step over dp={dims.dp_size}, grad_accum={t.grad_accum_steps}, "
         f"{t.steps} steps, precision {t.mixed_precision}, activation checkpointing "

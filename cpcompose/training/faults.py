@@ -48,6 +48,8 @@ class Fault:
     def maybe_fire(self, rank: int, step: int) -> None:
         if rank != self.rank or step != self.step:
             return
+        # Said on stdout, so that a test can wait for the fault instead of guessing how long it takes to come.
+        print(f"{FAULT_ENV}: rank {rank} {'dies' if self.kind == 'die' else 'stalls'} before step {step}", flush=True)
         if self.kind == "die":
             os.kill(os.getpid(), signal.SIGKILL)
         while True:  # a stalled rank: alive, never reaching the next collective

@@ -11,7 +11,10 @@ The launcher also owns what a job needs from its environment and its end:
   near the budget or the host was nearly out of memory (the launcher reads its
   ranks' resident sets every `POLL_S`), else as killed. Ranks left waiting on a dead
   or failed peer are ended after a short grace instead of hanging the job;
-- Ctrl-C and SIGTERM reach the ranks, which save at the next step boundary.
+- Ctrl-C and SIGTERM reach the ranks, which save at the next step boundary. The
+  launcher says so at the first Ctrl-C (a step can take minutes, and a silent
+  terminal invites a second press); a second Ctrl-C ends every rank at once and
+  says what a restart will find: the newest checkpoint, or none.
 """
 
 from __future__ import annotations
@@ -25,22 +28,27 @@ import time
 from multiprocessing.connection import wait
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
+from pathlib import Path
+from types import FrameType
 from typing import Callable
 
 import torch
 
 from cpcompose.config import JobConfig
+from cpcompose.training.checkpoint import MANIFEST, CheckpointManager
 from cpcompose.training.errors import ErrorKind
 from cpcompose.training.metrics import stamp
 from cpcompose.training.oom import killed_line
 from cpcompose.training.resources import CPU_ALLOCATOR_ENV, host_memory, resident_bytes
 
-__all__ = ["CPU_ALLOCATOR_ENV", "GRACE_S", "POLL_S", "Report", "launch_local", "planned_world_size"]
+__all__ = ["CPU_ALLOCATOR_ENV", "GRACE_S", "INTERRUPTED_EXIT", "POLL_S", "Report", "launch_local",
+           "planned_world_size", "saved_so_far"]
 
 Report = Callable[[str, ErrorKind], None]
 """How a rank hands the launcher its one-line error: `report(line, kind)`."""
 
 GRACE_S = 5.0  # after one rank failed, how long the others get to exit on their own
+INTERRUPTED_EXIT = 128 + signal.SIGINT  # what shells report for a job ended by Ctrl-C
 POLL_S = 0.1  # how often the launcher reads its ranks' resident sets
 
 
@@ -77,6 +85,55 @@ def _child(rank: int, world: int, port: int, fn: Callable[[JobConfig, Report], o
     fn(config, _Reporter(conn))
 
 
+def saved_so_far(config: JobConfig) -> str:
+    """What a restart of the same command would start from, said for a run that just ended early.
+
+    Reads only folder names and the manifest's presence (no checksums: this runs at a
+    Ctrl-C, and checkpoints can be large); the restart verifies before it resumes.
+    """
+    if not config.checkpoint.enable:
+        return "nothing was saved (checkpoint.enable = false): the same command starts again from step 0"
+    c = config.checkpoint
+    folder = Path(config.job.dump_folder) / c.folder
+    manager = CheckpointManager(folder, interval=c.interval, keep_latest_k=c.keep_latest_k)
+    sealed = [(step, path) for step, path in manager.complete() if (path / MANIFEST).is_file()]
+    if not sealed:
+        return f"nothing was saved (no checkpoint in {folder}): the same command starts again from step 0"
+    step, path = sealed[-1]
+    return f"the newest checkpoint is {path}: the same command resumes from step {step}"
+
+
+class _CtrlC:
+    """The launcher's SIGINT handler: the first says what will happen, the second ends every rank now.
+
+    The ranks get each Ctrl-C from the terminal too: the first makes them stop and save
+    at the next step boundary (their own handler). The second is taken here, not left to
+    each rank, so that the job ends in one piece with one message: a rank that dies of
+    its own second signal would leave its peers to report a dead peer first.
+    """
+
+    def __init__(self, procs: list, config: JobConfig) -> None:
+        self.procs, self.config, self.count = procs, config, 0
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        self.count += 1
+        if self.count == 1:
+            what = ("finishes this step, saves a checkpoint and stops" if self.config.checkpoint.enable
+                    else "finishes this step and stops (checkpoint.enable = false: nothing is saved)")
+            print(f"{stamp()} Ctrl-C: every rank {what}; press Ctrl-C again to stop at once, without saving",
+                  flush=True)
+            return
+        for p in self.procs:
+            if p.exitcode is None and p.pid:
+                p.kill()
+        for p in self.procs:
+            p.join()
+        print(f"{stamp()} stopped at once by a second Ctrl-C, without saving the step in progress; "
+              f"{saved_so_far(self.config)}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(INTERRUPTED_EXIT)  # nothing else to wait for; skip the supervisor's account of the kills
+
+
 def launch_local(fn: Callable[[JobConfig, Report], object], config: JobConfig, world: int) -> int:
     """Run `fn(config, report)` on `world` local processes, as torchrun would; returns the job's exit code.
 
@@ -92,6 +149,7 @@ def launch_local(fn: Callable[[JobConfig, Report], object], config: JobConfig, w
     procs = [ctx.Process(target=_child, args=(r, world, port, fn, config, pipes[r][1]), name=f"rank{r}")
              for r in range(world)]
     # Ctrl-C reaches every rank through the terminal; a SIGTERM sent to the launcher is passed on.
+    # The ranks start with SIGINT ignored (inherited), until their trainer installs its handler.
     old_int = signal.signal(signal.SIGINT, signal.SIG_IGN)
     old_term = signal.signal(signal.SIGTERM, lambda *_: [os.kill(p.pid, signal.SIGTERM) for p in procs if p.pid])
     try:
@@ -99,6 +157,7 @@ def launch_local(fn: Callable[[JobConfig, Report], object], config: JobConfig, w
             p.start()
         for _, send in pipes:
             send.close()  # the ranks hold their ends: a dead rank's pipe reads as closed
+        signal.signal(signal.SIGINT, _CtrlC(procs, config))
         return _Supervisor(procs, [recv for recv, _ in pipes], config, world).run()
     finally:
         signal.signal(signal.SIGINT, old_int)

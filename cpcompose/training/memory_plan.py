@@ -39,8 +39,8 @@ from cpcompose.attention.registry import STRATEGIES
 from cpcompose.config import JobConfig
 from cpcompose.distributed import ParallelDims
 from cpcompose.layouts import resolve_layout
-from cpcompose.models import get_model_spec
 from cpcompose.models.spec import MemoryProfile
+from cpcompose.training.families import memory_profile
 
 __all__ = ["PROCESS_BYTES", "MemoryPlan", "plan_memory"]
 
@@ -129,10 +129,7 @@ def plan_memory(config: JobConfig, world: int, *, device_type: str, tuned_alloca
     """
     c, t, p = config, config.training, config.parallelism
     dims = ParallelDims.from_config(p, world)
-    spec = get_model_spec(c.model.name)
-    if spec.memory is None:
-        raise ValueError(f"model.name: the {c.model.name!r} family has no memory profile; the plan cannot predict it")
-    prof = spec.memory(c.model, tp=dims.tp, precision=t.mixed_precision, mlp_tiles=t.tiled_mlp)
+    prof = memory_profile(c, tp=dims.tp, precision=t.mixed_precision, mlp_tiles=t.tiled_mlp)
     dp = dims.dp_size
     rows = t.batch_size // (dp * t.grad_accum_steps)  # sequences per micro-step on this dp rank
     micro = p.pp_microbatches if dims.pp > 1 else 1

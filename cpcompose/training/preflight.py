@@ -14,9 +14,9 @@ import torch
 
 from cpcompose.config import ConfigError, JobConfig
 from cpcompose.data.loader import check_data, data_config_error
-from cpcompose.models import model_names
 from cpcompose.training.memory_budget import check_memory
 from cpcompose.training.checkpoint import CheckpointManager, earlier_run_message, saved_step, verify
+from cpcompose.training.families import check_model, family_names
 from cpcompose.training.run_lock import LOCK_NAME, holder
 
 __all__ = ["check_choices", "preflight"]
@@ -29,7 +29,7 @@ def check_choices(config: JobConfig) -> None:
     Raises:
         ConfigError: naming the key to change.
     """
-    names = model_names()
+    names = family_names()
     if config.model.name not in names:
         raise ConfigError(f"model.name: {config.model.name!r} is not one of {', '.join(names)}")
     if (error := data_config_error(config)) is not None:
@@ -47,6 +47,7 @@ def preflight(config: JobConfig, world: int) -> str | None:
     """
     check_choices(config)
     _check_device(config)
+    check_model(config)
     _check_data(config, world)
     check_memory(config, world)
     return _check_dump_folder(config)
@@ -87,7 +88,7 @@ def _check_dump_folder(config: JobConfig) -> str | None:
     for _, path in reversed(existing):
         if verify(path) is None:
             step = saved_step(path)
-            if step >= config.training.steps:
+            if step >= config.training.steps and config.checkpoint.export_hf is None:  # else: resume, export
                 return (f"nothing to train: {path} is already at step {step} of training.steps = "
                         f"{config.training.steps}; raise --training.steps, or start fresh in another "
                         "--job.dump_folder")

@@ -1,8 +1,8 @@
 """The training loop: build, parallelize, step, log, checkpoint.
 
 The degrees and the mesh come from `ParallelDims`; the model, and where each
-parallelism applies to it, from its family's `ModelSpec` (`model.name` in the
-registry). This file owns the step itself: each CP rank's shard of the batch,
+parallelism applies to it, from its family (`families.py`, the one place that reads
+`model.name`). This file owns the step itself: each CP rank's shard of the batch,
 the global count of valid tokens, forward and backward (or the pipeline
 schedule), clipping, the update, logging and checkpoints.
 """
@@ -28,11 +28,11 @@ from cpcompose.config import ConfigError, JobConfig
 from cpcompose.data import IGNORE_INDEX, Batch, build_data_source
 from cpcompose.distributed import ParallelDims, build_pipeline_schedule, build_pipeline_stage, flat_mesh
 from cpcompose.layouts import PackedLayout, resolve_layout
-from cpcompose.models import get_model_spec
 from cpcompose.sharding.packed import pack_documents
-from cpcompose.parallel import ContextParallel, cp_cross_entropy, cp_linear_cross_entropy, verify
+from cpcompose.parallel import cp_cross_entropy, cp_linear_cross_entropy
 from cpcompose.training.checkpoint import CheckpointManager
 from cpcompose.training.errors import TrainingError
+from cpcompose.training.families import build_trained_model
 from cpcompose.training.faults import Fault, Progress, describe_comm_failure, is_comm_failure
 from cpcompose.training.grad_norm import clip_grad_norm
 from cpcompose.training.lr_schedule import build_lr_scheduler
@@ -83,13 +83,13 @@ class Trainer:
         self.cp_rank = self.mesh["cp"].get_local_rank()
         self.layout = resolve_layout(p.cp_layout, p.cp)
         self.meter = CommMeter()
-        # One options object from the config to every attention call. The style is kept to
-        # switch packed layouts per batch (and applied at cp == 1 too, so documents stay masked).
-        self.cp_style = (
-            ContextParallel(p.cp_options(meter=self.meter), seq_dim=1)
-            if self.dims.cp_enabled or c.data.pack else None
+        # One options object from the config to every attention call; the family says how CP
+        # reaches its attention (a style on the modules, or a region around each micro-batch).
+        self.trained = build_trained_model(
+            c, dims=self.dims, mesh=self.mesh, device=self.device, meter=self.meter,
+            stage=self.mesh["pp"].get_local_rank() if self.dims.pp_enabled else 0,
         )
-        self.model = self._build_model()
+        self.model = self.trained.module
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=c.optimizer.lr, betas=c.optimizer.betas,
             weight_decay=c.optimizer.weight_decay, eps=c.optimizer.eps,
@@ -112,6 +112,7 @@ class Trainer:
         self.step = 0
         self._num_tokens = torch.zeros(())  # this step's global count of valid labels
         self.grad_norm = 0.0
+        self.step_lr = 0.0
         self.history: list[tuple[int, float]] = []  # (step, loss) of the whole run, across resumes
         self.stop_signal = 0  # set by the SIGTERM/SIGINT handler; acted on at the next step boundary
         self.fault = Fault.from_env()
@@ -125,41 +126,6 @@ class Trainer:
         )
 
     # --- construction ---
-
-    def _build_model(self) -> torch.nn.Module:
-        """Identical weights on every rank (initialized whole, then cut and parallelized)."""
-        c = self.config
-        spec = get_model_spec(c.model.name)
-        model = spec.build(c.model, max_seq_len=c.max_seq_len())
-        model.init_weights(seed=c.job.seed)
-        if self.dims.pp_enabled:
-            model = spec.split_for_pipeline(
-                model, num_stages=self.dims.pp, stage_index=self.mesh["pp"].get_local_rank()
-            )
-        model.to(self.device)
-        if self.dims.cp_enabled and c.parallelism.cp_verify and not self.dims.pp_enabled:
-            self._verify(model)
-        return spec.parallelize(
-            model, parallel_dims=self.dims, mesh=self.mesh, cp=self.cp_style,
-            activation_checkpoint=c.activation_checkpoint.mode == "full", torch_compile=c.training.compile,
-            offload_activations=c.activation_checkpoint.offload, mlp_tiles=c.training.tiled_mlp,
-        )
-
-    def _verify(self, model: torch.nn.Module) -> None:
-        """The exactness probe on the whole model before it is parallelized (see `parallelism.cp_verify`).
-
-        A pipeline stage holds part of the model, so the probe runs only without pipelining.
-        """
-        p = self.config.parallelism
-        cp = self.dims.cp
-        length = 2 * cp * 8
-        tokens = torch.randint(0, self.config.model.vocab_size, (1, length), generator=torch.Generator().manual_seed(0))
-        positions = torch.arange(length)[None]
-        try:
-            verify(model, self.mesh["cp"], [tokens.to(self.device), positions.to(self.device)],
-                   options=p.cp_options().replace(layout=p.cp_layout, meter=None))
-        except ValueError as e:  # raised on every rank alike: a configuration-like error, printed once
-            raise TrainingError(f"parallelism.cp_verify: {e}", exit_code=2) from None
 
     def _build_schedule(self):  # -> a torch.distributed.pipelining schedule
         p = self.config.parallelism
@@ -207,9 +173,11 @@ class Trainer:
             return cp_cross_entropy(self.model(tokens, positions), labels, mesh=self.loss_mesh,
                                     num_tokens=self._num_tokens)
 
-        def head(hidden: Tensor, weight: Tensor) -> Tensor:  # inside the model's forward: FSDP gathered weight
+        def head(hidden: Tensor, weight: Tensor, *, bias: Tensor | None = None,
+                 softcap: float | None = None) -> Tensor:  # inside the model's forward: FSDP gathered weight
             return cp_linear_cross_entropy(hidden, weight, labels, mesh=self.loss_mesh, num_tokens=self._num_tokens,
-                                           chunk_tokens=self.config.training.loss_chunk_tokens)
+                                           chunk_tokens=self.config.training.loss_chunk_tokens, bias=bias,
+                                           softcap=softcap)
 
         return self.model(tokens, positions, head=head)
 
@@ -225,8 +193,7 @@ class Trainer:
         local = torch.zeros((), device=self.device, dtype=torch.float64)
         for batch in batches:
             tokens, labels, positions, packed = self._shard(batch)
-            layout_scope = self.cp_style.layout_for(packed) if packed is not None else contextlib.nullcontext()
-            with layout_scope, self._autocast():  # packed: backward inside too (recompute sees the layout)
+            with self.trained.cp_scope(packed), self._autocast():  # backward inside too (recompute sees the layout)
                 if self.schedule is not None:
                     local += self._pipeline_step(tokens, labels, positions)
                 else:
@@ -237,6 +204,7 @@ class Trainer:
             self.model.parameters(), c.training.max_norm,
             pp_group=self.mesh["pp"].get_group() if self.dims.pp_enabled else None,
         )
+        self.step_lr = self.optimizer.param_groups[0]["lr"]  # the rate this step used; the scheduler moves on
         self.optimizer.step()
         self.scheduler.step()
         return self._global_loss(local)
@@ -333,7 +301,7 @@ class Trainer:
             dist.all_gather(everyone, peaks)
             self.logger.log(
                 StepMetrics(
-                    step=self.step, loss=loss, lr=self.scheduler.get_last_lr()[0], grad_norm=float(self.grad_norm),
+                    step=self.step, loss=loss, lr=self.step_lr, grad_norm=float(self.grad_norm),
                     tokens_per_s=tokens_per_step / elapsed, step_time_s=elapsed,
                     peak_memory_mib=[float(x) for x in everyone], cp_bytes_sent=self.meter.total,
                     cp_strategies=dict(self.meter.strategies), cp_predicted_s=self.meter.predicted_s,
@@ -347,8 +315,21 @@ class Trainer:
                 f"nothing to train: the checkpoint is already at step {self.step} of training.steps = "
                 f"{c.training.steps}; raise --training.steps, or start fresh in another --job.dump_folder"
             )
+        if c.checkpoint.export_hf is not None:
+            self._export_hf(Path(c.checkpoint.export_hf))
         self.logger.close(title=f"{c.job.name}: loss", checkpoint=saved.path if saved else None)
         return losses
+
+    def _export_hf(self, folder: Path) -> None:
+        """`checkpoint.export_hf`: the model as a Hugging Face folder, once training.steps is reached."""
+        if self.step < self.config.training.steps:
+            self.logger.note(f"not exported to {folder}: stopped at step {self.step} of {self.config.training.steps}")
+            return
+        assert self.trained.export_hf is not None  # the config allows export_hf only for families that export
+        start = time.perf_counter()
+        self.trained.export_hf(folder)
+        self.logger.note(f"exported the model at step {self.step} to {folder} (Hugging Face format: "
+                         f"from_pretrained loads it; {time.perf_counter() - start:.1f} s)")
 
     def _save(self):  # -> SavedCheckpoint
         saved = self.checkpoints.save(self.step, self.model, self.optimizer, self._trainer_state())
@@ -407,6 +388,9 @@ class Trainer:
         self.lock.acquire()
         c = self.config.checkpoint
         path, notes = self.checkpoints.choose_resume(enable=c.enable, resume=c.resume)
+        if path is None:  # say it: a restart that silently began at step 0 looked like a lost run
+            notes.append(f"starting fresh at step 0: no checkpoint in {self.checkpoints.folder}" if c.enable else
+                         "starting fresh at step 0 (checkpoint.enable = false: this run saves nothing)")
         return {"error": None, "resume": None if path is None else str(path), "notes": notes}
 
     def _restore(self, path: Path) -> None:

@@ -120,7 +120,7 @@ def test_refusal_raises_on_every_rank(pools, case: str, message: str) -> None:
 def _mask_from(config: hf.PretrainedConfig, make: object, seq: int) -> torch.Tensor:
     config._attn_implementation = "sdpa"
     embeds = torch.zeros(1, seq, config.hidden_size)
-    mask = make(config=config, inputs_embeds=embeds, attention_mask=None, past_key_values=None)
+    mask = make(config=config, inputs_embeds=embeds, attention_mask=None, **{cases.CACHE_KW: None})
     assert mask is not None
     return mask[0, 0]
 

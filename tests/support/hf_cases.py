@@ -7,6 +7,7 @@ start from the same parameters.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable
 
 import torch
@@ -19,6 +20,11 @@ import cpcompose.integrations.transformers as cphf
 from cpcompose.layouts import ZigzagLayout
 from cpcompose.parallel import recompute_context
 from cpcompose import CommMeter, allreduce_gradients, context_parallel, cp_cross_entropy, cp_unshard
+
+# The keyword a model's forward and the mask builders take a KV cache by: `cache` since transformers 5.x,
+# `past_key_values` before. The old name warns from 5.24 and is gone in 5.40 (pyproject makes the warning an
+# error), so the tests pass whichever name the installed release takes.
+CACHE_KW = "cache" if "cache" in inspect.signature(masking_utils.create_causal_mask).parameters else "past_key_values"
 
 STRATEGIES = ("ring", "allgather", "alltoall")
 BATCH, SEQ, VOCAB = 2, 32, 64
@@ -303,9 +309,9 @@ def _bad_step(mesh, case: str, rank: int) -> None:
             inputs["attention_mask"] = torch.ones(1, 1, local, local, dtype=torch.bool).tril()
         if case == "kv_cache":
             cache = hf.DynamicCache(config=model.config)
-            model(**inputs, use_cache=True, past_key_values=cache)
+            model(**inputs, use_cache=True, **{CACHE_KW: cache})
             if rank == 1:
-                inputs["past_key_values"] = cache
+                inputs[CACHE_KW] = cache
             model(**inputs, use_cache=rank == 1)
             return
         if case == "flash_kwargs":  # DataCollatorWithFlattening(return_flash_attn_kwargs=True) adds these

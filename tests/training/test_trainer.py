@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from cpcompose.config import load_config
+from cpcompose.training.lr_schedule import lr_factor
 from cpcompose.training.trainer import Trainer
 from tests.support.trainer import TINY, run_trainer
 
@@ -127,6 +128,10 @@ def _check_tensorboard(folder: Path, losses: list[float]) -> None:
     assert expected <= tags, expected - tags
     logged = [e.value for e in events.Scalars("train/loss")]
     torch.testing.assert_close(torch.tensor(logged), torch.tensor(losses, dtype=torch.float32))
+    # The rate each step used (TINY: 3e-3, warmup 2 of 10 steps, cosine): step 1 warms up from 1/3 of it.
+    rates = [e.value for e in events.Scalars("train/lr")]
+    used = [3e-3 * lr_factor(s, name="cosine", warmup_steps=2, total_steps=10, min_lr_ratio=0.1) for s in range(10)]
+    torch.testing.assert_close(torch.tensor(rates), torch.tensor(used, dtype=torch.float32))
     assert all(e.value > 0 for e in events.Scalars("train/cp_bytes_sent"))
 
 

@@ -4,7 +4,10 @@ Importing this package registers "cpcompose" with transformers' attention and ma
 interfaces (`attention.py`) and routes the kernel functions of its hybrid models' token
 mixers (`kernels/`); `pack_batch` (`batch.py`) turns a batch into one packed row of
 documents for CP; `verify` (`probe.py`) checks a model is exact under CP, and runs by
-itself on a model's first forward in a CP region. A user's whole change to a training step:
+itself on a model's first forward in a CP region; `causal_lm_head` (`head.py`) cuts a causal LM at
+its output layer for a loss that never builds the logits; `weights.py` loads a checkpoint folder
+straight into a sharded model and writes one back; `extend_context` (`context_length.py`) changes
+the RoPE settings for a longer context. A user's whole change to a training step:
 
     import cpcompose.integrations.transformers as cphf
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="cpcompose")
@@ -28,20 +31,46 @@ from cpcompose.integrations.transformers.batch import (
     pack_batch,
     shift_labels,
 )
-from cpcompose.integrations.transformers.kernels import install
+from cpcompose.integrations.transformers.context_length import SCALED_ROPE_TYPES, extend_context
+from cpcompose.integrations.transformers.head import HEADS, CausalLMHead, causal_lm_head
+from cpcompose.integrations.transformers.kernels import install, refused_in
 from cpcompose.integrations.transformers.probe import install_first_use_probe, verify
+from cpcompose.integrations.transformers.weights import (
+    StoredTensor,
+    WeightPlan,
+    export_pretrained,
+    init_non_persistent_buffers,
+    load_pretrained_weights,
+    read_checkpoint_index,
+    save_pretrained_weights,
+    weight_plan,
+)
 
 install()
 install_first_use_probe()
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
+    "HEADS",
+    "SCALED_ROPE_TYPES",
+    "CausalLMHead",
     "PackedBatch",
+    "StoredTensor",
+    "WeightPlan",
+    "causal_lm_head",
     "cpcompose_attention_forward",
     "cpcompose_mask",
     "cu_seqlens_from_position_ids",
+    "export_pretrained",
+    "extend_context",
     "hf_window",
+    "init_non_persistent_buffers",
+    "load_pretrained_weights",
     "pack_batch",
+    "read_checkpoint_index",
+    "refused_in",
+    "save_pretrained_weights",
     "shift_labels",
     "verify",
+    "weight_plan",
 ]

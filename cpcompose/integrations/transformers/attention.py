@@ -240,7 +240,7 @@ def _feature_refusal(
     if key.shape[2] != query.shape[2]:
         return (
             f"a KV cache (keys hold {key.shape[2]} tokens, queries {query.shape[2]}) cannot be split across CP "
-            "ranks; call the model with use_cache=False and no past_key_values"
+            "ranks; call the model with use_cache=False and no cache= (past_key_values=)"
         )
     if kwargs.get("position_bias") is not None:
         return "an additive position bias (position_bias=...) is not supported by CP attention"

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 
 from cpcompose import _compat
 from cpcompose.attention.options import CPOptions
@@ -62,7 +63,21 @@ def verify(model: nn.Module, mesh: DeviceMesh, *, options: CPOptions | None = No
                        forward=lambda **inputs: model(**inputs, use_cache=False))
     finally:
         model.train(training)
+        _reshard(model)
     _VERIFIED.update(m for m in model.modules() if _is_hf_model(m))
+
+
+def _reshard(model: nn.Module) -> None:
+    """Shard again what FSDP gathered for the probe's forwards, which have no backward to do it.
+
+    FSDP's root unit stays gathered after a forward (for the backward that follows), and while
+    gathered its module attributes are the gathered tensors: an optimizer built after the probe
+    would hold those instead of the shards and its updates would be lost (measured in the
+    trainer: embedding, final norm and output layer off after one step).
+    """
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def _is_hf_model(module: nn.Module) -> bool:

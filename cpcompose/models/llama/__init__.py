@@ -36,7 +36,7 @@ class LlamaSettings(Protocol):
     n_kv_heads: int
     ffn_hidden_dim: int
     norm_eps: float
-    rope_theta: float
+    rope_theta: float | None  # None: LlamaConfig's default
 
 
 def llama_config(model: LlamaSettings, *, max_seq_len: int) -> LlamaConfig:
@@ -44,7 +44,7 @@ def llama_config(model: LlamaSettings, *, max_seq_len: int) -> LlamaConfig:
     return LlamaConfig(
         vocab_size=model.vocab_size, dim=model.dim, n_layers=model.n_layers, n_heads=model.n_heads,
         n_kv_heads=model.n_kv_heads, ffn_hidden_dim=model.ffn_hidden_dim, norm_eps=model.norm_eps,
-        rope_theta=model.rope_theta, max_seq_len=max_seq_len,
+        rope_theta=LlamaConfig.rope_theta if model.rope_theta is None else model.rope_theta, max_seq_len=max_seq_len,
     )
 
 

@@ -1,0 +1,251 @@
+"""A Hugging Face causal LM under the trainer (`model.name = "hf"`): checked before launch, built sharded.
+
+Built on the meta device with `attn_implementation="cpcompose"`, then made parallel in the
+trainer's order: CP (a `context_parallel` region around each micro-batch's forward and backward,
+driven by the trainer's own split of the batch: `cp_scope`), sequence-tiled MLPs, activation
+checkpointing whose recomputation re-enters the region (`recompute_context`), FSDP2 over
+dp_shard x cp. Only then is memory allocated (`to_empty`): the buffers no checkpoint holds are
+recomputed, and each rank reads its own slices of the weights from `model.path`
+(`load_pretrained_weights`), so no rank ever holds the whole model. Tensor and pipeline
+parallelism and `torch.compile` are refused by the config (`JobConfig.validate`).
+
+Everything that can be checked without ranks is checked by `check_hf_model` before launch (the
+folder, the family, the overrides, the length, the weights' names and shapes, the loss head,
+refused layers); the ranks run the same checks while building, so a folder changed in between
+fails alike on every rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from cpcompose.comm import CommMeter
+from cpcompose.config import ConfigError, JobConfig
+from cpcompose.distributed import ParallelDims, apply_activation_checkpointing, apply_fsdp, apply_tiled_mlp
+from cpcompose.layouts import PackedLayout
+from cpcompose.parallel import context_parallel, recompute_context
+from cpcompose.training.errors import TrainingError
+
+__all__ = ["HFModel", "build_hf_model", "check_hf_model", "describe_hf_model"]
+
+
+def _hf() -> Any:
+    """The integration (and with it transformers), imported only for model.name = "hf"."""
+    try:
+        import cpcompose.integrations.transformers as cphf
+    except ImportError as e:
+        raise ConfigError(f"model.name: 'hf' needs transformers: pip install 'cpcompose[hf]' ({e})") from None
+    return cphf
+
+
+@dataclass
+class _Prepared:
+    """What the checks produce and the build uses: the config as trained, the meta model, its parts."""
+
+    config: Any  # the transformers config with the overrides (what an export writes)
+    model: nn.Module  # on the meta device
+    layers: list[nn.Module]  # the decoder layers: FSDP units, checkpointed blocks
+    plan: Any  # cphf.WeightPlan (None when only config.json was read)
+
+
+def _hf_config(config: JobConfig) -> Any:
+    """model.path's transformers config with model.rope_theta / rope_scaling / max_position_embeddings applied."""
+    from transformers import AutoConfig
+
+    m = config.model
+    try:
+        hf_config = AutoConfig.from_pretrained(m.path, local_files_only=True)
+    except (OSError, ValueError, KeyError) as e:
+        raise ConfigError(f"model.path: {m.path} does not load as a transformers config: {e}") from None
+    try:
+        return _hf().extend_context(hf_config, rope_theta=m.rope_theta, rope_scaling=m.rope_scaling,
+                                    max_position_embeddings=m.max_position_embeddings)
+    except ValueError as e:
+        raise ConfigError(f"model.{e}") from None
+
+
+def _uses_region(config: JobConfig) -> bool:
+    return config.parallelism.cp > 1 or config.data.pack
+
+
+def _prepare(config: JobConfig, *, weights: bool = True) -> _Prepared:
+    """Every check that needs no ranks, and the meta model they leave (`weights=False`: from config.json alone,
+    without the safetensors headers, for a dry run before the weights are downloaded).
+
+    Raises:
+        ConfigError: naming the key to change.
+    """
+    from transformers import AutoModelForCausalLM
+
+    cphf, m, t = _hf(), config.model, config.training
+    hf_config = _hf_config(config)
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type in cphf.attention.OWN_ATTENTION:
+        raise ConfigError(f"model.path: {cphf.attention.OWN_ATTENTION[model_type]}")
+    if getattr(hf_config, "output_router_logits", False):
+        raise ConfigError(f"model.path: {m.path}/config.json sets output_router_logits = true (a MoE load-balancing "
+                          "loss added to the model's loss); the trainer's loss is the language-model loss alone: set "
+                          "it to false in config.json")
+    if _uses_region(config) and float(getattr(hf_config, "attention_dropout", 0.0) or 0.0) > 0:
+        raise ConfigError(f"model.path: {m.path}/config.json sets attention_dropout = {hf_config.attention_dropout}, "
+                          "which CP attention does not apply; set it to 0 in config.json")
+    limit = getattr(hf_config, "max_position_embeddings", None)
+    if isinstance(limit, int) and t.seq_len > limit:
+        raise ConfigError(
+            f"training.seq_len: {t.seq_len:,} exceeds the model's max_position_embeddings {limit:,} "
+            f"({'model.max_position_embeddings' if m.max_position_embeddings else m.path + '/config.json'}); "
+            "to extend the context set --model.max_position_embeddings and a RoPE change (model.rope_scaling, e.g. "
+            "yarn with factor = seq_len / the original length, or model.rope_theta), or lower training.seq_len"
+        )
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(copy.deepcopy(hf_config), dtype=torch.float32,
+                                                     attn_implementation=cphf.ATTN_IMPLEMENTATION)
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ConfigError(f"model.path: transformers cannot build a causal LM ({type(e).__name__}) from "
+                          f"{m.path}/config.json{' with the model.rope_* overrides' if m.rope_scaling else ''}: {e}") \
+            from None
+    layers = getattr(getattr(model, getattr(model, "base_model_prefix", ""), None), "layers", None)
+    if not isinstance(layers, nn.ModuleList) or not len(layers):
+        raise ConfigError(f"model.path: {type(model).__name__} has no decoder layers at model.{model.base_model_prefix}"
+                          ".layers, which the trainer shards and checkpoints one by one (a multimodal model? give "
+                          "the text model's folder)")
+    if t.tiled_mlp > 1 and any(_mlp(layer) is None for layer in layers):
+        raise ConfigError(f"training.tiled_mlp: {type(layers[0]).__name__} has no .mlp or .feed_forward to tile; set "
+                          "training.tiled_mlp = 1")
+    if _uses_region(config) and (refused := cphf.refused_in(model)):
+        raise ConfigError("model.path: cpcompose cannot make this model exact under CP (parallelism.cp > 1 or "
+                          "data.pack): " + "; ".join(refused))
+    if t.fused_loss:
+        try:
+            cphf.causal_lm_head(model)
+        except ValueError as e:
+            raise ConfigError(f"training.fused_loss: {e} (set --training.fused_loss=false)") from None
+    try:
+        plan = cphf.weight_plan(model, m.path) if weights else None
+    except ValueError as e:
+        raise ConfigError(f"model.path: {e}") from None
+    return _Prepared(hf_config, model, list(layers), plan)
+
+
+def _mlp(layer: nn.Module) -> nn.Module | None:
+    """A decoder layer's feed-forward (`mlp`, or LFM2's `feed_forward`): token-wise, so it can be tiled."""
+    for name in ("mlp", "feed_forward"):
+        if isinstance(getattr(layer, name, None), nn.Module):
+            return getattr(layer, name)
+    return None
+
+
+def check_hf_model(config: JobConfig) -> None:
+    """The pre-launch checks of a `model.name = "hf"` run (reads config.json and the safetensors headers).
+
+    Raises:
+        ConfigError: naming the key to change.
+    """
+    _prepare(config)
+    export = config.checkpoint.export_hf
+    if export is not None and Path(export).resolve() == Path(config.model.path).resolve():
+        raise ConfigError(f"checkpoint.export_hf: {export} is model.path itself, and the export would overwrite the "
+                          "model it loads; choose another folder")
+
+
+def describe_hf_model(config: JobConfig) -> tuple[int, str]:
+    """(parameters, one line) for the dry run (config.json is enough: the weights' headers are not read)."""
+    prepared = _prepare(config, weights=False)
+    c = prepared.config
+    n = sum(p.numel() for p in {id(p): p for p in prepared.model.parameters()}.values())  # tied: once
+    heads = f"{getattr(c, 'num_attention_heads', '?')} heads, {getattr(c, 'num_key_value_heads', '?')} kv heads"
+    return n, (f"hf {type(prepared.model).__name__} from {config.model.path}, {n / 1e9:.3f} B parameters "
+               f"({len(prepared.layers)} layers, hidden {getattr(c, 'hidden_size', '?')}, {heads}, "
+               f"max_position_embeddings {getattr(c, 'max_position_embeddings', '?'):,})")
+
+
+class _TrainerForward:
+    """The trainer's call on a transformers causal LM: `forward(tokens, position_ids, *, head=None)`.
+
+    Without `head` it returns the model's logits (whatever the family does to them). With it, it cuts
+    the model at its output layer (`causal_lm_head`, inside this forward so FSDP has gathered the output
+    weight) and returns `head(hidden, weight, bias=, softcap=)`, the fused loss.
+    """
+
+    def forward(self, input_ids: Tensor | None = None, position_ids: Tensor | None = None, *,
+                head: Callable[..., Tensor] | None = None, **kwargs: Any) -> Tensor:
+        kwargs.setdefault("use_cache", False)
+        if head is None:
+            return super().forward(input_ids=input_ids, position_ids=position_ids, **kwargs).logits  # type: ignore[misc]
+        cut = _hf().causal_lm_head(self)
+        hidden = cut.body(input_ids=input_ids, position_ids=position_ids, **kwargs).last_hidden_state
+        x, weight, bias = cut.linear_inputs(hidden)
+        return head(x, weight, bias=bias, softcap=cut.softcap)
+
+
+@functools.cache
+def _trainer_class(cls: type) -> type:
+    return type(f"Trained{cls.__name__}", (_TrainerForward, cls), {})
+
+
+@dataclass
+class HFModel:
+    """A built Hugging Face model: the module, its per-micro-batch CP region, and its export."""
+
+    module: nn.Module
+    prepared: _Prepared
+    cp_scope: Callable[[PackedLayout | None], contextlib.AbstractContextManager]
+    """Around each micro-batch's forward and backward: the `context_parallel` region of this batch's split
+    (cp > 1, or a pack), else nothing."""
+
+    def export(self, folder: str | Path, config: JobConfig) -> None:
+        """Write the model as a Hugging Face folder (a collective: every rank calls it)."""
+        _hf().export_pretrained(self.module, folder, source=config.model.path, config=self.prepared.config,
+                                plan=self.prepared.plan)
+
+
+def build_hf_model(config: JobConfig, *, dims: ParallelDims, mesh: DeviceMesh, device: torch.device,
+                   meter: CommMeter) -> HFModel:
+    """Build, parallelize and load model.path's model on this rank (a collective: every rank calls it).
+
+    Raises:
+        ConfigError: what `check_hf_model` raises (the same on every rank).
+        TrainingError: (exit code 2) `parallelism.cp_verify`'s probe found a module that differs under CP (every
+            rank).
+    """
+    cphf, p, t = _hf(), config.parallelism, config.training
+    prepared = _prepare(config)
+    model = prepared.model
+    model.__class__ = _trainer_class(type(model))
+    model.train()
+    layers = prepared.layers
+    apply_tiled_mlp([_mlp(layer) for layer in layers], tiles=t.tiled_mlp)
+    if config.activation_checkpoint.mode == "full":
+        # CP lives in a region (a TorchFunctionMode), not in hooks: the recomputation must re-enter it.
+        apply_activation_checkpointing(layers, offload=config.activation_checkpoint.offload,
+                                       context_fn=recompute_context)
+    if dims.dp_cp_size > 1:
+        apply_fsdp(model, layers, mesh=mesh, parallel_dims=dims)
+    model.to_empty(device=device)
+    cphf.init_non_persistent_buffers(model)
+    cphf.load_pretrained_weights(model, config.model.path, prepared.plan)
+    options = p.cp_options(meter=meter).replace(verify=False)  # probed here, not again on first use
+    if dims.cp_enabled and p.cp_verify:
+        try:
+            cphf.verify(model, mesh["cp"], options=options.replace(meter=None))
+        except ValueError as e:  # raised on every rank alike: a configuration-like error, printed once
+            raise TrainingError(f"parallelism.cp_verify: {e}", exit_code=2) from None
+    cp_mesh = mesh["cp"]
+
+    def cp_scope(packed: PackedLayout | None) -> contextlib.AbstractContextManager:
+        if packed is None and not dims.cp_enabled:
+            return contextlib.nullcontext()
+        return context_parallel(cp_mesh, options=options.replace(layout=packed if packed is not None else p.cp_layout))
+
+    return HFModel(module=model, prepared=prepared, cp_scope=cp_scope)

@@ -1,0 +1,108 @@
+"""Tiny Hugging Face model folders and the trainer runs the `model.name = "hf"` tests share.
+
+A folder is what `scripts/make_tiny_hf_model.py` writes (config.json, model.safetensors, a
+byte-level BPE tokenizer with `<|eos|>`): a 2-layer random model of each family, float32, vocab
+320. `run_hf` is a pool case: every rank runs the trainer in-process and returns its losses and,
+from rank 0, the trained weights gathered whole (for the export round trip).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import torch
+
+from cpcompose.config import load_config
+from cpcompose.training.errors import TrainingError
+from cpcompose.training.trainer import Trainer
+
+ROOT = Path(__file__).resolve().parents[2]
+
+WORDS = ("context", "parallel", "ring", "zig", "zag", "token", "rank", "shard", "mask", "pack", "the", "fox")
+
+
+def tiny_model_script():
+    """`scripts/make_tiny_hf_model.py` as a module (scripts/ is not a package)."""
+    spec = importlib.util.spec_from_file_location("make_tiny_hf_model", ROOT / "scripts" / "make_tiny_hf_model.py")
+    module = importlib.util.module_from_spec(spec)
+    assert spec.loader is not None
+    spec.loader.exec_module(module)
+    return module
+
+
+def make_model(folder: Path, family: str) -> Path:
+    """A tiny random `family` model with its tokenizer in `folder` (float32, seed 0)."""
+    return tiny_model_script().make_tiny_model(folder, family, seed=0)
+
+
+def text_corpus(folder: Path, documents: int = 60) -> Path:
+    """Documents of very different lengths (1 to 40 words), one JSON line each."""
+    g = torch.Generator().manual_seed(0)
+    path = folder / "corpus.jsonl"
+    with path.open("w") as f:
+        for _ in range(documents):
+            n = int(torch.randint(1, 40, (), generator=g))
+            f.write(json.dumps({"text": " ".join(WORDS[int(i)] for i in torch.randint(0, len(WORDS), (n,),
+                                                                                     generator=g))}) + "\n")
+    return path
+
+
+def hf_args(model: Path, corpus: Path, dump: Path, *extra: str, steps: int = 4) -> list[str]:
+    """A short run of the model in `model` on packed text tokenized with the model's own tokenizer (model.path's:
+    data.tokenizer unset)."""
+    return [
+        "--model.name=hf", f"--model.path={model}", "--data.source=text", f"--data.path={corpus}", "--data.pack=true",
+        "--training.seq_len=64", "--training.batch_size=2", f"--training.steps={steps}", "--training.device=cpu",
+        "--lr_scheduler.warmup_steps=1", "--optimizer.lr=3e-3", "--metrics.log_freq=100",
+        f"--job.dump_folder={dump}", *extra,
+    ]
+
+
+def run_hf(mesh, args: list[str], weights: bool = False) -> dict:
+    """Every rank trains; returns the losses (or the TrainingError's message) and, on request, the weights whole."""
+    try:
+        trainer = Trainer(load_config(args))
+        losses = trainer.run()
+    except TrainingError as e:
+        return {"losses": None, "error": str(e), "weights": None}
+    state = None
+    if weights:
+        state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+                 for k, v in trainer.model.state_dict().items()}
+    return {"losses": losses, "error": None, "weights": state}
+
+
+def train(pools, world: int, args: list[str], weights: bool = False) -> dict:
+    """`run_hf` on a pool of `world` ranks; every rank must report the same losses (the global mean)."""
+    results = pools.get(world).run(run_hf, args, weights)
+    assert all(r["losses"] == results[0]["losses"] and r["error"] == results[0]["error"] for r in results), results
+    return results[0]
+
+
+def reference_first_loss(args: list[str], hf_config=None) -> float:
+    """Step 1's loss computed by transformers alone: each packed document run by itself through
+    `from_pretrained`'s model (sdpa, one process, no cpcompose; with `hf_config` in place of the
+    folder's config when given), its token losses summed, divided by the batch's valid labels.
+    What the trainer's packed first step must equal, at any cp."""
+    from transformers import AutoModelForCausalLM
+
+    from cpcompose.data import IGNORE_INDEX, build_data_source
+
+    config = load_config(args)
+    batch = next(build_data_source(config, dp_rank=0, dp_size=1))
+    extra = {} if hf_config is None else {"config": hf_config}
+    model = AutoModelForCausalLM.from_pretrained(config.model.path, dtype=torch.float32, attn_implementation="sdpa",
+                                                 **extra)
+    total, count = torch.zeros((), dtype=torch.float64), 0
+    with torch.no_grad():
+        for row in range(batch.input_ids.shape[0]):
+            cu = batch.cu_seqlens[row].tolist()
+            for start, end in zip(cu[:-1], cu[1:]):
+                ids, labels = batch.input_ids[row, start:end], batch.labels[row, start:end]
+                logits = model(input_ids=ids[None], use_cache=False).logits[0]
+                total += torch.nn.functional.cross_entropy(logits.double(), labels, ignore_index=IGNORE_INDEX,
+                                                           reduction="sum")
+                count += int((labels != IGNORE_INDEX).sum())
+    return float(total / count)
