@@ -14,7 +14,8 @@ vocabulary-wide tensor of more rows than `training.loss_chunk_tokens`; a tiled M
 feed-forward-wide tensor of more than a tile's rows). Each skip is printed with its reason.
 
 For each mode and cp: the longest L under the per-rank budget, searched as the budget
-experiment does but seeded by the memory plan's own prediction (`cpcompose.training.memory_plan`,
+experiment does (or, with `--vocab-fit-lens`, extrapolated from two runs' linear fit, for
+budgets whose longest L would take hours to step through) but seeded by the memory plan's own prediction (`cpcompose.training.memory_plan`,
 for glibc's default allocator as these runs use); tokens/s at that L; the plan's per-token
 memory by part there, beside the measured per-token slope; and the plan's predicted peak beside
 the measured peak for every run that finished.
