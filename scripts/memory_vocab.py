@@ -24,7 +24,8 @@ the measured peak for every run that finished.
 from __future__ import annotations
 
 import argparse
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from memory_trials import fit_line, fmt, run_trial, table, trainer_args
 

@@ -4,8 +4,11 @@ At a 128k vocabulary the logits of a long local sequence, their float32 copy, th
 and its gradient cost several times the rest of a step (issue 21). `linear_cross_entropy_sum`
 computes `sum_i CE(head(hidden_i), label_i)` a chunk of tokens at a time: forward keeps only the
 per-token log-sum-exp; backward recomputes each chunk's logits and turns them into that chunk's
-hidden gradient and its share of the weight (and bias) gradient. So at most `chunk_tokens x vocab`
-logits exist at once, forward or backward, instead of `tokens x vocab` several times over.
+hidden gradient and its share of the weight (and bias) gradient. So one chunk of `chunk_tokens x vocab`
+logits exists at a time, forward or backward, instead of `tokens x vocab` several times over: the
+log-sum-exp and the softmax gradient are computed in place in it (two chunk-sized tensors with
+softcapping, whose tanh backward keeps; under bf16 the chunk's bf16 matmul output or gradient beside it).
+The memory plan counts exactly this (`MemoryProfile.fused_loss_chunk`, checked by a live-storage probe).
 
 The arithmetic is the unfused one, chunk by chunk: logits in the inputs' dtype from the same
 `F.linear`, then the log-sum-exp, softcapping and the softmax gradient in `accumulation_dtype`

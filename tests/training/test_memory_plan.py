@@ -64,7 +64,7 @@ def test_the_prediction_is_within_15_percent_of_a_real_run(tmp_path: Path, monke
     args = BIG_VOCAB + [f"--parallelism.cp={cp}", f"--training.seq_len={seq_len}", f"--job.dump_folder={tmp_path}",
                         *extra]
     result = subprocess.run([sys.executable, "-m", "cpcompose.train", *args], capture_output=True, text=True, cwd=ROOT,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
+                            env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300, check=False)
     assert result.returncode == 0, result.stderr[-2000:]
     measured = max(float(x.replace(",", "")) for x in re.findall(r"peak ([\d,]+) MiB", result.stdout)) * 2**20
     predicted = run_plan(load_config(args), cp).total
