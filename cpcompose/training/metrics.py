@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import resource
 import sys
 import time
 from datetime import datetime
@@ -13,6 +12,7 @@ from typing import Any
 import torch
 
 from cpcompose.training.plot import plot_loss
+from cpcompose.training.resources import peak_resident_bytes
 
 __all__ = ["MetricsLogger", "StepMetrics", "peak_memory_mib", "stamp"]
 
@@ -21,7 +21,7 @@ def peak_memory_mib(device: torch.device) -> float:
     """Peak memory of this process: CUDA allocator peak, or the CPU resident-set high-water mark."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+    return peak_resident_bytes() / 2**20
 
 
 @dataclass
