@@ -98,8 +98,10 @@ def test_the_predicted_growth_with_length_matches_a_real_run(tmp_path: Path, mon
     Each peak alone can be within 15% while the per-token slope is off by half (the fixed ~1 GiB hides it), and a
     wrong slope is what makes the plan's longest trainable L wrong: before the plan counted glibc's heap keeping the
     step's per-token high water through the optimizer step, it predicted 34 KiB a token where runs grew by 65-86.
-    Tolerance 20%: the heap's holes vary from run to run (measured here: a 3,072-token peak from 1,790 to 1,843 MiB
-    over four runs, +-13% of that length's growth); the plan's growth was within 8% of these runs.
+    Tolerance: the plan's growth between 0.6x and 1.8x the run's. The heap's holes vary from run to run far more
+    than a peak does: over ten runs of this test here the measured growth was 100-130 MiB (fused; plan 100.6) and
+    42-66 MiB (fused + tiled; plan 65.1), ratios 0.77-1.55, whatever MALLOC_ARENA_MAX. The plan that counted one
+    block (35 and 23.5 MiB: ratios 0.27-0.56) fails the lower bound on every one of those runs.
     """
     for key in [k for k in os.environ if k.startswith("MALLOC_")]:
         monkeypatch.delenv(key)  # as a user's shell
@@ -109,7 +111,7 @@ def test_the_predicted_growth_with_length_matches_a_real_run(tmp_path: Path, mon
         peaks.append(_measured_peak(args))
         plans.append(run_plan(load_config(args), 1).total)
     measured, predicted = peaks[1] - peaks[0], plans[1] - plans[0]
-    assert abs(predicted - measured) <= 0.20 * measured, (predicted / 2**20, measured / 2**20)
+    assert 0.6 * measured <= predicted <= 1.8 * measured, (predicted / 2**20, measured / 2**20)
     assert all(abs(p - m) <= 0.15 * m for p, m in zip(plans, peaks, strict=True)), (plans, peaks)
 
 
