@@ -24,7 +24,9 @@ from cpcompose.config.sections import (
 from cpcompose.distributed.parallel_dims import ParallelDims
 from cpcompose.layouts import resolve_layout
 
-__all__ = ["JobConfig"]
+__all__ = ["LOSS_CHUNK_BYTES", "JobConfig"]
+
+LOSS_CHUNK_BYTES = 256 * 2**20  # float32 logits of one fused-loss chunk, when training.loss_chunk_tokens is unset
 
 
 @dataclass
@@ -50,6 +52,15 @@ class JobConfig:
     def max_seq_len(self) -> int:
         """The longest row one forward sees: a packed micro-batch is all its samples' tokens in one row."""
         return self.training.seq_len * (self.training.batch_size if self.data.pack else 1)
+
+    def loss_chunk_tokens(self) -> int:
+        """Tokens per chunk of the fused loss: `training.loss_chunk_tokens`, or unset, the multiple of 128 whose
+        float32 logits fill at most `LOSS_CHUNK_BYTES`, clamped to 128..4096 (below 128 a chunk's matmul is too
+        thin to run well; above 4096 a chunk saves no time)."""
+        if self.training.loss_chunk_tokens is not None:
+            return self.training.loss_chunk_tokens
+        fitting = LOSS_CHUNK_BYTES // (4 * self.model.vocab_size) // 128 * 128
+        return min(4096, max(128, fitting))
 
     def validate(self, world_size: int | None = None) -> None:
         """Check the constraints that span sections, asking the module that owns each rule.

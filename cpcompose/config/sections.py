@@ -242,8 +242,10 @@ class Training:
     the memory at large vocabularies. On CUDA a fused kernel is used when installed (pip install
     'cpcompose[fused-loss]'). With parallelism.pp > 1 it does not apply: the last pipeline stage makes the
     logits and takes the unfused loss."""
-    loss_chunk_tokens: int = 4096
-    """Tokens per chunk of the fused loss: it holds loss_chunk_tokens x vocab_size float32 logits at a time."""
+    loss_chunk_tokens: int | None = None
+    """Tokens per chunk of the fused loss: it holds loss_chunk_tokens x vocab_size float32 logits at a time.
+    Unset: the multiple of 128 tokens whose logits fill at most 256 MiB, between 128 and 4096 (a 128,256-token
+    vocabulary: 512; 32,000: 2,048; up to 16,384: 4,096), so a large vocabulary's chunk stays small."""
     tiled_mlp: int = 1
     """Run every feed-forward over this many tiles of the local sequence, recomputing each in backward, so its
     seq x ffn_hidden_dim intermediates are never whole (DeepSpeed ALST's TiledMLP); exact, one more MLP
@@ -253,7 +255,9 @@ class Training:
     stops, saying so. Unset: the device's memory (CUDA) or the host's RAM divided by the ranks on it (CPU)."""
 
     def __post_init__(self) -> None:
-        _positive(self, "training", "steps", "batch_size", "grad_accum_steps", "loss_chunk_tokens", "tiled_mlp")
+        _positive(self, "training", "steps", "batch_size", "grad_accum_steps", "tiled_mlp")
+        if self.loss_chunk_tokens is not None:
+            _positive(self, "training", "loss_chunk_tokens")
         require(self.seq_len >= 2, "training.seq_len", f"must be >= 2, got {self.seq_len}")
         require(self.tiled_mlp == 1 or not self.compile, "training.tiled_mlp",
                 f"{self.tiled_mlp} tiles do not compile (the tiles' backward recomputes under autograd): set it to "

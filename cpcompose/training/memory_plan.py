@@ -177,7 +177,7 @@ def _stage(c: JobConfig, dims: ParallelDims, prof: MemoryProfile, stage: int, T:
     # The pipeline's last stage computes the unfused loss on the logits its stage returns, and keeps them
     # (compute dtype) until that microbatch's backward; without pipelining the fused loss is the trainer's.
     fused = t.fused_loss and dims.pp == 1
-    loss_tokens = min(t.loss_chunk_tokens, T) if fused else T
+    loss_tokens = min(c.loss_chunk_tokens(), T) if fused else T
     if not last:
         loss = 0
     elif fused:  # one chunk, the per-token log-sum-exp and hidden gradient, the output weight's float32 gradient

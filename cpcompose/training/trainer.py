@@ -176,7 +176,7 @@ class Trainer:
         def head(hidden: Tensor, weight: Tensor, *, bias: Tensor | None = None,
                  softcap: float | None = None) -> Tensor:  # inside the model's forward: FSDP gathered weight
             return cp_linear_cross_entropy(hidden, weight, labels, mesh=self.loss_mesh, num_tokens=self._num_tokens,
-                                           chunk_tokens=self.config.training.loss_chunk_tokens, bias=bias,
+                                           chunk_tokens=self.config.loss_chunk_tokens(), bias=bias,
                                            softcap=softcap)
 
         return self.model(tokens, positions, head=head)

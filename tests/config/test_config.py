@@ -262,3 +262,18 @@ def test_auto_calibration_file(tmp_path) -> None:
         load_config(["--parallelism.cp_strategy=auto", f"--parallelism.cp_calibration={tmp_path / 'no.json'}"])
     with pytest.raises(ConfigError, match=r"^parallelism.cp_calibration: is only used by parallelism.cp_strategy='auto'"):
         load_config([f"--parallelism.cp_calibration={path}"])
+
+
+@pytest.mark.parametrize("vocab,chunk", [
+    (128_256, 512),  # Llama 3: 250.5 MiB of float32 logits a chunk (4,096 tokens would be 2 GiB)
+    (151_936, 384),  # Qwen3
+    (32_000, 2_048),
+    (16_384, 4_096),  # exactly 256 MiB
+    (320, 4_096),  # small vocabularies keep the cap
+    (4_000_000, 128),  # the floor, though 128 rows then exceed the byte budget
+])
+def test_loss_chunk_tokens_follows_the_vocabulary_unless_set(vocab: int, chunk: int) -> None:
+    config = load_config([f"--model.vocab_size={vocab}"])
+    assert config.training.loss_chunk_tokens is None
+    assert config.loss_chunk_tokens() == chunk
+    assert load_config([f"--model.vocab_size={vocab}", "--training.loss_chunk_tokens=24"]).loss_chunk_tokens() == 24
