@@ -19,7 +19,7 @@ predicted peak beside every measurement. Modes whose options this build rejects,
 accepts without honouring, are skipped and say so.
 
 Peak memory is the rank's resident-set high-water mark,
-`resource.getrusage(RUSAGE_SELF).ru_maxrss`, after the last step. Every table shows
+`VmHWM` (the trainer's own peak: `ru_maxrss` would carry a parent's across exec), after the last step. Every table shows
 the max over ranks (what a per-rank budget has to hold).
 
 Activation memory is peak(L) minus peak(L_tiny) of a run with the same model, cp and
@@ -39,7 +39,7 @@ its steps finish and every rank's peak RSS stays at or under `--budget-gib`. Two
 runs at (2048, 8192) local tokens per rank give a linear fit peak ~= a + b*L per
 rank; its prediction is bracketed and then bisected over multiples of
 `--resolution` tokens (itself a multiple of 2*cp). A run whose rank crosses the
-budget is stopped at once (RSS polled every 50 ms; the final ru_maxrss decides).
+budget is stopped at once (RSS polled every 50 ms; the final peak decides).
 The 24 GiB line is an EXTRAPOLATION of the fit over all runs of that cp that fit
 the budget, not a measurement: this machine has 24 GiB in total, and cp=2 runs both
 ranks on it.

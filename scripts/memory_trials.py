@@ -3,7 +3,7 @@
 `run_trial` starts P ranks, each a fresh Python process running this file with `--_rank`
 (so nothing of the benchmark's own memory is counted), that joins a gloo group, builds the
 Trainer from `train_configs/debug_cpu.toml` plus overrides, runs the steps and writes its own
-numbers: peak RSS (`ru_maxrss`), step wall and CPU times, the bytes of distinct storages autograd
+numbers: peak RSS (`VmHWM`), step wall and CPU times, the bytes of distinct storages autograd
 saved (a `saved_tensors_hooks` pack hook), and the rows of the largest vocabulary-wide and
 feed-forward-wide tensors it saved (how a benchmark tells that a fused loss or a tiled MLP
 really ran). The launcher polls every rank's RSS every 50 ms and stops a run whose rank crosses
@@ -95,7 +95,10 @@ def rank_main(rank: int, world: int, store: str, timeout: float, argv: list[str]
 
 
 def _maxrss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+    """This rank's own peak resident set (VmHWM; `ru_maxrss` would count its parent's at the fork)."""
+    from cpcompose.training.resources import peak_resident_bytes
+
+    return peak_resident_bytes() / 2**20
 
 
 def _rss_mib(pid: int | str = "self") -> float:

@@ -3,7 +3,7 @@
 A Llama at scaled-down Llama-3 proportions (head_dim 64, 4:1 grouped-query attention, a 3.5x
 SwiGLU, Llama 3's 128,256-token vocabulary; dim 256 and 2 layers, the issue's setting) trained
 as the other experiments are (fp32, batch 1, ring/zigzag, fresh rank processes, glibc's
-allocator defaults, peak = max over ranks of `ru_maxrss`), in cumulative modes: before (the
+allocator defaults, peak = max over ranks of `VmHWM`), in cumulative modes: before (the
 whole logits), with the fused loss, then with the sequence-tiled MLP too, then (`--vocab-modes`)
 with activation checkpointing as well. Offloaded checkpoints are CUDA-only (on CPU, host and
 device memory are the same memory): no column here.
