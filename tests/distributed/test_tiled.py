@@ -17,11 +17,10 @@ import math
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from cpcompose.distributed.tiled import apply_tiled_mlp, tiled_mlp
 from cpcompose.models import FeedForward
+from tests.support.live_storages import LargestMade
 
 TOL = 1e-12
 BATCH, SEQ, DIM, FFN = 2, 30, 8, 96
@@ -97,25 +96,12 @@ def test_apply_swaps_the_class_and_keeps_the_names() -> None:
         tiled_mlp(plain, _x(), 0)
 
 
-class _LargestMade(TorchDispatchMode):
-    """The most elements any op's output has while active."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        out = func(*args, **(kwargs or {}))
-        self.largest = max([self.largest, *(t.numel() for t in tree_leaves(out) if isinstance(t, torch.Tensor))])
-        return out
-
-
 def test_only_one_tile_of_the_intermediate_is_made() -> None:
     tiles = 5
     tile_intermediate = BATCH * math.ceil(SEQ / tiles) * FFN
     for call, bound in ((lambda m, x: tiled_mlp(m, x, tiles), tile_intermediate),
                         (lambda m, x: m(x), BATCH * SEQ * FFN)):
-        probe = _LargestMade()
+        probe = LargestMade()
         with probe:
             _step(_mlp(), _x(), call)
         assert probe.largest == max(bound, FFN * DIM), (probe.largest, bound)  # (weights are FFN x DIM)

@@ -25,7 +25,7 @@ from transformers.models.recurrent_gemma import modeling_recurrent_gemma as rg
 import cpcompose.integrations.transformers  # noqa: F401  (installs the routes)
 from cpcompose import context_parallel
 from cpcompose.layouts import Layout, PackedLayout
-from tests.support.mixer_cases import make_layout, pack_bounds
+from tests.support.mixer_cases import float64_module, make_layout, pack_bounds
 
 B, S_LOCAL, WIDTH = 2, 12, 16
 LAYOUTS = ("zigzag", "contiguous", "packed", "padded")
@@ -37,6 +37,10 @@ composed, rounds differently from the sequential one. Gradients here reach ~60, 
 rounding (6e-8 relative) leaves up to 2.3e-6 absolute (measured, P=2-4, every layout)."""
 
 
+def _built(build: Callable[[], nn.Module]) -> nn.Module:
+    return float64_module(build, scale=0.4)
+
+
 @dataclass(frozen=True)
 class Mixer:
     """A module, how to call it on `(inputs, position_ids)`, its inputs' count, and the tolerance it allows."""
@@ -45,22 +49,6 @@ class Mixer:
     call: Callable[[nn.Module, list[Tensor], Tensor], Tensor]
     inputs: int
     tolerance: dict
-
-
-def _seeded(build: Callable[[], nn.Module]) -> nn.Module:
-    """`build()` in float64, as `from_config(dtype=torch.float64)` builds it (MiniMax computes its decay buffers
-    at construction), every parameter drawn from one seed (direct construction leaves some empty)."""
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    try:
-        module = build()
-    finally:
-        torch.set_default_dtype(default)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in module.parameters():
-            p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64) * 0.4)
-    return module
 
 
 def _gemma() -> hf.RecurrentGemmaConfig:
@@ -78,13 +66,13 @@ def _lightning() -> nn.Module:
 
 MIXERS: dict[str, Mixer] = {
     # The scan alone, accumulating in float64: h_t = a_t * h_{t-1} + x_t, reset where position_ids == 0.
-    "rglru_scan": Mixer(lambda: _seeded(lambda: rg.RecurrentGemmaRglru(_gemma())),
+    "rglru_scan": Mixer(lambda: _built(lambda: rg.RecurrentGemmaRglru(_gemma())),
                         lambda m, t, pos: m._rnn_scan(t[0], torch.sigmoid(t[1]), pos[:, :, None] == 0, None,
                                                       acc_dtype=torch.float64)[0], 2, FLOAT64),
     # The whole recurrent block as the model calls it: its conv_1d, the RG-LRU's gates and float32 scan.
-    "recurrent_block": Mixer(lambda: _seeded(lambda: rg.RecurrentGemmaRecurrentBlock(_gemma(), 0)),
+    "recurrent_block": Mixer(lambda: _built(lambda: rg.RecurrentGemmaRecurrentBlock(_gemma(), 0)),
                              lambda m, t, pos: m(t[0], pos, None, use_cache=False)[0], 1, FLOAT32_SCAN),
-    "lightning": Mixer(lambda: _seeded(_lightning), lambda m, t, pos: m(t[0], None, None)[0], 1, FLOAT64),
+    "lightning": Mixer(lambda: _built(_lightning), lambda m, t, pos: m(t[0], None, None)[0], 1, FLOAT64),
 }
 
 

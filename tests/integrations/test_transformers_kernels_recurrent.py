@@ -32,7 +32,7 @@ from cpcompose import context_parallel
 from cpcompose.integrations.transformers.kernels.rwkv import cp_rwkv_linear_attention
 from cpcompose.layouts import Layout, PackedLayout
 from cpcompose.parallel.dispatch import active_cp_region
-from tests.support.mixer_cases import make_layout, pack_bounds
+from tests.support.mixer_cases import float64_module, make_layout, pack_bounds
 
 B, S_LOCAL, WIDTH, HEADS = 2, 12, 16, 2
 LAYOUTS = ("zigzag", "contiguous", "packed", "padded")
@@ -42,6 +42,10 @@ FLOAT64_EXP = {"rtol": 1e-12, "atol": 1e-12}
 """The mLSTM's gradients reach ~20 here (its large input gates, through exponentials): float64's
 rounding leaves ~1e-13 relative (measured up to 1.6e-12 absolute at P=3)."""
 EOS = 3
+
+
+def _built(build: Callable[[], nn.Module]) -> nn.Module:
+    return float64_module(build, scale=0.5)
 
 
 def _wkv64(time_decay: Tensor, time_first: Tensor, key: Tensor, value: Tensor, state=None, return_state=False):
@@ -77,21 +81,6 @@ class _Wkv(nn.Module):
         return (cp_rwkv_linear_attention(_wkv64, region, *args) if region else _wkv64(*args))[0]
 
 
-def _float64(build: Callable[[], nn.Module]) -> nn.Module:
-    """`build()` in float64, every parameter drawn from one seed."""
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    try:
-        module = build()
-    finally:
-        torch.set_default_dtype(default)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in module.parameters():
-            p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64) * 0.5)
-    return module
-
-
 def _mlstm() -> nn.Module:
     config = hf.xLSTMConfig(hidden_size=WIDTH, num_heads=HEADS, chunk_size=4, vocab_size=8, num_hidden_layers=1)
     object.__setattr__(config, "inference_state_dtype", "float64")  # transformers allows float32 or narrower
@@ -115,11 +104,11 @@ def _gated_mlstm(m: nn.Module, t: list[Tensor]) -> Tensor:
 
 # name -> (build, call(module, inputs), input count, tolerance)
 MIXERS: dict[str, tuple[Callable[[], nn.Module], Callable[[nn.Module, list[Tensor]], Tensor], int, dict]] = {
-    "wkv": (lambda: _float64(_Wkv), lambda m, t: m(t[0], t[1]), 2, FLOAT64),
-    "rwkv_shift": (lambda: _float64(lambda: rw.RwkvFeedForward(hf.RwkvConfig(hidden_size=WIDTH, intermediate_size=32))),
+    "wkv": (lambda: _built(_Wkv), lambda m, t: m(t[0], t[1]), 2, FLOAT64),
+    "rwkv_shift": (lambda: _built(lambda: rw.RwkvFeedForward(hf.RwkvConfig(hidden_size=WIDTH, intermediate_size=32))),
                    lambda m, t: m(t[0])[0], 1, FLOAT64),
-    "mlstm": (lambda: _float64(_mlstm), _gated_mlstm, 3, FLOAT64_EXP),
-    "ple_conv": (lambda: _float64(lambda: q4.Qwen4ExpTextPLELayer(_ple_config(), 0, 0)),
+    "mlstm": (lambda: _built(_mlstm), _gated_mlstm, 3, FLOAT64_EXP),
+    "ple_conv": (lambda: _built(lambda: q4.Qwen4ExpTextPLELayer(_ple_config(), 0, 0)),
                  lambda m, t: m._short_conv(t[0], None), 1, FLOAT64),
 }
 
@@ -154,7 +143,7 @@ def cp_cases(mesh) -> dict:
                 (out * layout.shard(probe, 1, rank)).sum().backward()
             results[spec, name] = {"out": out.detach(), "inputs": [t.grad for t in leaves],
                                    "params": {n: p.grad for n, p in module.named_parameters()}}
-        embedding, (_, ids, _) = _float64(lambda: q4.Qwen4ExpTextNGramEmbedding(_ple_config(), 8, 0)), _data(0, layout)
+        embedding, (_, ids, _) = _built(lambda: q4.Qwen4ExpTextNGramEmbedding(_ple_config(), 8, 0)), _data(0, layout)
         with context_parallel(mesh, layout=layout):
             results[spec, "ngram"] = embedding(layout.shard(ids, 1, rank), None).detach()
     return results
@@ -171,7 +160,7 @@ def _reference(spec: str, world: int) -> dict:
         (y * probe).sum().backward()
         out[name] = {"out": y.detach(), "inputs": [t.grad for t in leaves],
                      "params": {n: p.grad for n, p in module.named_parameters()}}
-    embedding, (_, ids, _) = _float64(lambda: q4.Qwen4ExpTextNGramEmbedding(_ple_config(), 8, 0)), _data(0, layout)
+    embedding, (_, ids, _) = _built(lambda: q4.Qwen4ExpTextNGramEmbedding(_ple_config(), 8, 0)), _data(0, layout)
     out["ngram"] = torch.cat([embedding(ids[:, r.pos:r.pos + r.length], None) for r in docs], dim=1).detach()
     return out
 

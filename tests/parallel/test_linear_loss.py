@@ -23,12 +23,10 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from cpcompose import cp_cross_entropy, cp_linear_cross_entropy
 from cpcompose.parallel.chunked_loss import linear_cross_entropy_sum
-from tests.support.live_storages import LiveWide
+from tests.support.live_storages import LargestMade, LiveWide
 
 IGNORE = -100
 TOL = 1e-12
@@ -109,20 +107,6 @@ def test_bf16_is_at_least_as_accurate_as_the_unfused_bf16_loss(softcap: float | 
         assert err[k] <= 1.5 * base_err[k] + ulp, (k, err[k], base_err[k])
 
 
-class _LargestMade(TorchDispatchMode):
-    """The most elements any op's output has while active."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        out = func(*args, **(kwargs or {}))
-        sizes = [t.numel() for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-        self.largest = max([self.largest, *sizes])
-        return out
-
-
 def _memory_probe(fn: Any, data: dict[str, torch.Tensor]) -> tuple[int, int]:
     """(largest saved tensor, largest op output) over forward and backward of `fn`."""
     saved: list[int] = []
@@ -131,7 +115,7 @@ def _memory_probe(fn: Any, data: dict[str, torch.Tensor]) -> tuple[int, int]:
         saved.append(t.numel())
         return t
 
-    made = _LargestMade()
+    made = LargestMade()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), made:
         _run(fn, data, with_bias=True)
     return max(saved), made.largest

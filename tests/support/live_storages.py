@@ -1,4 +1,4 @@
-"""`LiveWide`: the most bytes of `(rows, width)` tensors alive at once, as a step really holds them.
+"""`LargestMade`: the largest tensor any op makes. `LiveWide`: the most bytes of `(rows, width)` tensors alive at once, as a step really holds them.
 
 A `saved_tensors_hooks` count sees what autograd keeps, not the transients around it (a loss's
 gradients, a cast's copy), which decide a peak too. This dispatch mode looks at every op's outputs,
@@ -17,7 +17,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["LiveWide"]
+__all__ = ["LargestMade", "LiveWide"]
 
 
 class LiveWide(TorchDispatchMode):
@@ -44,4 +44,18 @@ class LiveWide(TorchDispatchMode):
                     self.live[storage._cdata] = (StorageWeakRef(storage), storage.nbytes())
         self.live = {k: v for k, v in self.live.items() if not v[0].expired()}
         self.peak = max(self.peak, sum(n for _, n in self.live.values()))
+        return out
+
+
+class LargestMade(TorchDispatchMode):
+    """While active: `largest`, the most elements any op's output has (what a tiled or chunked path must keep
+    below the untiled size)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        self.largest = max([self.largest, *(t.numel() for t in tree_leaves(out) if isinstance(t, torch.Tensor))])
         return out

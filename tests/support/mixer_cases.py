@@ -9,9 +9,11 @@ sequential loops with resets at document starts.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from cpcompose.comm import CommMeter
 from cpcompose.layouts import Layout, PackedLayout, ZigzagLayout, resolve_layout
@@ -228,3 +230,19 @@ def low_precision(mesh) -> dict:
             results.append((y.detach(), [t.grad for t in leaves]))
         out[name] = results
     return out
+
+
+def float64_module(build: Callable[[], nn.Module], scale: float) -> nn.Module:
+    """`build()` in float64, as `from_config(dtype=torch.float64)` builds it (MiniMax computes its decay buffers
+    at construction), every parameter drawn from one seed times `scale` (direct construction leaves some empty)."""
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        module = build()
+    finally:
+        torch.set_default_dtype(default)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64) * scale)
+    return module
