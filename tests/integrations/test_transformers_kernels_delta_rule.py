@@ -36,7 +36,7 @@ from cpcompose.integrations.transformers.kernels.delta_rule import (
 )
 from cpcompose.layouts import Layout
 from cpcompose.parallel.dispatch import CPAttentionMode
-from tests.support.mixer_cases import doc_starts, make_layout, randn
+from tests.support.mixer_cases import doc_starts, make_layout, randn, value_errors
 
 TOL = dict(rtol=1e-12, atol=1e-12)  # float64; see the module docstring
 B, HK, HV, DK, DV, S_LOCAL, CHUNK = 2, 2, 4, 4, 3, 12, 4
@@ -125,7 +125,7 @@ def test_cp_delta_rule_is_exact(pools, which: str, world: int) -> None:
 
 def refusal_cases(mesh) -> dict:
     """A bad call on rank 1 only: every rank raises the same ValueError, and the group stays usable."""
-    rank, kernel, messages = mesh.get_local_rank(), in_float64("gdn"), {}
+    rank, kernel = mesh.get_local_rank(), in_float64("gdn")
     region = CPAttentionMode(mesh, CPOptions(layout="zigzag"))
     (q, k, v, g, beta), _, _ = inputs("gdn", 2 * S_LOCAL)
     q, k, v, g, beta = (t[:, :S_LOCAL] for t in (q, k, v, g, beta))
@@ -141,12 +141,7 @@ def refusal_cases(mesh) -> dict:
         "kda_heads": lambda: cp_chunk_kimi_delta_attention(kernel, region, q, k, v, g[..., None].expand(-1, -1, -1, DK),
                                                            beta),
     }
-    for name, call in calls.items():
-        try:
-            call()
-            messages[name] = None
-        except ValueError as e:
-            messages[name] = str(e)
+    messages = value_errors(calls)
     o, _ = cp_chunk_gated_delta_rule(kernel, region, q, k, v, g, beta)
     return {"messages": messages, "shape": tuple(o.shape)}
 

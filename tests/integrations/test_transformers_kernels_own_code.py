@@ -25,7 +25,7 @@ from transformers.models.recurrent_gemma import modeling_recurrent_gemma as rg
 import cpcompose.integrations.transformers  # noqa: F401  (installs the routes)
 from cpcompose import context_parallel
 from cpcompose.layouts import Layout, PackedLayout
-from tests.support.mixer_cases import float64_module, make_layout, pack_bounds
+from tests.support.mixer_cases import float64_module, make_layout, pack_bounds, value_errors
 
 B, S_LOCAL, WIDTH = 2, 12, 16
 LAYOUTS = ("zigzag", "contiguous", "packed", "padded")
@@ -160,22 +160,16 @@ def test_routed_methods_equal_the_originals(pools, world: int) -> None:
 
 def refusals(mesh) -> dict:
     """What CP cannot honour, on one rank or all, raises the same error on every rank; the group stays usable."""
-    rank, layout, messages = mesh.get_local_rank(), _layout("zigzag", mesh.size()), {}
+    rank, layout = mesh.get_local_rank(), _layout("zigzag", mesh.size())
     block, lightning = MIXERS["recurrent_block"].build(), MIXERS["lightning"].build()
     inputs, positions, _ = _data("recurrent_block", layout)
     x, pos = layout.shard(inputs[0], 1, rank), layout.shard(positions, 1, rank)
     local = torch.arange(S_LOCAL)[None]  # position_ids not given as a buffer: each shard numbered from 0
-    for what, call in {
+    messages = value_errors({
         "positions": lambda: block(x, local if rank else pos, None, use_cache=False),
         "cache": lambda: block(x, pos, None, use_cache=True),
         "mask": lambda: lightning(x, None, torch.ones(B, S_LOCAL) if rank == 0 else None),
-    }.items():
-        try:
-            with context_parallel(mesh, layout=layout):
-                call()
-            messages[what] = None
-        except ValueError as e:
-            messages[what] = str(e)
+    }, region=lambda: context_parallel(mesh, layout=layout))
     with context_parallel(mesh, layout=layout):
         good = block(x, pos, None, use_cache=False)[0]
     return {"messages": messages, "shape": tuple(good.shape)}

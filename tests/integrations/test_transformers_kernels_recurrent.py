@@ -32,7 +32,7 @@ from cpcompose import context_parallel
 from cpcompose.integrations.transformers.kernels.rwkv import cp_rwkv_linear_attention
 from cpcompose.layouts import Layout, PackedLayout
 from cpcompose.parallel.dispatch import active_cp_region
-from tests.support.mixer_cases import float64_module, make_layout, pack_bounds
+from tests.support.mixer_cases import float64_module, make_layout, pack_bounds, value_errors
 
 B, S_LOCAL, WIDTH, HEADS = 2, 12, 16, 2
 LAYOUTS = ("zigzag", "contiguous", "packed", "padded")
@@ -194,14 +194,14 @@ def test_cp_versions_equal_the_originals(pools, world: int) -> None:
 
 def refusals(mesh) -> dict:
     """A cache or state on one rank only raises the same error on every rank; then a valid call runs."""
-    rank, layout, messages = mesh.get_local_rank(), _layout("zigzag", mesh.size()), {}
+    rank, layout = mesh.get_local_rank(), _layout("zigzag", mesh.size())
     inputs, ids, _ = _data(3, layout)
     x = [layout.shard(t, 1, rank) for t in inputs]
     wkv, shift, mlstm = MIXERS["wkv"][0](), MIXERS["rwkv_shift"][0](), MIXERS["mlstm"][0]()
     ple, embedding = MIXERS["ple_conv"][0](), q4.Qwen4ExpTextNGramEmbedding(_ple_config(), 8, 0)
     state = [torch.zeros(B, WIDTH, dtype=torch.float64)] * 3
     cache = object()  # any cache: under CP none is allowed
-    for what, call in {
+    messages = value_errors({
         "wkv": lambda: wkv(x[0], x[1], state if rank == 1 else None),
         "shift": lambda: shift(x[0], state if rank == 0 else None),
         "mlstm": lambda: mlstm(*(torch.zeros(B, HEADS, S_LOCAL, 8, dtype=torch.float64),) * 3,
@@ -209,13 +209,7 @@ def refusals(mesh) -> dict:
                                c_initial=torch.zeros(B, HEADS, 8, 8) if rank == 1 else None),
         "ngram": lambda: embedding(layout.shard(ids, 1, rank), cache if rank == 0 else None),
         "ple_conv": lambda: ple._short_conv(x[0], cache if rank == 1 else None),
-    }.items():
-        try:
-            with context_parallel(mesh, layout=layout):
-                call()
-            messages[what] = None
-        except ValueError as e:
-            messages[what] = str(e)
+    }, region=lambda: context_parallel(mesh, layout=layout))
     with context_parallel(mesh, layout=layout):
         good = MIXERS["wkv"][1](wkv, x)
     return {"messages": messages, "shape": tuple(good.shape)}

@@ -8,8 +8,10 @@ sequential loops with resets at document starts.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import Callable
+from typing import ContextManager
 
 import torch
 import torch.nn.functional as F
@@ -188,22 +190,17 @@ def compose_ref(layout: Layout, seq: int, finals, transitions, kind: str) -> lis
 
 def refusals(mesh) -> dict:
     """Bad input on one rank only must raise on every rank; the group stays usable afterwards."""
-    rank, messages = mesh.get_local_rank(), {}
+    rank = mesh.get_local_rank()
     x, w = randn(B, S_LOCAL, C, seed=1), randn(C, 4, seed=2)
     wide, short = randn(B, S_LOCAL, C + rank, seed=1), randn(B, S_LOCAL - 1 + rank, C, seed=1)
-    for name, call in {
+    messages = value_errors({
         "channels": lambda: cp_causal_conv1d(wide, w, mesh=mesh),
         "seq_local": lambda: cp_causal_conv1d(short, w, mesh=mesh),
         "dtype": lambda: cp_linear_scan(x.float() if rank else x, x.float() if rank else x, mesh=mesh),
         "world": lambda: cp_linear_scan(x, x, mesh=mesh, layout=ZigzagLayout(3)),
         "runs": lambda: cp_initial_states(randn(2 + rank, B, 3, seed=0), randn(2 + rank, B, 3, seed=0), mesh=mesh,
                                           layout="zigzag", seq_len=48, kind="diagonal"),
-    }.items():
-        try:
-            call()
-            messages[name] = None
-        except ValueError as e:
-            messages[name] = str(e)
+    })
     good = cp_causal_conv1d(x, w, mesh=mesh)
     return {"messages": messages, "shape": tuple(good.shape)}
 
@@ -246,3 +243,18 @@ def float64_module(build: Callable[[], nn.Module], scale: float) -> nn.Module:
         for p in module.parameters():
             p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64) * scale)
     return module
+
+
+def value_errors(calls: dict[str, Callable[[], object]],
+                 region: Callable[[], ContextManager] = contextlib.nullcontext) -> dict[str, str | None]:
+    """Each call's `ValueError` message (None when it returned), each run inside a fresh `region()`: the refusal
+    cases give bad input to one rank, and every rank must get the same message."""
+    messages: dict[str, str | None] = {}
+    for name, call in calls.items():
+        try:
+            with region():
+                call()
+            messages[name] = None
+        except ValueError as e:
+            messages[name] = str(e)
+    return messages
