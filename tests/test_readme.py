@@ -1,4 +1,4 @@
-"""Every code block of README.md that a reader could run is run here, or says why not.
+"""Every code block of README.md and of the docs (docs/**/*.md) that a reader could run is run here, or says why not.
 
 The README's examples broke unnoticed (a warmup longer than the example's steps, a
 script that printed nothing, snippets using names they never defined). Now each
@@ -17,9 +17,12 @@ block cannot slip in untested:
 
 Every other block needs a language (```text for diagrams), so that none hides as prose.
 
-How a `run` block runs: in one sandbox shared by the whole README (a temporary
-folder holding links to the repository's top-level entries, so `outputs/` lands in
-it), in README order, as a reader who follows the README would. In a bash block each
+Names are unique across the README and the docs. How a `run` block runs: in one
+sandbox shared by the README and the docs (a temporary folder holding links to the
+repository's top-level entries, so `outputs/` lands in it), the README first, then the
+docs pages in path order, as a reader who follows them would; a command, or a python
+block whose text is the same as one already run (the README's example, again in the
+docs), runs once. In a bash block each
 command (a `\\` continues a line, `&&` chains, `#` comments) runs with a timeout and
 must exit 0 without a traceback; `pip install` is not run (the suite runs installed),
 but the extras it names must exist. A training command (`cpcompose.train`,
@@ -27,7 +30,8 @@ but the extras it names must exist. A training command (`cpcompose.train`,
 `--help` or a `--job.dry_run`. A python block runs as a script (under `torchrun` when
 its marker says so) and must print something; a toml block is loaded as a config.
 Every python block, fragments included, must name only what cpcompose has, with
-arguments its functions take; every repository path a command names must exist.
+arguments its functions take; every repository path a command names must exist. The
+README stays short (at most `README_MAX_LINES` lines) and its links lead somewhere.
 """
 
 from __future__ import annotations
@@ -51,6 +55,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+# The README first (a reader starts there), then every docs page in path order.
+PAGES = [README, *sorted((ROOT / "docs").rglob("*.md"))]
+README_MAX_LINES = 250  # one screen or two of what, why, how to install and one example; the rest is in docs/
 RUNNABLE = {"bash", "sh", "shell", "console", "python", "py", "toml"}
 TRAIN_ENTRIES = {"cpcompose.train", "cpcompose-train", "cpcompose/train.py"}
 # A training command runs at this size; the rest of its command line is as the README writes it.
@@ -67,6 +74,7 @@ TIMEOUT_S = 300  # a command; generous because the machine may be loaded, and a 
 EXPECT: dict[str, tuple[str, Callable[..., bool]]] = {
     "hf-training-step": (r"^loss under CP (\S+), on one process (\S+)$", lambda a, b: abs(float(a) - float(b)) < 1e-5),
     "functional": (r"^max \|CP - one-process attention\| = (\S+)$", lambda d: float(d) < 1e-5),
+    "quickstart": (r"^max \|CP - one-process attention\| = (\S+)$", lambda d: float(d) < 1e-5),
     "context-parallel-style": (r"^loss under CP (\S+), on one process (\S+)$",
                                lambda a, b: abs(float(a) - float(b)) < 1e-5),
 }
@@ -77,8 +85,10 @@ _MARKER_FORMS = re.compile(r"^(run|check) ([\w-]+)( torchrun=\d+)?$|^fragment$|^
 
 @dataclass(frozen=True)
 class Block:
-    """A fenced block of the README: where it opens, its language and text, and its marker."""
+    """A fenced block of a page: where it opens (the page, relative to the repository, and the line), its language
+    and text, and its marker."""
 
+    page: str
     line: int
     lang: str
     text: str
@@ -93,7 +103,7 @@ class Block:
 
     @property
     def name(self) -> str:
-        return self.marker.split(" ")[1] if self.kind in ("run", "check") else f"line{self.line}"
+        return self.marker.split(" ")[1] if self.kind in ("run", "check") else f"{self.page}:{self.line}"
 
     @property
     def ranks(self) -> int | None:
@@ -102,10 +112,10 @@ class Block:
 
     def where(self) -> str:
         first = next((ln for ln in self.text.splitlines() if ln.strip()), "")
-        return f"README.md:{self.line} ```{self.lang} {first[:70]!r}"
+        return f"{self.page}:{self.line} ```{self.lang} {first[:70]!r}"
 
 
-def parse(text: str) -> list[Block]:
+def parse(text: str, page: str = "README.md") -> list[Block]:
     """The fenced blocks of a markdown text, each with the marker on the last non-blank line before it."""
     blocks, lines, i = [], text.splitlines(), 0
     while i < len(lines):
@@ -116,7 +126,7 @@ def parse(text: str) -> list[Block]:
         end = next((j for j in range(i + 1, len(lines)) if lines[j].startswith("```")), len(lines))
         before = next((ln for ln in reversed(lines[:i]) if ln.strip()), "")
         marker = _MARKER.match(before)
-        blocks.append(Block(i + 1, fence.group(1), "\n".join(lines[i + 1:end]) + "\n",
+        blocks.append(Block(page, i + 1, fence.group(1), "\n".join(lines[i + 1:end]) + "\n",
                             marker.group(1).strip() if marker else None))
         i = end + 1
     return blocks
@@ -143,7 +153,7 @@ def problems(blocks: list[Block], checks: set[str]) -> list[str]:
             if b.name in names:
                 found.append(f"{b.where()}: the name {b.name!r} is used twice")
             names.add(b.name)
-    found += [f"check_{c.replace('-', '_')} in tests/test_readme.py checks no README block"
+    found += [f"check_{c.replace('-', '_')} in tests/test_readme.py checks no README or docs block"
               for c in sorted(checks - {b.name for b in blocks if b.kind == "check"})]
     return found
 
@@ -153,12 +163,23 @@ def _checks() -> dict[str, Callable[[Block], None]]:
             if name.startswith("check_") and callable(fn)}
 
 
-BLOCKS = parse(README.read_text())
+BLOCKS = [b for page in PAGES for b in parse(page.read_text(), str(page.relative_to(ROOT)))]
 
 
 def test_every_block_is_run_or_says_why_not() -> None:
     found = problems(BLOCKS, set(_checks()))
-    assert not found, "README blocks:\n" + "\n".join(found)
+    assert not found, "README and docs blocks:\n" + "\n".join(found)
+
+
+def test_the_readme_is_short_and_its_links_lead_somewhere() -> None:
+    """A newcomer reads the README's first screens: it stays short, and every local link in it exists (the docs
+    build checks the docs' own links)."""
+    text = README.read_text()
+    assert len(text.splitlines()) <= README_MAX_LINES, f"README.md: {len(text.splitlines())} lines; move detail to docs/"
+    targets = [t.split("#")[0] for t in re.findall(r"\]\(([^)\s]+)\)", text) if not re.match(r"^(https?:|#)", t)]
+    assert targets, "the README links nowhere into the docs"
+    missing = [t for t in targets if not (ROOT / t).exists()]
+    assert not missing, f"README.md links to what the repository lacks: {missing}"
 
 
 def test_the_audit_catches_an_unmarked_block_and_a_stray_check() -> None:
@@ -329,6 +350,8 @@ def _run_shell(block: Block, box: Sandbox) -> None:
 
 
 def _run_python(block: Block, box: Sandbox) -> None:
+    if (block.text,) in box.done:
+        return  # the same program, already run from an earlier page
     script = box.folder / f"readme_{block.name.replace('-', '_')}.py"
     script.write_text(block.text)
     launcher = ["torchrun", f"--nproc_per_node={block.ranks}"] if block.ranks else [sys.executable]
@@ -337,6 +360,7 @@ def _run_python(block: Block, box: Sandbox) -> None:
     pattern, holds = EXPECT[block.name]  # every python run block says what it must print
     found = re.search(pattern, out, re.M)
     assert found and holds(*found.groups()), f"{block.where()} printed:\n{out}"
+    box.done.add((block.text,))
 
 
 def _run_toml(block: Block, box: Sandbox) -> None:
@@ -362,7 +386,7 @@ def test_run_block(block: Block, sandbox: Sandbox) -> None:
 
 
 def check_torchtitan_launch(block: Block) -> None:
-    """torchtitan's trainer cannot run on CPU (README: "Awaits a GPU"): its own ConfigManager parses the command."""
+    """torchtitan's trainer cannot run on CPU (docs: "Awaits a GPU"): its own ConfigManager parses the command."""
     from tests.support import torchtitan_stub
 
     torchtitan_stub.install()  # before torchtitan is imported: see the stand-in's docstring
@@ -381,14 +405,14 @@ def check_torchtitan_launch(block: Block) -> None:
 
 def check_your_data(block: Block) -> None:
     """The `[data]` example (with its tokenizer line filled in) passes the pre-launch check on chat records,
-    and the README's example of a bad record is, word for word, the line that check prints."""
+    and its page's example of a bad record is, word for word, the line that check prints."""
     from cpcompose.config import ConfigError, load_config
     from cpcompose.training.preflight import preflight
     from tests.support.hf_data import chat_records, tiny_tokenizer_folder, write_jsonl
 
     said = re.search(r"`config error: (data\.path: data/conversations\.jsonl:(\d+): messages\[(\d+)\]\.role is "
-                     r"'(\w+)', [^`]+)`", README.read_text())
-    assert said, "the README's example of a bad record moved: update check_your_data"
+                     r"'(\w+)', [^`]+)`", (ROOT / block.page).read_text())
+    assert said, f"{block.page}'s example of a bad record moved: update check_your_data"
     line, index, role = int(said.group(2)), int(said.group(3)), said.group(4)
     folder = Path(tempfile.mkdtemp(prefix="cpcompose-readme-data-"))
     text = block.text.replace('# tokenizer = "models/tiny-llama"', f'tokenizer = "{tiny_tokenizer_folder()}"')
