@@ -31,7 +31,8 @@ but the extras it names must exist. A training command (`cpcompose.train`,
 its marker says so) and must print something; a toml block is loaded as a config.
 Every python block, fragments included, must name only what cpcompose has, with
 arguments its functions take; every repository path a command names must exist. The
-README stays short (at most `README_MAX_LINES` lines) and its links lead somewhere.
+README stays short (at most `README_MAX_LINES` lines), shows the set-up, the fine-tuning install
+and a runnable example on its first two screens, and its links lead somewhere.
 """
 
 from __future__ import annotations
@@ -58,6 +59,12 @@ README = ROOT / "README.md"
 # The README first (a reader starts there), then every docs page in path order.
 PAGES = [README, *sorted((ROOT / "docs").rglob("*.md"))]
 README_MAX_LINES = 250  # one screen or two of what, why, how to install and one example; the rest is in docs/
+# What a newcomer must find on the README's first two screens (about 50 lines each): the set-up's two commands
+# (the test command exactly as .ci/run runs it), the fine-tuning install step, and a runnable example.
+FIRST_SCREENS = 100
+FIRST_SCREENS_HOLD = ('pip install "torch==2.13.0" -e . && python -m cpcompose.train',
+                      'pip install "torch==2.13.0" -e ".[test]" && python -m pytest', 'pip install -e ".[hf]"',
+                      "<!-- readme: run quickstart")
 RUNNABLE = {"bash", "sh", "shell", "console", "python", "py", "toml"}
 TRAIN_ENTRIES = {"cpcompose.train", "cpcompose-train", "cpcompose/train.py"}
 # A training command runs at this size; the rest of its command line is as the README writes it.
@@ -176,6 +183,10 @@ def test_the_readme_is_short_and_its_links_lead_somewhere() -> None:
     build checks the docs' own links)."""
     text = README.read_text()
     assert len(text.splitlines()) <= README_MAX_LINES, f"README.md: {len(text.splitlines())} lines; move detail to docs/"
+    first = "\n".join(text.splitlines()[:FIRST_SCREENS])
+    assert not [w for w in FIRST_SCREENS_HOLD if w not in first], f"not in the README's first {FIRST_SCREENS} lines"
+    ci = (ROOT / ".ci" / "run").read_text().replace("pip install --quiet ", "pip install ")  # CI's output: quiet
+    assert FIRST_SCREENS_HOLD[1] in ci, "the README's test command is no longer what .ci/run runs"
     targets = [t.split("#")[0] for t in re.findall(r"\]\(([^)\s]+)\)", text) if not re.match(r"^(https?:|#)", t)]
     assert targets, "the README links nowhere into the docs"
     missing = [t for t in targets if not (ROOT / t).exists()]
