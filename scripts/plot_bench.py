@@ -58,7 +58,7 @@ def _lengths(axis: Any, values: list[int]) -> None:
 
 
 def _panels(figure: Any, count: int) -> list[Any]:
-    figure.set_size_inches(6.0 * count, 4.2)
+    figure.set_size_inches(7.0 * count, 4.5)
     return [figure.add_subplot(1, count, i + 1) for i in range(count)]
 
 
@@ -100,22 +100,33 @@ def _draw_mixers(figure: Any, runs: list[tuple[Path, dict[str, Any]]]) -> bool:
     return True
 
 
+def _model(data: dict[str, Any], key: str) -> str:
+    """A bench_memory.py model, named by its vocabulary (the table's and the budget search's are small ones)."""
+    vocab = (data.get(key) or {}).get("vocab_size")
+    return f"vocab {vocab:,}" if vocab else key.replace("_model", " model")
+
+
 def _memory_trials(data: dict[str, Any]) -> dict[str, list[tuple[int, float]]]:
     """Every successful trial of a bench_memory.py JSON, as option -> [(L, peak MiB per rank)]."""
     lines: dict[str, list[tuple[int, float]]] = {}
     for row in data.get("fixed_length", []):
         for trial in (row.get("tiny"), row.get("run")):
             if trial and trial.get("status", "ok") == "ok" and "peak_mib" in trial:
-                lines.setdefault(f"fixed model, cp={row['cp']}", []).append((trial["seq_len"], trial["peak_mib"]))
+                lines.setdefault(f"unfused, {_model(data, 'table_model')}, cp={row['cp']}", []).append(
+                    (trial["seq_len"], trial["peak_mib"]))
     for row in data.get("budget", []):
         for trial in row.get("trials", []):
             if trial.get("status") == "ok":
-                lines.setdefault(f"budget model, cp={row['cp']}", []).append((trial["seq_len"], trial["peak_mib"]))
+                lines.setdefault(f"unfused, {_model(data, 'budget_model')}, cp={row['cp']}", []).append(
+                    (trial["seq_len"], trial["peak_mib"]))
+    vocab = _model(data.get("vocab", {}), "model")
     for row in data.get("vocab", {}).get("modes", {}).values():
         for trial in row.get("trials", []):
             if trial.get("status") == "ok":
-                lines.setdefault(f"{row['mode']}, cp={row['cp']}", []).append((trial["seq_len"], trial["peak_mib"]))
-    return {k: sorted(set(v)) for k, v in lines.items()}
+                lines.setdefault(f"{row['mode']}, {vocab}, cp={row['cp']}", []).append(
+                    (trial["seq_len"], trial["peak_mib"]))
+    # A length run twice (a probe, then the measurement) keeps its larger peak: a peak is a maximum anyway.
+    return {k: sorted({L: max(m for n, m in v if n == L) for L, _ in v}.items()) for k, v in lines.items()}
 
 
 def _draw_memory(figure: Any, runs: list[tuple[Path, dict[str, Any]]]) -> bool:
@@ -124,17 +135,21 @@ def _draw_memory(figure: Any, runs: list[tuple[Path, dict[str, Any]]]) -> bool:
         for option, points in sorted(_memory_trials(data).items()):
             axis.plot([p[0] for p in points], [p[1] / 1024 for p in points], marker="o", label=option)
         _lengths(axis, [p[0] for points in _memory_trials(data).values() for p in points])
-        axis.set(yscale="log", xlabel="sequence length L (tokens)", ylabel="peak per rank (GiB)",
+        axis.set(ylim=(0, None), xlabel="sequence length L (tokens)", ylabel="peak per rank (GiB)",
                  title=f"{path.name}\n{_machine(data)}")
         axis.legend(fontsize=7)
     return bool(runs)
 
 
-def _longest(data: dict[str, Any]) -> list[tuple[str, int, str]]:
-    """(option, longest L under the budget, how it was found) from a bench_memory.py JSON."""
-    found = [(f"budget model, cp={r['cp']}", r["longest"], "extrapolated" if r.get("extrapolated") else "measured")
+def _longest(data: dict[str, Any]) -> list[tuple[str, int, str, int | None]]:
+    """(option, longest L under the budget, how it was found, the memory plan's longest L) from a bench_memory.py
+    JSON."""
+    found = [(f"unfused, {_model(data, 'budget_model')}, cp={r['cp']}", r["longest"],
+              "extrapolated" if r.get("extrapolated") else "measured", None)
              for r in data.get("budget", []) if r.get("longest")]
-    found += [(f"{r['mode']}, cp={r['cp']}", r["longest"], "extrapolated" if r.get("extrapolated") else "measured")
+    vocab = _model(data.get("vocab", {}), "model")
+    found += [(f"{r['mode']}, {vocab}, cp={r['cp']}", r["longest"],
+               "extrapolated" if r.get("extrapolated") else "measured", r.get("predicted_longest"))
               for r in data.get("vocab", {}).get("modes", {}).values() if r.get("longest")]
     return found
 
@@ -143,8 +158,12 @@ def _draw_longest(figure: Any, runs: list[tuple[Path, dict[str, Any]]]) -> bool:
     runs = [(p, d) for p, d in runs if _longest(d)]
     for axis, (path, data) in zip(_panels(figure, len(runs)), runs):
         bars = _longest(data)
-        axis.barh(range(len(bars)), [b[1] for b in bars], color=["C0" if b[2] == "measured" else "C1" for b in bars])
-        axis.set_yticks(range(len(bars)), [f"{b[0]} ({b[2]})" for b in bars], fontsize=7)
+        rows = range(len(bars))
+        axis.barh([r + 0.2 for r in rows], [b[1] for b in bars], height=0.4, color="C0", label="runs (" + ", ".join(
+            sorted({b[2] for b in bars})) + ")")
+        axis.barh([r - 0.2 for r in rows], [b[3] or 0 for b in bars], height=0.4, color="C1", label="memory plan")
+        axis.set_yticks(rows, [b[0] for b in bars], fontsize=7)
+        axis.legend(fontsize=7)
         budget = data.get("vocab", {}).get("budget_mib") or (data.get("budget") or [{}])[0].get("budget_mib")
         axis.set(xscale="log", xlabel="longest sequence L (tokens)",
                  title=f"longest L at {budget / 1024:g} GiB per rank\n{_machine(data)}" if budget else _machine(data))
@@ -216,7 +235,7 @@ def main() -> None:
         made = bool(runs) and plot.draw(figure, runs)
         if made:
             figure.tight_layout()
-            figure.savefig(target, dpi=90, metadata={"Software": None})
+            figure.savefig(target, dpi=90, bbox_inches="tight", metadata={"Software": None})
             drawn[plot.name] = wanted[plot.name]
             print(f"wrote {target.relative_to(root)} from {len(runs)} JSON file(s)")
         else:
