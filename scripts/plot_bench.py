@@ -215,6 +215,20 @@ def sources(root: Path = ROOT) -> dict[str, dict[str, str]]:
     return found
 
 
+def _draws(plt: Any, plot: Plot, run: tuple[Path, dict[str, Any]]) -> bool:
+    """Whether a plot can draw this one JSON: a file of another shape that the plot's patterns also match (another
+    benchmark's, or an older version of its script's) is left out with a line saying so, not a crash."""
+    figure = plt.figure()
+    try:
+        plot.draw(figure, [run])
+        return True
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
+        print(f"{plot.name}: left out {run[0].name}, which is not in the shape it reads ({type(e).__name__}: {e})")
+        return False
+    finally:
+        plt.close(figure)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--root", type=Path, default=ROOT, help="the repository (default: this script's)")
@@ -230,7 +244,7 @@ def main() -> None:
     wanted = sources(root)
     for plot in PLOTS:
         target = out / plot.name
-        runs = [(p, json.loads(p.read_text())) for p in inputs(plot, root)]
+        runs = [run for run in ((p, json.loads(p.read_text())) for p in inputs(plot, root)) if _draws(plt, plot, run)]
         figure = plt.figure()
         made = bool(runs) and plot.draw(figure, runs)
         if made:
