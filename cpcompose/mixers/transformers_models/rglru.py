@@ -22,11 +22,11 @@ import torch
 from torch import Tensor, nn
 
 from cpcompose.comm import CPGroup
-from cpcompose.integrations.transformers.kernels.common import needs_grad, tensor_fields, whole_pack_refusal
+from cpcompose.mixers.kernel_calls import needs_grad, tensor_fields, whole_pack_refusal
 from cpcompose.layouts import PackedLayout
 from cpcompose.mixers.chunked import cp_chunked_recurrence
 from cpcompose.mixers.conv import cp_causal_conv1d
-from cpcompose.parallel.dispatch import CPAttentionMode
+from cpcompose.mixers.region import Region
 
 __all__ = ["cp_recurrent_block", "cp_rglru_scan"]
 
@@ -49,7 +49,7 @@ def _causal_conv_refusal(conv: nn.Module) -> str | None:
 
 
 def cp_recurrent_block(
-    original: Callable[..., Any], region: CPAttentionMode, self: nn.Module, input_states: Tensor,
+    original: Callable[..., Any], region: Region, self: nn.Module, input_states: Tensor,
     position_ids: Tensor, attention_mask: Tensor | None, use_cache: bool | None = True, **kwargs: Any,
 ) -> tuple[Tensor, None]:
     """`RecurrentGemmaRecurrentBlock.forward` under CP: transformers' own forward, its `conv_1d` call answered
@@ -75,7 +75,7 @@ def cp_recurrent_block(
         handle.remove()
 
 
-def _reset_refusal(reset: Tensor, region: CPAttentionMode) -> str | None:
+def _reset_refusal(reset: Tensor, region: Region) -> str | None:
     """Why the scan's `reset` (`position_ids == 0`) is not the layout's document starts on this rank, or None.
 
     A PackedLayout's padding document is not checked: nothing reads its outputs.
@@ -100,7 +100,7 @@ def _reset_refusal(reset: Tensor, region: CPAttentionMode) -> str | None:
 
 
 def cp_rglru_scan(
-    original: Callable[..., Any], region: CPAttentionMode, self: nn.Module, hidden_states: Tensor,
+    original: Callable[..., Any], region: Region, self: nn.Module, hidden_states: Tensor,
     recurrent_gate: Tensor, reset: Tensor, recurrent_states: Tensor | None,
     acc_dtype: torch.dtype = torch.float32,
 ) -> tuple[Tensor, None]:

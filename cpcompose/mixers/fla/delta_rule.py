@@ -26,9 +26,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from cpcompose.integrations.transformers.kernels.common import needs_grad, tensor_fields, whole_pack_refusal
+from cpcompose.mixers.kernel_calls import needs_grad, tensor_fields, whole_pack_refusal
 from cpcompose.mixers.chunked import cp_chunked_recurrence
-from cpcompose.parallel.dispatch import CPAttentionMode
+from cpcompose.mixers.region import Region
 
 __all__ = ["cp_chunk_gated_delta_rule", "cp_chunk_kimi_delta_attention"]
 
@@ -52,7 +52,7 @@ def _shape_error(what: str, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Te
 
 
 def _cp_delta_rule(
-    what: str, per_channel: bool, original: Callable[..., Any], region: CPAttentionMode, query: Tensor, key: Tensor,
+    what: str, per_channel: bool, original: Callable[..., Any], region: Region, query: Tensor, key: Tensor,
     value: Tensor, g: Tensor, beta: Tensor, chunk_size: int, initial_state: Tensor | None, output_final_state: bool,
     use_qk_l2norm_in_kernel: bool, kwargs: dict[str, Any],
 ) -> tuple[Tensor, None]:
@@ -86,7 +86,7 @@ def _cp_delta_rule(
 
 
 def cp_chunk_gated_delta_rule(
-    original: Callable[..., Any], region: CPAttentionMode, query: Tensor, key: Tensor, value: Tensor, g: Tensor,
+    original: Callable[..., Any], region: Region, query: Tensor, key: Tensor, value: Tensor, g: Tensor,
     beta: Tensor, chunk_size: int = 64, initial_state: Tensor | None = None, output_final_state: bool = False,
     use_qk_l2norm_in_kernel: bool = False, **kwargs: Any,
 ) -> tuple[Tensor, None]:
@@ -101,7 +101,7 @@ def cp_chunk_gated_delta_rule(
 
 
 def cp_chunk_kimi_delta_attention(
-    original: Callable[..., Any], region: CPAttentionMode, query: Tensor, key: Tensor, value: Tensor, g: Tensor,
+    original: Callable[..., Any], region: Region, query: Tensor, key: Tensor, value: Tensor, g: Tensor,
     beta: Tensor, chunk_size: int = 64, initial_state: Tensor | None = None, output_final_state: bool = False,
     use_qk_l2norm_in_kernel: bool = False, **kwargs: Any,
 ) -> tuple[Tensor, None]:

@@ -20,9 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from cpcompose.integrations.transformers.kernels.common import needs_grad, tensor_fields, whole_pack_refusal
+from cpcompose.mixers.kernel_calls import needs_grad, tensor_fields, whole_pack_refusal
 from cpcompose.mixers.chunked import cp_chunked_recurrence
-from cpcompose.parallel.dispatch import CPAttentionMode
+from cpcompose.mixers.region import Region
 
 __all__ = ["cp_lightning_attention", "lightning_blocks"]
 
@@ -60,7 +60,7 @@ def lightning_blocks(module: nn.Module, q: Tensor, k: Tensor, v: Tensor, init: T
 
 
 def cp_lightning_attention(
-    original: Callable[..., Any], region: CPAttentionMode, self: nn.Module, hidden_states: Tensor,
+    original: Callable[..., Any], region: Region, self: nn.Module, hidden_states: Tensor,
     position_embeddings: object = None, attention_mask: Tensor | None = None, cache: object = None, **kwargs: Any,
 ) -> tuple[Tensor, None]:
     """`MiniMaxLightningAttention.forward` under CP: the state `(batch, heads, head_dim, head_dim)` passed
