@@ -111,7 +111,7 @@ def linear_ssd(
     chunks = (length + pad) // chunk_size
     u, Bh, Ch = (t.reshape(batch, chunks, chunk_size, heads, -1) for t in (u, Bh, Ch))
     cum = a.reshape(batch, chunks, chunk_size, heads).cumsum(2)
-    causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool).tril()[None, None, :, :, None]
+    causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=x.device).tril()[None, None, :, :, None]
     decay = (cum[:, :, :, None] - cum[:, :, None]).masked_fill(~causal, float("-inf")).exp()
     y = torch.einsum("bctsh,bcshp->bcthp", torch.einsum("bcthn,bcshn->bctsh", Ch, Bh) * decay, u)
     own = torch.einsum("bcsh,bcshn,bcshp->bchpn", (cum[:, :, -1:] - cum).exp(), Bh, u)
@@ -131,7 +131,11 @@ def linear_ssd(
 LINEAR_SSD = counted(linear_ssd)
 
 
-def make_inputs(kind: str, seq_len: int) -> dict[str, torch.Tensor]:
+def make_inputs(kind: str, seq_len: int, device: str = "cpu") -> dict[str, torch.Tensor]:
+    return {k: v.to(device) for k, v in _cpu_inputs(kind, seq_len).items()}
+
+
+def _cpu_inputs(kind: str, seq_len: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seq_len)
     if kind == "attention":
         return {"q": torch.randn(1, 8, seq_len, 64, generator=g), "k": torch.randn(1, 2, seq_len, 64, generator=g),
@@ -175,17 +179,24 @@ def leaves(t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone().requires_grad_(k != "dout") for k, v in t.items()}
 
 
-def single(kind: str, seq_len: int) -> Callable[[], float]:
-    full = make_inputs(kind, seq_len)
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def single(kind: str, seq_len: int, device: str) -> Callable[[], float]:
+    full = make_inputs(kind, seq_len, device)
 
     def once() -> float:
         t = leaves(full)
+        sync(device)
         start = time.perf_counter()
         if kind == "attention":
             out = F.scaled_dot_product_attention(t["q"], t["k"], t["v"], is_causal=True, enable_gqa=True)
         else:
             out = mixer(kind, t)
         out.backward(t["dout"])
+        sync(device)
         return time.perf_counter() - start
 
     return once
@@ -195,11 +206,12 @@ SEQ_DIM = {"q": 2, "k": 2, "v": 2, "dout": 2, "x": 2, "dt": 1}  # everything els
 
 
 def run_case(mesh: DeviceMesh, kind: str, seq_len: int, warmup: int, repeats: int) -> dict[str, Any]:
-    full = make_inputs(kind, seq_len)
+    device = mesh.device_type
+    full = make_inputs(kind, seq_len, device)
     if kind != "attention":
         full["dout"] = full["dout"].transpose(1, 2)  # (B, D, L): its sequence on dim 2, as the others'
     local = {k: cp_shard(v, mesh, seq_dim=SEQ_DIM[k]) if k in SEQ_DIM else v for k, v in full.items()}
-    baseline = single(kind, seq_len)
+    baseline = single(kind, seq_len, device)
     meter, group = CommMeter(), mesh.get_group()
 
     def once() -> list[float]:
@@ -208,6 +220,7 @@ def run_case(mesh: DeviceMesh, kind: str, seq_len: int, warmup: int, repeats: in
         t = leaves(local)
         meter.reset()
         SCAN_WORK.update(tokens=0.0, weighted=0.0)
+        sync(device)
         dist.barrier(group=group)
         start = time.perf_counter()
         if kind == "attention":
@@ -217,10 +230,11 @@ def run_case(mesh: DeviceMesh, kind: str, seq_len: int, warmup: int, repeats: in
             with context_parallel(mesh, meter=meter, verify=False):
                 out = mixer(kind, t)
                 out.backward(t["dout"].transpose(1, 2))
+        sync(device)
         elapsed = time.perf_counter() - start
         stats = torch.tensor([elapsed, float(meter.total), t1, SCAN_WORK["tokens"], SCAN_WORK["weighted"],
                               meter.waited_s["all_gather"], float(meter.bytes_sent["all_gather"])],
-                             dtype=torch.float64)
+                             dtype=torch.float64, device=device)
         dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=group)
         return stats.tolist()
 
@@ -240,24 +254,28 @@ def gather_alone(mesh: DeviceMesh, nbytes: int, repeats: int) -> float:
     if nbytes == 0:
         return 0.0
     cp = CPGroup.from_mesh(mesh)
-    x = torch.zeros(nbytes // (cp.world - 1), dtype=torch.uint8)
+    x = torch.zeros(nbytes // (cp.world - 1), dtype=torch.uint8, device=mesh.device_type)
     times = []
     for _ in range(repeats + 1):
         dist.barrier(group=cp.group)
         start = time.perf_counter()
         start_all_gather(x, cp).wait()
         times.append(time.perf_counter() - start)
-    slowest = torch.tensor(statistics.median(times[1:]), dtype=torch.float64)
+    slowest = torch.tensor(statistics.median(times[1:]), dtype=torch.float64, device=mesh.device_type)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=cp.group)
     return float(slowest)
 
 
 def worker(rank: int, world: int, store: str, cases: list[tuple[str, int]], opts: dict[str, Any], out: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+    device, backend = opts["device"], "gloo"
+    if device == "cuda":  # GPU rank % count; NCCL when every rank has its own GPU, else gloo (host-staged)
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        backend = "nccl" if torch.cuda.device_count() >= world else "gloo"
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=600))
     try:
-        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+        mesh = init_device_mesh(device, (world,), mesh_dim_names=("cp",))
         results = [run_case(mesh, kind, n, opts["warmup"], opts["repeats"]) for kind, n in cases]
         if rank == 0:
             Path(out).write_text(json.dumps(results))
@@ -275,13 +293,15 @@ def main() -> None:
                    choices=["attention", "mamba2", "mamba2_linear", "gdn"])
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="cuda: transformers' kernel functions run fla's and mamba-ssm's CUDA kernels where installed")
     p.add_argument("--out", default="bench_results/mixers.json")
     args = p.parse_args()
     cases = [(kind, n) for n in args.seq_lens for kind in args.kinds]
     with tempfile.TemporaryDirectory() as tmpdir:
         result = os.path.join(tmpdir, "result.json")
         tmp.spawn(worker, args=(args.world, os.path.join(tmpdir, "store"), cases,
-                                {"warmup": args.warmup, "repeats": args.repeats}, result),
+                                {"warmup": args.warmup, "repeats": args.repeats, "device": args.device}, result),
                   nprocs=args.world, join=True)
         rows = json.loads(Path(result).read_text())
     print(f"{'kind':>13} {'L':>6} {'T1 (s)':>8} {'T_P (s)':>8} {'eff.':>5} {'sent (KiB)':>10} "
@@ -298,7 +318,7 @@ def main() -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"machine": {"cpu": platform.processor() or platform.machine(),
                                                       "cores": os.cpu_count(), "torch": torch.__version__},
-                                          "world": args.world, "rows": rows}, indent=1))
+                                          "world": args.world, "device": args.device, "rows": rows}, indent=1))
     print(f"wrote {args.out}")
 
 
