@@ -15,10 +15,14 @@ states composed across ranks). On the CPU each value is a chain of at most L flo
 so `eps32 * L` relative to the reference's largest value bounds it. The CUDA kernels' Triton
 dots round to tf32 (10-bit mantissa), whose errors add like a random walk over the chain:
 `2**-10 * sqrt(L)`. Dropping the correction (the true state's contribution) misses by far
-more, checked on the same data.
+more, checked on the same data. And each rank's kernel sees each of its tokens once: no rerun
+(scan work 1.0 per rank).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -27,6 +31,7 @@ from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated
 
 from cpcompose.layouts import Layout
 from cpcompose.mixers import MixerOptions, MixerRegion
+from cpcompose.mixers.chunked import stretches
 from cpcompose.mixers.fla import cp_chunk_gated_delta_rule
 from cpcompose.mixers.mamba_ssm import cp_mamba2_chunk_scan
 from tests.support.mixer_cases import make_layout, randn
@@ -51,19 +56,32 @@ def _prepared(api: str, seq: int, dim: int, device: str) -> dict[str, torch.Tens
     return {k: v.float().to(device) for k, v in _inputs(api, seq, dim).items()}
 
 
-def _call(api: str, t: dict[str, torch.Tensor], region: MixerRegion | None, chunk: int) -> torch.Tensor:
-    """The API on `t`: through its CP version under `region`, or the kernel itself when None."""
+class Counted:
+    """A kernel that counts the tokens it is given (dim 1 of its first argument), call by call."""
+
+    def __init__(self, kernel: Callable[..., Any]) -> None:
+        self.kernel, self.tokens = kernel, 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.tokens += args[0].shape[1]
+        return self.kernel(*args, **kwargs)
+
+
+def _call(api: str, t: dict[str, torch.Tensor], region: MixerRegion | None, chunk: int,
+          counted: Counted | None = None) -> torch.Tensor:
+    """The API on `t`: through its CP version under `region` (running `counted`'s kernel where given), or the
+    kernel itself when `region` is None."""
     if api == "fla":
         args = (t["q"], t["k"], t["v"], t["g"], t["beta"])
         if region is None:
             return torch_chunk_gated_delta_rule(*args, chunk_size=chunk, use_qk_l2norm_in_kernel=True)[0]
-        return cp_chunk_gated_delta_rule(torch_chunk_gated_delta_rule, region, *args, chunk_size=chunk,
+        return cp_chunk_gated_delta_rule(counted or torch_chunk_gated_delta_rule, region, *args, chunk_size=chunk,
                                          use_qk_l2norm_in_kernel=True)[0]
     A = -torch.tensor([0.5, 1.0, 1.5, 2.0], device=t["x"].device)
     args = (t["x"], t["dt"], A, t["B"], t["C"])
     if region is None:
         return mamba2_chunk_scan(*args, chunk_size=chunk, dt_softplus=True)
-    return cp_mamba2_chunk_scan(mamba2_chunk_scan, region, *args, chunk_size=chunk, dt_softplus=True)
+    return cp_mamba2_chunk_scan(counted or mamba2_chunk_scan, region, *args, chunk_size=chunk, dt_softplus=True)
 
 
 def api_cases(mesh, device: str) -> dict:
@@ -75,9 +93,11 @@ def api_cases(mesh, device: str) -> dict:
         for api in ("fla", "mamba_ssm"):
             full = _prepared(api, world * s_local, dim, device)
             local = {k: layout.shard(v, 1, rank).requires_grad_() for k, v in full.items()}
-            out = _call(api, local, region, chunk)
+            counted = Counted(torch_chunk_gated_delta_rule if api == "fla" else mamba2_chunk_scan)
+            out = _call(api, local, region, chunk, counted)
             out.sum().backward()
-            results[spec, api] = {"out": out.detach().cpu(), "grads": {k: v.grad.cpu() for k, v in local.items()}}
+            results[spec, api] = {"out": out.detach().cpu(), "grads": {k: v.grad.cpu() for k, v in local.items()},
+                                  "tokens": counted.tokens}
     return results
 
 
@@ -108,6 +128,8 @@ def test_kernel_apis_through_cpcompose_directly(pools, device: str) -> None:
             zero_state = []  # every document restarting at every run: what the CP version would give uncorrected
             for rank in range(world):
                 got = results[rank][spec, api]
+                assert got["tokens"] == s_local, f"{spec} {api} rank {rank}: the kernel saw {got['tokens']} tokens " \
+                    f"for a shard of {s_local}: one pass per token, no rerun"
                 scale = want.abs().max().item()
                 torch.testing.assert_close(got["out"], layout.shard(want, 1, rank), rtol=tol, atol=tol * scale,
                                            msg=lambda m, at=(spec, api, rank): f"{at} outputs: {m}")
@@ -126,3 +148,21 @@ def test_kernel_apis_through_cpcompose_directly(pools, device: str) -> None:
 def test_mixer_region_reports_a_bad_layout() -> None:
     assert MixerOptions(layout="no-such-layout").error(2) is not None
     assert MixerOptions(layout="zigzag").error(2) is None
+
+
+def test_stretches_merge_a_ranks_consecutive_runs_of_one_document() -> None:
+    """Zigzag's middle pair is one kernel call; runs of different documents, or apart, stay separate."""
+    seq = 16
+    zigzag = make_layout("zigzag", 2, seq // 2)
+    runs = zigzag.runs(1, seq)  # chunks 1 and 2: one document, consecutive positions and rows
+    starts = {run.doc: run.pos for run in zigzag.global_runs(seq)}
+    merged = stretches(runs, starts, continued={0, 1})
+    assert [(s.rows, s.runs, s.continues, s.continued) for s in merged] == [(slice(0, 8), (0, 1), True, True)]
+    apart = stretches(zigzag.runs(0, seq), starts, continued={0})  # chunks 0 and 3
+    assert [(s.rows, s.runs, s.continues, s.continued) for s in apart] == [
+        (slice(0, 4), (0,), False, True), (slice(4, 8), (1,), True, False)]
+    packed, seq = make_layout("packed", 2, 12), 24  # the pack of tests/support: documents shorter and longer
+    for rank in range(2):
+        every = packed.runs(rank, seq)
+        for s in stretches(every, {run.doc: run.pos for run in packed.global_runs(seq)}, continued=set()):
+            assert len({every[i].doc for i in s.runs}) == 1  # never across a document boundary
