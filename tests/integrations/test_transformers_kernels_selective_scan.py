@@ -1,4 +1,5 @@
-"""Mamba's selective scan under CP (`cpcompose.mixers.mamba_ssm.selective_scan`) against the original kernel on one process, float64.
+"""Mamba's selective scan under CP (`cpcompose.mixers.mamba_ssm.selective_scan`) against the original kernel on
+one process, float64.
 
 Two originals with mamba_ssm's `selective_scan_fn` API, each run on the whole sequence (a pack: each
 document alone, since under CP every document restarts):

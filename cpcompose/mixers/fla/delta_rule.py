@@ -104,7 +104,8 @@ def _cp_delta_rule(
         return out + torch.einsum("bthk,bhkv->bthv", readout, init.to(readout.dtype)).to(out.dtype)
 
     out = cp_chunked_recurrence(
-        kernel, lambda rows: transitions[rows.start], mesh=region.mesh, layout=region.options.layout, seq_local=query.shape[1], kind="matrix",
+        kernel, lambda rows: transitions[rows.start], mesh=region.mesh, layout=region.options.layout,
+        seq_local=query.shape[1], kind="matrix",
         out_dim=1, what=what, device=query.device, dtype=query.dtype, grad=needs_grad(query, key, value, g, beta),
         signature=[*tensor_fields("query", query), *tensor_fields("value", value), *tensor_fields("g", g),
                    ("chunk_size", int(chunk_size)), ("use_qk_l2norm_in_kernel", int(bool(use_qk_l2norm_in_kernel)))],
