@@ -34,7 +34,7 @@ from cpcompose.mixers import MixerOptions, MixerRegion
 from cpcompose.mixers.chunked import stretches
 from cpcompose.mixers.fla import cp_chunk_gated_delta_rule
 from cpcompose.mixers.mamba_ssm import cp_mamba2_chunk_scan
-from tests.support.mixer_cases import make_layout, randn
+from tests.support.mixer_cases import make_layout, randn, value_errors
 
 SPECS = ("zigzag", "packed")
 SIZES = {"cpu": (12, 4, 4), "cuda": (128, 64, 32)}
@@ -166,3 +166,35 @@ def test_stretches_merge_a_ranks_consecutive_runs_of_one_document() -> None:
         every = packed.runs(rank, seq)
         for s in stretches(every, {run.doc: run.pos for run in packed.global_runs(seq)}, continued=set()):
             assert len({every[i].doc for i in s.runs}) == 1  # never across a document boundary
+
+
+def direct_refusals(mesh) -> dict:
+    """Bad input on rank 0 only, through a `MixerRegion`: every rank raises the same error; then a valid call."""
+    rank, world = mesh.get_local_rank(), mesh.size()
+    s_local, chunk, dim = SIZES["cpu"]
+    layout = make_layout("zigzag", world, s_local)
+    region = MixerRegion(mesh, MixerOptions(layout=layout))
+    t = {k: layout.shard(v, 1, rank) for k, v in _prepared("fla", world * s_local, dim, "cpu").items()}
+    args = (t["q"], t["k"], t["v"], t["g"], t["beta"])
+    state = torch.zeros(1, 4, dim, dim) if rank == 0 else None
+
+    def cache() -> object:
+        return cp_chunk_gated_delta_rule(torch_chunk_gated_delta_rule, region, *args, chunk_size=chunk,
+                                         initial_state=state)
+
+    def short() -> object:  # rank 0's shard one token short: it does not fit the layout
+        cut = [a[:, :-1] if rank == 0 else a for a in args]
+        return cp_chunk_gated_delta_rule(torch_chunk_gated_delta_rule, region, *cut, chunk_size=chunk)
+
+    messages = value_errors({"cache": cache, "short": short})
+    good = cp_chunk_gated_delta_rule(torch_chunk_gated_delta_rule, region, *args, chunk_size=chunk)[0]
+    return {"messages": messages, "shape": tuple(good.shape)}
+
+
+def test_direct_calls_refuse_on_every_rank(pools) -> None:
+    results = pools.get(2).run(direct_refusals)
+    for name, needle in (("cache", "generation cache"), ("short", "rank 0: global length (local 11 x 2 ranks)")):
+        messages = [r["messages"][name] for r in results]
+        assert messages[0] is not None and needle in messages[0], messages
+        assert all(m == messages[0] for m in messages), f"{name}: ranks disagree: {messages}"
+    assert all(r["shape"] == results[0]["shape"] for r in results)
