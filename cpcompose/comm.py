@@ -30,7 +30,7 @@ from cpcompose import _compat
 
 __all__ = [
     "CPGroup", "CommMeter", "PendingCollective", "PendingRecv", "RingComm", "all_gather", "all_to_all_pieces",
-    "backend_for", "start_all_gather", "start_reduce_scatter",
+    "backend_for", "start_all_gather", "start_all_to_all_pieces", "start_reduce_scatter",
 ]
 
 
@@ -41,9 +41,14 @@ class CommMeter:
     bytes_sent: Counter[str] = field(default_factory=Counter)
     strategies: Counter[str] = field(default_factory=Counter)  # calls per strategy `auto` chose
     predicted_s: float = 0.0  # the cost model's predicted seconds of those calls
+    waited_s: Counter[str] = field(default_factory=Counter)  # seconds blocked waiting for a posted op, by operation
 
     def add(self, op: str, nbytes: int) -> None:
         self.bytes_sent[op] += int(nbytes)
+
+    def note_wait(self, op: str, seconds: float) -> None:
+        """Time spent blocked on a posted `op` (what of it the work in between did not hide)."""
+        self.waited_s[op] += seconds
 
     def note_choice(self, label: str, predicted_s: float) -> None:
         """One call whose strategy `strategy="auto"` chose (`label`, e.g. "alltoall_ring(a=2)")."""
@@ -58,6 +63,7 @@ class CommMeter:
         self.bytes_sent.clear()
         self.strategies.clear()
         self.predicted_s = 0.0
+        self.waited_s.clear()
 
 
 def _nbytes(tensors: Sequence[Tensor]) -> int:
@@ -287,6 +293,14 @@ def all_to_all_pieces(
     Returns:
         `recv[s]`, the tensors received from rank s, shaped as `recv_shapes[s]`.
     """
+    return start_all_to_all_pieces(send, recv_shapes, cp, meter)()
+
+
+def start_all_to_all_pieces(
+    send: Sequence[Sequence[Tensor]], recv_shapes: Sequence[Sequence[torch.Size]], cp: CPGroup,
+    meter: CommMeter | None = None,
+) -> Callable[[], list[list[Tensor]]]:
+    """`all_to_all_pieces` posted: compute while it travels; the returned `wait()` gives `recv` (bounded wait)."""
     ref = next(t for peer in send for t in peer)
     flat_send = [torch.cat([t.reshape(-1) for t in peer]) if peer else ref.new_empty(0) for peer in send]
     in_splits = [t.numel() for t in flat_send]
@@ -296,13 +310,17 @@ def all_to_all_pieces(
     if device is not None:
         wire = _to_host(wire)
     out = wire.new_empty(sum(out_splits))
-    dist.all_to_all_single(out, wire, out_splits, in_splits, group=cp.group)
+    work = dist.all_to_all_single(out, wire, out_splits, in_splits, group=cp.group, async_op=True)
     if meter is not None:
         meter.add("all_to_all", (sum(in_splits) - in_splits[cp.rank]) * ref.element_size())
-    if device is not None:
-        out = out.to(device, copy=True)
-    recv: list[list[Tensor]] = []
-    for flat, shapes in zip(out.split(out_splits), recv_shapes):
-        pieces = flat.split([s.numel() for s in shapes]) if shapes else []
-        recv.append([p.view(s) for p, s in zip(pieces, shapes)])
-    return recv
+    pending = PendingCollective(work, lambda: out if device is None else out.to(device, copy=True), cp)
+
+    def wait() -> list[list[Tensor]]:
+        arrived, _ = pending.wait(), wire  # `wire` stays alive until the exchange is done
+        recv: list[list[Tensor]] = []
+        for flat, shapes in zip(arrived.split(out_splits), recv_shapes):
+            pieces = flat.split([s.numel() for s in shapes]) if shapes else []
+            recv.append([p.view(s) for p, s in zip(pieces, shapes)])
+        return recv
+
+    return wait

@@ -1,11 +1,13 @@
 #!/bin/bash
 # Everything a lent GPU should run, in one go (GPUs are lent to some sessions only, for minutes):
-# the GPU suite, the CUDA kernel benchmark and the attention benchmarks (dense and packed).
+# the GPU suite, the CUDA kernel benchmark, the attention benchmarks (dense and packed) and the
+# mixers' (their gpu tests are in the suite: tests/mixers/test_kernel_apis.py runs fla's and
+# mamba-ssm's APIs through cpcompose.mixers on CUDA, with their CUDA kernels where installed).
 #
 #   bash scripts/run_gpu_checks.sh [OUTDIR]     # default: gpu_results/ (or $OUT on the device tool)
 #
 # Writes env.txt, gpu_suite.log, junit.xml, cuda_kernels.json/.log, attention_cuda.json,
-# attention_cuda_packed.json and bench*.log. Uses the machine's own torch (no network):
+# attention_cuda_packed.json, mixers_cuda.json and bench*.log. Uses the machine's own torch (no network):
 # cpcompose is installed without dependencies, or imported from the checkout. Each step has
 # a time limit (SUITE_S, KERNELS_S, BENCH_S seconds) so one hung step cannot eat the lease;
 # MAXFAIL caps the suite's failures, NO_BENCH=1 runs the suite only.
@@ -16,7 +18,11 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 {
   nvidia-smi
   python3 -c "import sys, torch; print(sys.version); print(torch.__version__, torch.version.cuda, torch.cuda.device_count(), torch.backends.cudnn.version())"
-  python3 -m pip list 2>/dev/null | grep -i -E "^(torch|transformers|tensorboard|pytest|pytest-timeout|flash.attn|torchtitan) "
+  python3 -m pip list 2>/dev/null | grep -i -E "^(torch|transformers|tensorboard|pytest|pytest-timeout|flash.attn|torchtitan|flash.linear.attention|fla.core|mamba.ssm|causal.conv1d|triton) "
+  # Which mixer kernels the mixer tests and benchmark ran: the CUDA libraries, or transformers' torch fallbacks.
+  for m in fla mamba_ssm causal_conv1d; do
+    python3 -c "import $m" 2>/dev/null && echo "mixer kernels: $m importable" || echo "mixer kernels: $m NOT importable (torch fallback)"
+  done
   nproc
 } > "$out/env.txt" 2>&1
 python3 -m pip install -q --no-deps --no-build-isolation -e . >> "$out/env.txt" 2>&1 || echo "pip install failed: importing from the checkout" >> "$out/env.txt"
@@ -30,3 +36,5 @@ echo "suite exit: $?"
 timeout "${KERNELS_S:-90}" python3 scripts/bench_cuda_kernels.py --out "$out/cuda_kernels.json" 2>&1 | tee "$out/cuda_kernels.log"
 timeout "${BENCH_S:-150}" python3 scripts/bench_attention.py --device cuda --out "$out/attention_cuda.json" 2>&1 | tee "$out/bench.log"
 timeout "${BENCH_S:-150}" python3 scripts/bench_attention.py --device cuda --packed --out "$out/attention_cuda_packed.json" 2>&1 | tee "$out/bench_packed.log"
+timeout "${BENCH_S:-150}" python3 scripts/bench_mixers.py --device cuda --seq-lens 4096 16384 --kinds mamba2 mamba2_linear gdn \
+  --repeats 3 --out "$out/mixers_cuda.json" 2>&1 | tee "$out/bench_mixers.log"

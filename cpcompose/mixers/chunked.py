@@ -1,26 +1,29 @@
-"""Any chunked recurrence kernel under CP: run each local run from zero, pass the states, rerun from the true state.
+"""Any chunked recurrence kernel under CP: one pass over each stretch of this rank's tokens, the states passed.
 
 A state-space or linear-attention layer's kernel (Mamba2's chunk scan, the gated delta
 rule, ...) maps `(inputs of a stretch of tokens, initial state) -> (outputs, final state)`,
 and its final state is affine in its initial one: `final = T(init) + final_0`. So:
 
-1. each of this rank's runs is run from a zero state: its `final_0`, and `T` (a diagonal
-   decay the caller computes from the inputs, or a matrix the caller gets by running the
-   kernel on the identity);
-2. the summaries of every run of the group cross in one all-gather and each run's true
-   initial state is composed in global order (`states.initial_states`, float32, zero at
-   a document start);
-3. each run that continues a document is run again from its true state.
+1. this rank's runs are merged into stretches (consecutive runs of one document held in
+   order, as zigzag's two middle chunks are: one kernel call instead of two, and no
+   transition between them), and the stretches a later run continues go through the
+   kernel first, from a zero state: their `final_0` and, where they continue a document
+   themselves, `T` (a diagonal decay the caller computes from the inputs, or a matrix);
+2. their summaries' all-gather is posted, and the work that does not depend on it (every
+   other stretch's zero-state pass) runs while it travels; then each stretch's true
+   initial state is composed in global order (`states.post_summaries`, float32 or wider,
+   zero at a document start);
+3. a stretch that continues a document gets its exact outputs: by a `Correction` where the
+   outputs are affine in the initial state (scalar or diagonal decays: `o_t += (q_t * b_t) h0`,
+   one product per token, no second pass), else by a rerun from its true state (a stretch
+   no later run continues skips its zero-state pass then: it runs once, from the true state).
 
-Exact by construction, whatever the kernel (transformers' torch reference, or
-mamba-ssm / flash-linear-attention when installed); the price is a second pass over the
-runs that continue a document. Gradients flow back through step 3, the composition and
-the all-gather to every rank's summaries.
-
-A kernel that takes no initial state (mamba-ssm's selective scan) cannot be rerun from
-one: its caller gives a `Correction` instead, the run's final state from zero and its
-exact outputs from the zero-state ones and the true initial state (the outputs are
-affine in it too).
+Exact by construction, whatever the kernel (transformers' torch reference, or mamba-ssm /
+flash-linear-attention when installed). Gradients flow back through step 3, the composition
+and the all-gather to every rank's summaries. `plan` tells the caller which stretches
+continue a document and which are continued before any kernel call, so a kernel can
+compute in its one pass what the correction and the summary will ask of it (the delta
+rule's transition and corrected readout, `cpcompose.mixers.fla`).
 """
 
 from __future__ import annotations
@@ -34,25 +37,57 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from cpcompose.agreement import Field
 from cpcompose.comm import CommMeter, CPGroup
-from cpcompose.layouts import LayoutSpec
+from cpcompose.layouts import LayoutSpec, Run
 from cpcompose.mixers._checks import agree, layout_fields, local_layout
-from cpcompose.mixers.states import Kind, continued_runs, initial_states, tie
+from cpcompose.mixers.states import Kind, continued_runs, post_summaries, tie
 
-__all__ = ["Correction", "RunKernel", "cp_chunked_recurrence"]
+__all__ = ["Correction", "RunKernel", "Stretch", "cp_chunked_recurrence", "stretches"]
 
 RunKernel = Callable[[slice, Tensor | None], tuple[Tensor, Tensor | None]]
-"""`(local rows of one run, its initial state or None for zero) -> (its outputs, its final state)`; the final
+"""`(local rows of one stretch, its initial state or None for zero) -> (its outputs, its final state)`; the final
 state may be None (and the initial state is always None) when the caller gives a `Correction`."""
 
 
 @dataclass(frozen=True)
 class Correction:
-    """In place of a rerun, for a kernel with no initial state: what the true initial state changes."""
+    """In place of a rerun, where the outputs are affine in the initial state: what the true initial state adds."""
 
     final: Callable[[slice], Tensor]
-    """A run's final state from a zero state (asked only of the runs a later run continues)."""
+    """A stretch's final state from a zero state (asked only of the stretches a later run continues)."""
     apply: Callable[[slice, Tensor, Tensor], Tensor]
-    """`(rows, the run's outputs from a zero state, its true initial state) -> its exact outputs`."""
+    """`(rows, the stretch's outputs from a zero state, its true initial state) -> its exact outputs`."""
+
+
+@dataclass(frozen=True)
+class Stretch:
+    """Consecutive runs of one document that this rank holds in order: one kernel call."""
+
+    rows: slice  # its local rows
+    runs: tuple[int, ...]  # its runs' indices in `layout.runs(rank)`
+    continues: bool  # it does not start its document: its initial state comes from earlier runs
+    continued: bool  # a later run of its document (on any rank) starts from its final state
+
+
+def stretches(runs: Sequence[Run], starts: dict[int, int], continued: set[int]) -> list[Stretch]:
+    """`runs` (one rank's, in local order) merged where a run follows the previous one in its document and rows."""
+    groups: list[list[int]] = []
+    for i, run in enumerate(runs):
+        prev = runs[groups[-1][-1]] if groups else None
+        adjacent = prev is not None and prev.doc == run.doc and prev.pos + prev.length == run.pos \
+            and prev.row + prev.length == run.row
+        if adjacent:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return [Stretch(slice(runs[g[0]].row, runs[g[-1]].row + runs[g[-1]].length), tuple(g),
+                    runs[g[0]].pos != starts[runs[g[0]].doc], g[-1] in continued) for g in groups]
+
+
+def _identity(template: Tensor, kind: Kind) -> Tensor:
+    """The transition that leaves a state unchanged, shaped like `template`."""
+    if kind == "diagonal":
+        return torch.ones_like(template)
+    return torch.eye(template.shape[-1], dtype=template.dtype, device=template.device).expand_as(template).clone()
 
 
 def cp_chunked_recurrence(
@@ -72,6 +107,7 @@ def cp_chunked_recurrence(
     caller_error: str | None = None,
     meter: CommMeter | None = None,
     correction: Correction | None = None,
+    plan: Callable[[Sequence[Stretch]], None] | None = None,
 ) -> Tensor:
     """The recurrence's outputs over this rank's shard, exact over the global sequence.
 
@@ -87,8 +123,9 @@ def cp_chunked_recurrence(
         signature: the caller's own fields every rank must share (its shapes).
         caller_error: the caller's complaint about this call, raised on every rank.
         meter: counts the summaries' bytes.
-        correction: for a kernel that takes no initial state: its final states and exact
-            outputs come from here instead of the kernel and a rerun.
+        correction: where the outputs are affine in the initial state (or the kernel takes
+            none): the final states and exact outputs come from here, not from a rerun.
+        plan: called once with this rank's stretches, before any kernel call.
 
     Raises:
         ValueError: on every rank, before any state moves, if any rank's input is invalid
@@ -101,21 +138,77 @@ def cp_chunked_recurrence(
     assert split is not None
     seq_len = seq_local * cp.world
     every = [split.runs(r, seq_len) for r in range(cp.world)]
-    runs = every[cp.rank]
-    starts = {run.doc: run.pos for run in split.global_runs(seq_len)}
-    rows = [slice(run.row, run.row + run.length) for run in runs]
-    outputs, finals = zip(*(kernel(r, None) for r in rows))
-    # Only the runs a later run continues send a summary; the others' are placeholders, which need a
-    # gradient when a backward runs: a rank with no continued run must still join the summaries'
-    # reduce-scatter in its backward.
-    final = (lambda i: finals[i]) if correction is None else (lambda i: correction.final(rows[i]))
-    needed = {i: (transition(rows[i]), final(i)) for i in continued_runs(every)[cp.rank]}
-    template = next(iter(needed.values())) if needed else (transition(rows[0]), final(0))
-    placeholders = [torch.zeros_like(t).requires_grad_(grad) for t in template]
-    transitions, ends = (torch.stack([needed[i][k] if i in needed else placeholders[k] for i in range(len(rows))])
-                         for k in (0, 1))
-    inits = initial_states(ends, transitions, cp=cp, layout=split, seq_len=seq_len, kind=kind, meter=meter)
-    rerun = (lambda r, _, init: kernel(r, init)[0]) if correction is None else correction.apply
-    exact = [rerun(r, outputs[i], inits[i]) if run.pos != starts[run.doc] else outputs[i]
-             for i, (r, run) in enumerate(zip(rows, runs))]
+    sent = continued_runs(every)[cp.rank]
+    spans = stretches(every[cp.rank], {run.doc: run.pos for run in split.global_runs(seq_len)}, set(sent))
+    if plan is not None:
+        plan(spans)
+    outputs: dict[int, Tensor] = {}
+    finals: dict[int, Tensor] = {}
+
+    def zero_pass(k: int, summarize: bool) -> None:
+        out, end = kernel(spans[k].rows, None)
+        outputs[k] = out
+        if summarize:
+            finals[k] = correction.final(spans[k].rows) if correction is not None else end
+            assert finals[k] is not None, "a kernel without a Correction must return its final state"
+
+    if not any(continued_runs(every)):  # every run is a whole document (every rank knows): nothing moves
+        for k in range(len(spans)):
+            zero_pass(k, False)
+        return torch.cat([outputs[k] for k in range(len(spans))], dim=out_dim)
+    for k, span in enumerate(spans):  # 1. the summaries first: every rank waits for them
+        if span.continued:
+            zero_pass(k, True)
+    if not finals:  # this rank sends placeholders only: their shapes are a final state's
+        zero_pass(0, True)
+    posted = post_summaries(*_summaries(spans, sent, finals, transition, kind, grad), cp=cp, layout=split,
+                            seq_len=seq_len, meter=meter)
+    for k, span in enumerate(spans):  # 2. what needs no initial state, while the summaries travel
+        if k not in outputs and (correction is not None or not span.continues):
+            zero_pass(k, False)
+    inits = posted.states(kind)
+    if meter is not None:
+        meter.note_wait("all_gather", posted.waited_s)
+    exact = []
+    for k, span in enumerate(spans):  # 3. the true initial state's contribution
+        init = inits[span.runs[0]]
+        if not span.continues:
+            exact.append(outputs[k])
+        elif correction is not None:
+            exact.append(correction.apply(span.rows, outputs[k], init))
+        else:
+            exact.append(kernel(span.rows, init)[0])
     return tie(torch.cat(exact, dim=out_dim), inits)
+
+
+def _summaries(
+    spans: Sequence[Stretch], sent: Sequence[int], finals: dict[int, Tensor], transition: Callable[[slice], Tensor],
+    kind: Kind, grad: bool,
+) -> tuple[Tensor, Tensor]:
+    """Per run of this rank, `(final_0, T)` rows for the all-gather (only the continued runs' are read).
+
+    A stretch's summary goes on its last run; its other runs get the identity and a zero
+    state (the composition then carries the stretch's initial state to its last run
+    unchanged). A stretch that starts its document needs no transition (its initial state
+    is zero): a zero placeholder, which needs a gradient when a backward runs, as every
+    placeholder does (a rank must join the summaries' reduce-scatter in its backward).
+    """
+    k0 = next(iter(finals))
+    final_t = finals[k0]
+    if kind == "matrix":  # (..., d, dv) -> (..., d, d): every rank's rows alike, whether it has a T or not
+        trans_t = final_t.new_zeros((*final_t.shape[:-1], final_t.shape[-2]))
+    else:
+        trans_t = transition(spans[k0].rows)
+    zero_f, zero_t = (torch.zeros_like(t).requires_grad_(grad) for t in (final_t, trans_t))
+    identity = _identity(trans_t, kind).requires_grad_(grad)
+    rows: dict[int, tuple[Tensor, Tensor]] = {}
+    for k, span in enumerate(spans):
+        for i in span.runs[:-1]:
+            rows[i] = (zero_f, identity)
+        if span.continued:
+            rows[span.runs[-1]] = (finals[k], transition(span.rows).expand_as(trans_t) if span.continues else zero_t)
+    count = sum(len(span.runs) for span in spans)
+    read = set(sent)  # the others are never read: placeholders
+    ends = torch.stack([rows[i][0] if i in read else zero_f for i in range(count)])
+    trans = torch.stack([rows[i][1] if i in read else zero_t for i in range(count)])
+    return ends, trans

@@ -4,8 +4,9 @@ Mamba-style blocks mix each channel over its last `width` tokens. On a shard the
 first width-1 outputs of every run would read tokens held elsewhere (under zigzag
 each of a rank's two chunks has its own predecessor; in a pack a predecessor may
 span several ranks or be local), so each run gets the width-1 positions before it,
-same document only, in one exchange (`halo.fetch_positions`); a document start
-gets zeros, as if the convolution restarted there.
+same document only, in one exchange (`halo.post_fetch`), posted before the outputs
+that read no halo (all but each run's first width-1) are computed, so it travels
+behind them; a document start gets zeros, as if the convolution restarted there.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from cpcompose.comm import CommMeter, CPGroup
 from cpcompose.layouts import Layout, LayoutSpec
 from cpcompose.mixers._checks import agree, float_tensors_error, layout_fields, local_layout, shape_of
-from cpcompose.mixers.halo import fetch_positions
+from cpcompose.mixers.halo import post_fetch
 
 __all__ = ["ACTIVATIONS", "cp_causal_conv1d", "halo_positions"]
 
@@ -100,24 +101,41 @@ def _causal_conv(
     x: Tensor, weight: Tensor, bias: Tensor | None, cp: CPGroup, layout: Layout, activation: str | None,
     meter: CommMeter | None,
 ) -> Tensor:
-    """The conv on checked inputs: fetch every run's halo, lay out [zeros, halo, run] per run, one conv1d."""
+    """The conv on checked inputs. The halo exchange is posted first; the outputs that read only their own
+    run's rows (all but each run's first `halo`) are computed while it travels, then each run's first ones
+    from [zeros before its document, the fetched halo, its first rows]."""
     batch, seq_local, channels = x.shape
     halo, seq_len = weight.shape[1] - 1, seq_local * cp.world
+    runs = layout.runs(cp.rank, seq_len)
     wanted = halo_positions(layout, seq_len, halo)
-    fetched = fetch_positions(x, [sum(w, []) for w in wanted], cp=cp, layout=layout, seq_len=seq_len, meter=meter)
-    # One table [zero row, local rows, fetched rows]; each run reads `halo` rows of history
-    # (zeros before its document's start), then its own rows.
-    table = torch.cat([x.new_zeros(batch, 1, channels), x, fetched], dim=1)
-    index: list[int] = []
-    keep: list[int] = []
-    first_fetched = 1 + seq_local
-    for run, before in zip(layout.runs(cp.rank, seq_len), wanted[cp.rank]):
-        # Output j of a padding-free conv reads inputs j..j+halo: the run's outputs start where its segment does.
-        keep += range(len(index), len(index) + run.length)
-        index += [0] * (halo - len(before)) + list(range(first_fetched, first_fetched + len(before)))
-        index += range(1 + run.row, 1 + run.row + run.length)
-        first_fetched += len(before)
-    segments = table.index_select(1, torch.tensor(index, dtype=torch.long, device=x.device))
-    out = F.conv1d(segments.transpose(1, 2), weight.unsqueeze(1), bias, groups=channels).transpose(1, 2)
-    out = out.index_select(1, torch.tensor(keep, dtype=torch.long, device=x.device))
+    posted = post_fetch(x, [sum(w, []) for w in wanted], cp=cp, layout=layout, seq_len=seq_len, meter=meter)
+    kernel = weight.unsqueeze(1)
+    # Output row r reads rows r-halo..r: inside its run for all but the run's first `halo` rows, and the
+    # runs are the local rows in order, so one conv over x (no padding) gives them: x's row r at r - halo.
+    inner = [r for run in runs for r in range(run.row + min(halo, run.length), run.row + run.length)]
+    pieces = []
+    if inner:
+        local = F.conv1d(x.transpose(1, 2), kernel, bias, groups=channels).transpose(1, 2)
+        pieces.append(local.index_select(1, torch.tensor([r - halo for r in inner], device=x.device)))
+    edge = [r for run in runs for r in range(run.row, run.row + min(halo, run.length))]
+    if edge:  # (none only at width 1, where nothing moves)
+        # One table [zero row, local rows, fetched rows]; each run's segment is `halo` rows of history
+        # (zeros before its document's start), then its first rows.
+        table = torch.cat([x.new_zeros(batch, 1, channels), x, posted.rows()], dim=1)
+        index: list[int] = []
+        keep: list[int] = []
+        first_fetched = 1 + seq_local
+        for run, before in zip(runs, wanted[cp.rank]):
+            count = min(halo, run.length)
+            # Output j of a padding-free conv reads inputs j..j+halo: the segment's outputs start where it does.
+            keep += range(len(index), len(index) + count)
+            index += [0] * (halo - len(before)) + list(range(first_fetched, first_fetched + len(before)))
+            index += range(1 + run.row, 1 + run.row + count)
+            first_fetched += len(before)
+        segments = table.index_select(1, torch.tensor(index, dtype=torch.long, device=x.device))
+        out = F.conv1d(segments.transpose(1, 2), kernel, bias, groups=channels).transpose(1, 2)
+        pieces.append(out.index_select(1, torch.tensor(keep, dtype=torch.long, device=x.device)))
+    order = torch.empty(seq_local, dtype=torch.long, device=x.device)
+    order[torch.tensor(inner + edge, dtype=torch.long, device=x.device)] = torch.arange(seq_local, device=x.device)
+    out = torch.cat(pieces, dim=1).index_select(1, order)
     return F.silu(out) if activation == "silu" else out

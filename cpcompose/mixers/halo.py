@@ -13,15 +13,15 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import Tensor
 
-from cpcompose.comm import CommMeter, CPGroup, all_to_all_pieces
+from cpcompose.comm import CommMeter, CPGroup, start_all_to_all_pieces
 from cpcompose.layouts import Layout
 
-__all__ = ["FetchPlan", "fetch_positions", "plan_fetch"]
+__all__ = ["FetchPlan", "PostedFetch", "fetch_positions", "plan_fetch", "post_fetch"]
 
 
 @dataclass(frozen=True)
@@ -71,39 +71,63 @@ def plan_fetch(
     )
 
 
-def _exchange(
+def _start_exchange(
     src: Tensor, take: Sequence[Tensor], give: Sequence[Tensor], rest: torch.Size, cp: CPGroup,
     meter: CommMeter | None,
-) -> list[Tensor]:
-    """Send `src[:, take[d]]` to each rank d; receive from each rank s as many rows as `give[s]` lists."""
+) -> Callable[[], list[Tensor]]:
+    """Post sending `src[:, take[d]]` to each rank d; `wait()` gives, from each rank s, as many rows as `give[s]`."""
     batch = src.shape[0]
     send = [[src.index_select(1, rows)] for rows in take]
     shapes = [[torch.Size((batch, len(where), *rest))] for where in give]
-    return [pieces[0] for pieces in all_to_all_pieces(send, shapes, cp, meter)]
+    wait = start_all_to_all_pieces(send, shapes, cp, meter)
+    return lambda: [pieces[0] for pieces in wait()]
 
 
-class _Fetch(torch.autograd.Function):
+class _Arrived(torch.autograd.Function):
+    """The fetched rows (this rank's own copied, the others' already received) in `x`'s graph; the backward
+    sends each row's gradient back to its owner, which adds it there."""
+
     @staticmethod
-    def forward(ctx: Any, x: Tensor, plan: FetchPlan, cp: CPGroup, meter: CommMeter | None) -> Tensor:
+    def forward(ctx: Any, x: Tensor, plan: FetchPlan, cp: CPGroup, meter: CommMeter | None,
+                *received: Tensor) -> Tensor:
         ctx.plan, ctx.cp, ctx.meter, ctx.rows = plan, cp, meter, x.shape[1]
         out = x.new_zeros((x.shape[0], plan.count, *x.shape[2:]))
         out.index_copy_(1, plan.local_slots, x.index_select(1, plan.local_rows))
-        if plan.moves:
-            received = _exchange(x, plan.send_rows, plan.recv_slots, x.shape[2:], cp, meter)
-            for where, rows in zip(plan.recv_slots, received):
-                out.index_copy_(1, where, rows)
+        for where, rows in zip(plan.recv_slots, received):
+            out.index_copy_(1, where, rows)
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         plan = ctx.plan
         grad_x = grad.new_zeros((grad.shape[0], ctx.rows, *grad.shape[2:]))
         grad_x.index_add_(1, plan.local_rows, grad.index_select(1, plan.local_slots))
         if plan.moves:  # the forward's exchange reversed: each row's gradient goes home
-            returned = _exchange(grad, plan.recv_slots, plan.send_rows, grad.shape[2:], ctx.cp, ctx.meter)
+            returned = _start_exchange(grad, plan.recv_slots, plan.send_rows, grad.shape[2:], ctx.cp, ctx.meter)()
             for rows, g in zip(plan.send_rows, returned):
                 grad_x.index_add_(1, rows, g)
-        return grad_x, None, None, None
+        return (grad_x, None, None, None, *([None] * len(plan.recv_slots) if plan.moves else []))
+
+
+class PostedFetch:
+    """A fetch in flight (`post_fetch`): `rows()` waits for it and gives the rows, differentiable w.r.t. `x`."""
+
+    def __init__(self, x: Tensor, plan: FetchPlan, cp: CPGroup, meter: CommMeter | None) -> None:
+        self.x, self.plan, self.cp, self.meter = x, plan, cp, meter
+        self.wait = (_start_exchange(x.detach(), plan.send_rows, plan.recv_slots, x.shape[2:], cp, meter)
+                     if plan.moves else None)
+
+    def rows(self) -> Tensor:
+        received = self.wait() if self.wait is not None else []
+        return _Arrived.apply(self.x, self.plan, self.cp, self.meter, *received)  # type: ignore[no-any-return]
+
+
+def post_fetch(
+    x: Tensor, wanted: Sequence[Sequence[int]], *, cp: CPGroup, layout: Layout, seq_len: int,
+    meter: CommMeter | None = None,
+) -> PostedFetch:
+    """`fetch_positions` posted: compute what does not read the rows while they travel, then `.rows()`."""
+    return PostedFetch(x, plan_fetch(layout, seq_len, wanted, cp.rank, x.device), cp, meter)
 
 
 def fetch_positions(
@@ -126,5 +150,4 @@ def fetch_positions(
     Returns:
         `(batch, len(wanted[cp.rank]), ...)`, differentiable with respect to `x` on every rank.
     """
-    plan = plan_fetch(layout, seq_len, wanted, cp.rank, x.device)
-    return _Fetch.apply(x, plan, cp, meter)
+    return post_fetch(x, wanted, cp=cp, layout=layout, seq_len=seq_len, meter=meter).rows()

@@ -1,10 +1,10 @@
 """Two exact CP recurrences built on `initial_states`: a linear scan and the gated delta rule.
 
-Both follow the same three steps: run each local run from a zero state (its end
-state is the run's `final`), summarize how a run maps an initial state to its end
-(`transition`), get each run's true initial state from `initial_states`, and finish
-the run from it. They are readable references and building blocks (plain loops
-over tokens), not fast kernels.
+Both run each local run once from a zero state (its end state is the run's `final`),
+with how a run maps an initial state to its end (`transition`) from the same pass, get
+each run's true initial state from `initial_states`, and add its contribution to the
+outputs (they are affine in it). They are readable references and building blocks
+(plain loops over tokens), not fast kernels.
 """
 
 from __future__ import annotations
@@ -128,18 +128,25 @@ def cp_delta_rule(
     cp, layout, seq_len = _prepare("cp_delta_rule", mesh, layout, _delta_error(q, k, v, beta, g), q, tensors)
     batch, _, heads, dk = k.shape
     zero = k.new_zeros(batch, heads, dk, v.shape[-1])
-    eye = torch.eye(dk, dtype=k.dtype, device=k.device).expand(batch, heads, dk, dk)
-    pieces, finals, transitions = [], [], []
+    dv = v.shape[-1]
+    # One pass per run, from [0 | I] on the values widened by dk zero columns: the first dv columns are the
+    # run from zero (outputs, final state), the last dk end in the transition T and read out A_t^T q_t, so the
+    # true state h0 adds h0^T (A_t^T q_t) to each output (the recurrence is affine in h0).
+    start = torch.cat([zero, torch.eye(dk, dtype=k.dtype, device=k.device).expand(batch, heads, dk, dk)], dim=-1)
+    zeros_dk = k.new_zeros(batch, 1, heads, dk)
+    outputs, readouts, finals, transitions = [], [], [], []
     for run in layout.runs(cp.rank, seq_len):
-        piece = [t.narrow(1, run.row, run.length) for t in (q, k, v, beta, g)]
-        pieces.append(piece)
-        pq, pk, pv, pbeta, pg = piece
-        finals.append(_delta_run(pk, pv, pbeta, pg, zero)[1])
-        # The run's transition: the same recurrence on the identity with v = 0.
-        transitions.append(_delta_run(pk, torch.zeros_like(pk), pbeta, pg, eye)[1])
+        pq, pk, pv, pbeta, pg = (t.narrow(1, run.row, run.length) for t in (q, k, v, beta, g))
+        wide = torch.cat([pv, zeros_dk.expand(batch, run.length, heads, dk)], dim=-1)
+        out, end = _delta_run(pk, wide, pbeta, pg, start, pq)
+        assert out is not None
+        outputs.append(out[..., :dv])
+        readouts.append(out[..., dv:])
+        finals.append(end[..., :dv])
+        transitions.append(end[..., dv:])
     init = initial_states(
         torch.stack(finals), torch.stack(transitions), cp=cp, layout=layout, seq_len=seq_len, kind="matrix",
         meter=meter,
     )
-    outputs = [_delta_run(pk, pv, pbeta, pg, s, pq)[0] for (pq, pk, pv, pbeta, pg), s in zip(pieces, init)]
+    outputs = [o + torch.einsum("bthk,bhkv->bthv", r, s) for o, r, s in zip(outputs, readouts, init)]
     return torch.cat(outputs, dim=1)

@@ -13,6 +13,7 @@ later runs to earlier ones across ranks.
 
 from __future__ import annotations
 
+import time
 from typing import Any, Literal
 
 import torch
@@ -25,23 +26,27 @@ from cpcompose.layouts import Layout, LayoutSpec, Run
 from cpcompose.mixers._checks import agree, float_tensors_error, layout_fields, seq_layout, shape_of
 from cpcompose.precision import accumulation_dtype
 
-__all__ = ["KINDS", "Kind", "continued_runs", "cp_initial_states", "initial_states", "tie"]
+__all__ = [
+    "KINDS", "Kind", "PostedSummaries", "continued_runs", "cp_initial_states", "initial_states", "post_summaries",
+    "tie",
+]
 
 Kind = Literal["diagonal", "matrix"]
 KINDS: tuple[str, ...] = ("diagonal", "matrix")
 
 
-class _AllGather(torch.autograd.Function):
-    """Every rank's `x` stacked in rank order; the backward sums each rank's slice of the gradient back to it."""
+class _Gathered(torch.autograd.Function):
+    """`arrived` (every rank's `x` stacked in rank order, already waited for) in `x`'s graph; the backward
+    sums each rank's slice of the gradient back to it (a reduce-scatter)."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, cp: CPGroup, meter: CommMeter | None) -> Tensor:
+    def forward(ctx: Any, x: Tensor, arrived: Tensor, cp: CPGroup, meter: CommMeter | None) -> Tensor:
         ctx.cp, ctx.meter = cp, meter
-        return start_all_gather(x, cp, meter).wait()
+        return arrived.view_as(arrived)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
-        return start_reduce_scatter(grad.contiguous(), ctx.cp, ctx.meter).wait(), None, None
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
+        return start_reduce_scatter(grad.contiguous(), ctx.cp, ctx.meter).wait(), None, None, None
 
 
 class _Tie(torch.autograd.Function):
@@ -143,21 +148,59 @@ def initial_states(
     meter: CommMeter | None = None,
 ) -> Tensor:
     """`cp_initial_states` on arguments already checked and agreed (for the package's own recurrences)."""
-    every = [layout.runs(r, seq_len) for r in range(cp.world)]
-    sent = continued_runs(every)
-    most = max(map(len, sent))
-    if most == 0:  # every run is a whole document (every rank knows): all start from zero, nothing moves
-        return final.new_zeros(final.shape)
-    width, mine = transition[0].numel(), torch.tensor(sent[cp.rank], dtype=torch.long, device=final.device)
-    summary = torch.cat([transition.reshape(final.shape[0], -1), final.reshape(final.shape[0], -1)], dim=1)
-    summary = F.pad(summary[mine], (0, 0, 0, most - len(mine)))  # `most` rows from every rank, as all-gather needs
-    table = _AllGather.apply(summary.contiguous(), cp, meter)
-    acc = accumulation_dtype(final.dtype)
-    trans = table[..., :width].to(acc).reshape(cp.world * most, *transition.shape[1:])
-    ends = table[..., width:].to(acc).reshape(cp.world * most, *final.shape[1:])
-    rows = {(r, i): r * most + k for r, runs in enumerate(sent) for k, i in enumerate(runs)}
-    inits = _compose(trans, ends, rows, every, cp.rank, kind)
-    return _Tie.apply(inits.to(final.dtype), table)
+    return post_summaries(final, transition, cp=cp, layout=layout, seq_len=seq_len, meter=meter).states(kind)
+
+
+class PostedSummaries:
+    """The summaries' all-gather in flight: `states(kind)` waits for it and composes each run's initial state.
+
+    Posting first lets a caller run the work that does not need the states (the runs that
+    start a document, the zero-state passes) while the summaries travel. The gathered
+    table enters autograd only once it has arrived (`_Gathered`, whose backward is the
+    reduce-scatter).
+    """
+
+    def __init__(self, final: Tensor, transition: Tensor, cp: CPGroup, layout: Layout, seq_len: int,
+                 meter: CommMeter | None) -> None:
+        self.final, self.transition, self.cp, self.meter = final, transition, cp, meter
+        self.every = [layout.runs(r, seq_len) for r in range(cp.world)]
+        self.sent = continued_runs(self.every)
+        self.most = max(map(len, self.sent))
+        self.summary: Tensor | None = None
+        self.pending = None
+        self.waited_s = 0.0  # how long `states` blocked on the all-gather (the part of it not hidden)
+        if self.most == 0:  # every run is a whole document (every rank knows): all start from zero, nothing moves
+            return
+        mine = torch.tensor(self.sent[cp.rank], dtype=torch.long, device=final.device)
+        summary = torch.cat([transition.reshape(final.shape[0], -1), final.reshape(final.shape[0], -1)], dim=1)
+        # `most` rows from every rank, as all-gather needs
+        self.summary = F.pad(summary[mine], (0, 0, 0, self.most - len(mine))).contiguous()
+        self.pending = start_all_gather(self.summary.detach(), cp, meter)
+
+    def states(self, kind: Kind) -> Tensor:
+        """The state entering each of this rank's runs (blocks until the summaries have arrived)."""
+        final, transition = self.final, self.transition
+        if self.pending is None or self.summary is None:
+            return final.new_zeros(final.shape)
+        start = time.perf_counter()
+        arrived = self.pending.wait()
+        self.waited_s = time.perf_counter() - start
+        table = _Gathered.apply(self.summary, arrived, self.cp, self.meter)
+        width, most, world = transition[0].numel(), self.most, self.cp.world
+        acc = accumulation_dtype(final.dtype)
+        trans = table[..., :width].to(acc).reshape(world * most, *transition.shape[1:])
+        ends = table[..., width:].to(acc).reshape(world * most, *final.shape[1:])
+        rows = {(r, i): r * most + k for r, runs in enumerate(self.sent) for k, i in enumerate(runs)}
+        inits = _compose(trans, ends, rows, self.every, self.cp.rank, kind)
+        return _Tie.apply(inits.to(final.dtype), table)
+
+
+def post_summaries(
+    final: Tensor, transition: Tensor, *, cp: CPGroup, layout: Layout, seq_len: int, meter: CommMeter | None = None,
+) -> PostedSummaries:
+    """Start the all-gather of this rank's summaries (`final`, `transition`: one row per run, as
+    `cp_initial_states` takes them); `.states(kind)` later waits and composes."""
+    return PostedSummaries(final, transition, cp, layout, seq_len, meter)
 
 
 def continued_runs(every: list[list[Run]]) -> list[list[int]]:

@@ -1,12 +1,13 @@
-"""The delta-rule kernels' CP versions (`kernels/delta_rule.py`) against the kernel on the full sequence.
+"""The delta-rule kernels' CP versions (`cpcompose.mixers.fla`) against the kernel on the full sequence.
 
 transformers' torch kernels (`torch_chunk_gated_delta_rule` for Gated DeltaNet,
 `chunk_kimi_delta_attention` for KDA) compute in float32 whatever their inputs. So each
 is rebuilt here from its own source with float32 replaced by float64 (`in_float64`): the
 same algorithm (chunking, padding, grouped values, key normalization, state orientation),
 so the CP versions are held to float64 and exactness does not rest on a float32
-tolerance. The CP version runs that kernel on each local run (from zero, on the identity
-with v = 0 for the transition, and again from the composed state); the reference runs it
+tolerance. The CP version runs that kernel once on each local stretch (widened by the
+identity's dk columns where the stretch continues a document, then corrected by the
+composed state); the reference runs it
 once per document of the full sequence. Outputs and the gradients of q, k, v, g and beta
 on every rank are compared with the rank's shard of the reference, on real gloo groups,
 at P = 2, 3, 4 under the zigzag, contiguous and packed layouts, with a chunk size (4) that
@@ -31,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from cpcompose.attention.options import CPOptions
-from cpcompose.integrations.transformers.kernels.delta_rule import (
+from cpcompose.mixers.fla.delta_rule import (
     cp_chunk_gated_delta_rule, cp_chunk_kimi_delta_attention,
 )
 from cpcompose.layouts import Layout

@@ -29,7 +29,7 @@ from transformers.models.xlstm import modeling_xlstm as xl
 
 import cpcompose.integrations.transformers  # noqa: F401  (installs the routes)
 from cpcompose import context_parallel
-from cpcompose.integrations.transformers.kernels.rwkv import cp_rwkv_linear_attention
+from cpcompose.mixers.transformers_models.rwkv import cp_rwkv_linear_attention
 from cpcompose.layouts import Layout, PackedLayout
 from cpcompose.parallel.dispatch import active_cp_region
 from tests.support.mixer_cases import float64_module, make_layout, pack_bounds, value_errors

@@ -1,4 +1,5 @@
-"""Mamba's selective scan under CP (`kernels.selective_scan`) against the original kernel on one process, float64.
+"""Mamba's selective scan under CP (`cpcompose.mixers.mamba_ssm.selective_scan`) against the original kernel on
+one process, float64.
 
 Two originals with mamba_ssm's `selective_scan_fn` API, each run on the whole sequence (a pack: each
 document alone, since under CP every document restarts):
@@ -25,7 +26,7 @@ import torch.nn.functional as F
 
 import cpcompose.integrations.transformers  # noqa: F401  (installs the routes)
 from cpcompose import CommMeter, CPOptions, context_parallel
-from cpcompose.integrations.transformers.kernels.selective_scan import cp_mamba_selective_scan
+from cpcompose.mixers.mamba_ssm.selective_scan import cp_mamba_selective_scan
 from cpcompose.mixers.states import continued_runs
 from cpcompose.parallel.dispatch import CPAttentionMode
 from tests.support.mixer_cases import F64, LAYOUTS, S_LOCAL, doc_starts, make_layout, randn

@@ -1,4 +1,4 @@
-"""Mamba2's SSD scan under CP (`kernels.ssd`) against the original kernel on one process, in float64.
+"""Mamba2's SSD scan under CP (`cpcompose.mixers.mamba_ssm.ssd`) against the original kernel on one process, in float64.
 
 The original here is a float64 sequential SSD with `mamba_chunk_scan_combined`'s API (initial and
 final states, D, dt bias, softplus, clamp), given to the CP version directly: the CP version runs
@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from cpcompose import CPOptions
-from cpcompose.integrations.transformers.kernels.ssd import cp_mamba2_chunk_scan
+from cpcompose.mixers.mamba_ssm.ssd import cp_mamba2_chunk_scan
 from cpcompose.parallel.dispatch import CPAttentionMode
 from tests.support.mixer_cases import LAYOUTS, S_LOCAL, doc_starts, make_layout, randn
 

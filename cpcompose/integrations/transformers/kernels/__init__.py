@@ -11,21 +11,23 @@ sequence; the model's own code around them (projections, norms, gates) is per to
 
 So the integration wraps each of them, in every modeling module that has one: outside a
 CP region the wrapper calls the original (transformers is unchanged); inside one it calls
-cpcompose's CP version (`ROUTES`), which is exact over the global sequence under the
+cpcompose's CP version (`ROUTES`; the versions themselves live in `cpcompose.mixers`, by kernel
+API: `mamba_ssm`, `fla`, `causal_conv1d`, `transformers_models`, importable without
+transformers; this package only routes), which is exact over the global sequence under the
 region's layout (documents of a pack restart), running the original on this rank's runs
 where it can, so a fast kernel that is installed stays in use (a kernel that takes no
 initial state, the selective scan, has its outputs corrected instead of rerun). A fused
 path that would see only the local shard (`mamba2_split_conv1d_scan_combined`,
 `mamba_inner_fn`) returns None inside a region, which transformers reads as "not available".
 
-RWKV's WKV recurrence is such a function too (`rwkv_linear_attention`, `rwkv.py`).
+RWKV's WKV recurrence is such a function too (`rwkv_linear_attention`, `cpcompose.mixers.transformers_models.rwkv`).
 
 Families that mix tokens by their own code, with no kernel function to wrap, get a CP
 version of the narrowest method that sees the sequence (`METHOD_ROUTES`, installed on the
 class the same way: the original method outside a region, the CP version inside):
-RecurrentGemma's recurrent block (its conv call) and RG-LRU scan (`rglru.py`), MiniMax's
-lightning attention (`lightning.py`), RWKV's token shifts (`rwkv.py`), xLSTM's mLSTM
-backend (`mlstm.py`), Qwen4-Exp's n-gram embedding and dilated PLE conv (`ple.py`).
+RecurrentGemma's recurrent block (its conv call) and RG-LRU scan, MiniMax's lightning
+attention, RWKV's token shifts, xLSTM's mLSTM backend, Qwen4-Exp's n-gram embedding and
+dilated PLE conv (all in `cpcompose.mixers.transformers_models`).
 Module classes CP cannot make exact (a sparse-attention indexer over every earlier token,
 a relative position bias, a mixer with no CP version) are refused by class inside a region
 (`REFUSED`, `refused.py`, each with its reason), on every rank alike; anything else that

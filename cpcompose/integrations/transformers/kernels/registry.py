@@ -13,19 +13,15 @@ from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
 
-from cpcompose.integrations.transformers.kernels.conv import cp_causal_conv1d_fn
-from cpcompose.integrations.transformers.kernels.delta_rule import (
-    cp_chunk_gated_delta_rule, cp_chunk_kimi_delta_attention,
-)
 from cpcompose.integrations.transformers.kernels.fused import local_only
-from cpcompose.integrations.transformers.kernels.lightning import cp_lightning_attention
-from cpcompose.integrations.transformers.kernels.mlstm import cp_mlstm_backend
-from cpcompose.integrations.transformers.kernels.ple import cp_ngram_embedding, cp_ple_short_conv
 from cpcompose.integrations.transformers.kernels.refused import REFUSED
-from cpcompose.integrations.transformers.kernels.rglru import cp_recurrent_block, cp_rglru_scan
-from cpcompose.integrations.transformers.kernels.rwkv import cp_rwkv_block, cp_rwkv_linear_attention
-from cpcompose.integrations.transformers.kernels.selective_scan import cp_mamba_selective_scan
-from cpcompose.integrations.transformers.kernels.ssd import cp_mamba2_chunk_scan
+from cpcompose.mixers.causal_conv1d import cp_causal_conv1d_fn
+from cpcompose.mixers.fla import cp_chunk_gated_delta_rule, cp_chunk_kimi_delta_attention
+from cpcompose.mixers.mamba_ssm import cp_mamba2_chunk_scan, cp_mamba_selective_scan
+from cpcompose.mixers.transformers_models import (
+    cp_lightning_attention, cp_mlstm_backend, cp_ngram_embedding, cp_ple_short_conv, cp_recurrent_block,
+    cp_rglru_scan, cp_rwkv_block, cp_rwkv_linear_attention,
+)
 
 __all__ = ["METHOD_ROUTES", "MODELING_MODULES", "REFUSED", "ROUTES", "KernelCP"]
 

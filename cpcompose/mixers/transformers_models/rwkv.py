@@ -35,10 +35,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from cpcompose.integrations.transformers.kernels.common import needs_grad, tensor_fields, whole_pack_refusal
+from cpcompose.mixers.kernel_calls import needs_grad, tensor_fields, whole_pack_refusal
 from cpcompose.mixers.chunked import cp_chunked_recurrence
 from cpcompose.mixers.conv import cp_causal_conv1d
-from cpcompose.parallel.dispatch import CPAttentionMode
+from cpcompose.mixers.region import Region
 
 __all__ = ["cp_rwkv_block", "cp_rwkv_linear_attention"]
 
@@ -51,7 +51,7 @@ def _differentiable(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def cp_rwkv_linear_attention(
-    original: Callable[..., Any], region: CPAttentionMode, time_decay: Tensor, time_first: Tensor, key: Tensor,
+    original: Callable[..., Any], region: Region, time_decay: Tensor, time_first: Tensor, key: Tensor,
     value: Tensor, state: Any = None, return_state: bool = False,
 ) -> tuple[Tensor, None]:
     """`rwkv_linear_attention(time_decay, time_first, key, value, state, return_state)` under CP.
@@ -97,7 +97,7 @@ def cp_rwkv_linear_attention(
 
 
 def cp_rwkv_block(
-    original: Callable[..., Any], region: CPAttentionMode, self: nn.Module, hidden: Tensor, state: Any = None,
+    original: Callable[..., Any], region: Region, self: nn.Module, hidden: Tensor, state: Any = None,
     *args: Any, **kwargs: Any,
 ) -> Any:
     """`RwkvSelfAttention.forward` / `RwkvFeedForward.forward` under CP: transformers' own forward, its

@@ -8,27 +8,39 @@ output_final_state, use_qk_l2norm_in_kernel) -> (o, final_state)`, with a state 
     S <- (I - beta k k^T) D S + beta k v^T,    D = exp(g) (GDN: one scalar per head)
                                                    or diag(exp(g)) (KDA: one per key channel),
 
-so a run's final state is `T @ init + final_0` with a `dk x dk` transition `T` per head,
-acting on the state's dim -2 (`cpcompose.mixers.cp_chunked_recurrence`, kind "matrix").
-`T` is what the kernel itself returns for the run's keys, gates and betas with `v = 0`
-(value dim dk) from `initial_state = I`: the same kernel, the same key normalization
-(`use_qk_l2norm_in_kernel`), the same float32 accumulation, and on CUDA fla's kernel
-when it is installed, rather than a second implementation of the recurrence that could
-drift from it. Used by Qwen3-Next, Qwen3.5 (dense and MoE), OLMo-Hybrid, LaraMini and Qwen4-Exp
+so a stretch's final state is `T @ init + final_0` with a `dk x dk` transition `T` per head,
+acting on the state's dim -2 (`cpcompose.mixers.cp_chunked_recurrence`, kind "matrix"), and
+its outputs are affine in `init` too: `o_t = o_t^0 + init^T (A_t^T q_t)`, `A_t` the product of
+the token transitions so far (`T = A_last`).
+
+One pass per stretch, exact: a stretch that continues a document goes through the kernel
+once with the values widened by dk zero columns and the initial state `[0 | I]`. The state's
+first dv columns are then the zero-state run (outputs `o^0`, final `final_0`); its last dk
+columns start from the identity and receive nothing (their values are zero), so they end in
+`T` and read out `A_t^T q_t` at every token, the correction's readout. The same kernel,
+the same key normalization (`use_qk_l2norm_in_kernel`), the same float32 accumulation, and on
+CUDA fla's kernel when it is installed, rather than a second implementation of the
+recurrence that could drift from it. The price is a value width dv + dk instead of dv on
+those stretches (the parts of the kernel that read the state or the values; the chunk-local
+key products and the triangular solve for the keys are shared), and only on the stretches of
+documents that cross a rank boundary: a stretch that starts its document runs as one process
+would. (flash-linear-attention's KCP spends a state-only pass and then a real pass from the
+true state instead: two passes, and the second waits for the states.)
+Used by Qwen3-Next, Qwen3.5 (dense and MoE), OLMo-Hybrid, LaraMini and Qwen4-Exp
 (GDN), Kimi Linear, BailingHybrid and GLM-5.3 (KDA).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from cpcompose.integrations.transformers.kernels.common import needs_grad, tensor_fields, whole_pack_refusal
-from cpcompose.mixers.chunked import cp_chunked_recurrence
-from cpcompose.parallel.dispatch import CPAttentionMode
+from cpcompose.mixers.kernel_calls import needs_grad, tensor_fields, whole_pack_refusal
+from cpcompose.mixers.chunked import Correction, Stretch, cp_chunked_recurrence
+from cpcompose.mixers.region import Region
 
 __all__ = ["cp_chunk_gated_delta_rule", "cp_chunk_kimi_delta_attention"]
 
@@ -52,7 +64,7 @@ def _shape_error(what: str, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Te
 
 
 def _cp_delta_rule(
-    what: str, per_channel: bool, original: Callable[..., Any], region: CPAttentionMode, query: Tensor, key: Tensor,
+    what: str, per_channel: bool, original: Callable[..., Any], region: Region, query: Tensor, key: Tensor,
     value: Tensor, g: Tensor, beta: Tensor, chunk_size: int, initial_state: Tensor | None, output_final_state: bool,
     use_qk_l2norm_in_kernel: bool, kwargs: dict[str, Any],
 ) -> tuple[Tensor, None]:
@@ -60,33 +72,51 @@ def _cp_delta_rule(
     error = whole_pack_refusal(what, kwargs, state=initial_state, final=output_final_state)
     error = error or _shape_error(what, query, key, value, g, beta, per_channel)
 
-    def kernel(rows: slice, init: Tensor | None) -> tuple[Tensor, Tensor]:
-        return original(query[:, rows], key[:, rows], value[:, rows], g=g[:, rows], beta=beta[:, rows],
-                        chunk_size=chunk_size, initial_state=init, output_final_state=True,
+    dv = value.shape[-1]
+    continuing: set[int] = set()  # the first rows of the stretches that continue a document
+    readouts: dict[int, Tensor] = {}  # per such stretch: A_t^T q_t (batch, run, v_heads, dk)
+    transitions: dict[int, Tensor] = {}  # ... and its T (batch, v_heads, dk, dk)
+    finals: dict[int, Tensor] = {}
+
+    def plan(spans: Sequence[Stretch]) -> None:
+        continuing.update(span.rows.start for span in spans if span.continues)
+
+    def run(rows: slice, v: Tensor, init: Tensor | None) -> tuple[Tensor, Tensor]:
+        return original(query[:, rows], key[:, rows], v, g=g[:, rows], beta=beta[:, rows], chunk_size=chunk_size,
+                        initial_state=init, output_final_state=True,
                         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)  # type: ignore[no-any-return]
 
-    def transition(rows: slice) -> Tensor:
-        # With v = 0 the run adds nothing to the state, so from I it ends in T @ I = T.
-        k, (batch, _, heads, dk) = key[:, rows], value.shape[:3] + key.shape[-1:]
-        zero_v = value.new_zeros(batch, k.shape[1], heads, dk)
-        eye = torch.eye(dk, dtype=torch.promote_types(value.dtype, torch.float32), device=value.device)
-        _, t = original(query[:, rows], k, zero_v, g=g[:, rows], beta=beta[:, rows], chunk_size=chunk_size,
-                        initial_state=eye.expand(batch, heads, dk, dk).contiguous(), output_final_state=True,
-                        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
-        return t  # type: ignore[no-any-return]
+    def kernel(rows: slice, init: Tensor | None) -> tuple[Tensor, None]:
+        v = value[:, rows]
+        if rows.start not in continuing:
+            out, finals[rows.start] = run(rows, v, init)
+            return out, None
+        (batch, length, heads), dk = v.shape[:3], key.shape[-1]
+        state_dtype = torch.promote_types(value.dtype, torch.float32)  # the kernels' states: float32 at least
+        eye = torch.eye(dk, dtype=state_dtype, device=value.device).expand(batch, heads, dk, dk)
+        start = torch.cat([eye.new_zeros(batch, heads, dk, dv), eye], dim=-1)
+        out, end = run(rows, torch.cat([v, v.new_zeros(batch, length, heads, dk)], dim=-1), start)
+        readouts[rows.start], transitions[rows.start], finals[rows.start] = out[..., dv:], end[..., dv:], end[..., :dv]
+        return out[..., :dv], None
+
+    def correct(rows: slice, out: Tensor, init: Tensor) -> Tensor:
+        readout = readouts[rows.start]
+        return out + torch.einsum("bthk,bhkv->bthv", readout, init.to(readout.dtype)).to(out.dtype)
 
     out = cp_chunked_recurrence(
-        kernel, transition, mesh=region.mesh, layout=region.options.layout, seq_local=query.shape[1], kind="matrix",
+        kernel, lambda rows: transitions[rows.start], mesh=region.mesh, layout=region.options.layout,
+        seq_local=query.shape[1], kind="matrix",
         out_dim=1, what=what, device=query.device, dtype=query.dtype, grad=needs_grad(query, key, value, g, beta),
         signature=[*tensor_fields("query", query), *tensor_fields("value", value), *tensor_fields("g", g),
                    ("chunk_size", int(chunk_size)), ("use_qk_l2norm_in_kernel", int(bool(use_qk_l2norm_in_kernel)))],
         caller_error=error, meter=region.options.meter,
+        correction=Correction(final=lambda rows: finals[rows.start], apply=correct), plan=plan,
     )
     return out, None
 
 
 def cp_chunk_gated_delta_rule(
-    original: Callable[..., Any], region: CPAttentionMode, query: Tensor, key: Tensor, value: Tensor, g: Tensor,
+    original: Callable[..., Any], region: Region, query: Tensor, key: Tensor, value: Tensor, g: Tensor,
     beta: Tensor, chunk_size: int = 64, initial_state: Tensor | None = None, output_final_state: bool = False,
     use_qk_l2norm_in_kernel: bool = False, **kwargs: Any,
 ) -> tuple[Tensor, None]:
@@ -101,7 +131,7 @@ def cp_chunk_gated_delta_rule(
 
 
 def cp_chunk_kimi_delta_attention(
-    original: Callable[..., Any], region: CPAttentionMode, query: Tensor, key: Tensor, value: Tensor, g: Tensor,
+    original: Callable[..., Any], region: Region, query: Tensor, key: Tensor, value: Tensor, g: Tensor,
     beta: Tensor, chunk_size: int = 64, initial_state: Tensor | None = None, output_final_state: bool = False,
     use_qk_l2norm_in_kernel: bool = False, **kwargs: Any,
 ) -> tuple[Tensor, None]:

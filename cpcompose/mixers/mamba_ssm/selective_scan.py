@@ -28,9 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from cpcompose.integrations.transformers.kernels.common import needs_grad, tensor_fields, whole_pack_refusal
+from cpcompose.mixers.kernel_calls import needs_grad, tensor_fields, whole_pack_refusal
 from cpcompose.mixers.chunked import Correction, cp_chunked_recurrence
-from cpcompose.parallel.dispatch import CPAttentionMode
+from cpcompose.mixers.region import Region
 from cpcompose.precision import accumulation_dtype
 
 __all__ = ["cp_mamba_selective_scan"]
@@ -62,7 +62,7 @@ def _shape_error(u: Any, delta: Any, A: Any, B: Any, C: Any, z: Any) -> str | No
 
 
 def cp_mamba_selective_scan(
-    original: Callable[..., Any], region: CPAttentionMode, hidden_states: Tensor, dt: Tensor, A: Tensor, B: Tensor,
+    original: Callable[..., Any], region: Region, hidden_states: Tensor, dt: Tensor, A: Tensor, B: Tensor,
     C: Tensor, D: Tensor | None = None, z: Tensor | None = None, delta_bias: Tensor | None = None,
     delta_softplus: bool = False, return_last_state: bool = False, **kwargs: Any,
 ) -> Tensor:

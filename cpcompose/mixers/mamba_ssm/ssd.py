@@ -14,16 +14,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from cpcompose.integrations.transformers.kernels.common import needs_grad, tensor_fields, whole_pack_refusal
+from cpcompose.mixers.kernel_calls import needs_grad, tensor_fields, whole_pack_refusal
 from cpcompose.mixers.chunked import Correction, cp_chunked_recurrence
-from cpcompose.parallel.dispatch import CPAttentionMode
+from cpcompose.mixers.region import Region
 from cpcompose.precision import accumulation_dtype
 
 __all__ = ["cp_mamba2_chunk_scan"]
 
 
 def cp_mamba2_chunk_scan(
-    original: Callable[..., Any], region: CPAttentionMode, hidden_states: Tensor, dt: Tensor, A: Tensor, B: Tensor,
+    original: Callable[..., Any], region: Region, hidden_states: Tensor, dt: Tensor, A: Tensor, B: Tensor,
     C: Tensor, chunk_size: int, D: Tensor | None = None, dt_bias: Tensor | None = None,
     initial_states: Tensor | None = None, dt_softplus: bool = False,
     dt_limit: tuple[float, float] = (0.0, math.inf), return_final_states: bool = False, **kwargs: Any,

@@ -24,10 +24,10 @@ from torch import Tensor, nn
 
 from cpcompose.agreement import agree_across_ranks
 from cpcompose.comm import CPGroup
-from cpcompose.integrations.transformers.kernels.common import tensor_fields
+from cpcompose.mixers.kernel_calls import tensor_fields
 from cpcompose.mixers.conv import cp_causal_conv1d, halo_positions
 from cpcompose.mixers.halo import fetch_positions
-from cpcompose.parallel.dispatch import CPAttentionMode
+from cpcompose.mixers.region import Region
 
 __all__ = ["cp_ngram_embedding", "cp_ple_short_conv"]
 
@@ -48,7 +48,7 @@ class _Context:
 
 
 def cp_ngram_embedding(
-    original: Callable[..., Tensor], region: CPAttentionMode, self: nn.Module, input_ids: Tensor,
+    original: Callable[..., Tensor], region: Region, self: nn.Module, input_ids: Tensor,
     cache: Any = None,
 ) -> Tensor:
     """`Qwen4ExpTextNGramEmbedding.forward(input_ids (batch, seq_local), cache)` under CP.
@@ -81,7 +81,7 @@ def cp_ngram_embedding(
 
 
 def cp_ple_short_conv(
-    original: Callable[..., Tensor], region: CPAttentionMode, self: nn.Module, hidden_states: Tensor,
+    original: Callable[..., Tensor], region: Region, self: nn.Module, hidden_states: Tensor,
     cache: Any = None,
 ) -> Tensor:
     """`Qwen4ExpTextPLELayer._short_conv(hidden_states (batch, seq_local, channels), cache)` under CP:

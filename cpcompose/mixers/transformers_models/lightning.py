@@ -6,9 +6,10 @@ global sequence.
 in the forward: an intra-block term with a decay mask and an inter-block term through the
 state. There is no kernel function to route, so the forward is: its per-token code
 (projections, activation, output norm, gate) through the module's own layers, and the scan
-between them through `cpcompose.mixers.cp_chunked_recurrence`, each run scanned by the loop
-transformers writes, from the state entering it. A run's transition is `lambda ** length`
-per head: kind "diagonal".
+between them through `cpcompose.mixers.cp_chunked_recurrence`, each stretch scanned once, from
+zero, by the loop transformers writes. A stretch's transition is `lambda ** length` per head
+(kind "diagonal"), and its outputs are affine in its initial state: one that continues a
+document gets `q_t lambda^(t+1) S_0` added (a `Correction`), no second scan.
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from cpcompose.integrations.transformers.kernels.common import needs_grad, tensor_fields, whole_pack_refusal
-from cpcompose.mixers.chunked import cp_chunked_recurrence
-from cpcompose.parallel.dispatch import CPAttentionMode
+from cpcompose.mixers.kernel_calls import needs_grad, tensor_fields, whole_pack_refusal
+from cpcompose.mixers.chunked import Correction, cp_chunked_recurrence
+from cpcompose.mixers.region import Region
 
 __all__ = ["cp_lightning_attention", "lightning_blocks"]
 
@@ -60,7 +61,7 @@ def lightning_blocks(module: nn.Module, q: Tensor, k: Tensor, v: Tensor, init: T
 
 
 def cp_lightning_attention(
-    original: Callable[..., Any], region: CPAttentionMode, self: nn.Module, hidden_states: Tensor,
+    original: Callable[..., Any], region: Region, self: nn.Module, hidden_states: Tensor,
     position_embeddings: object = None, attention_mask: Tensor | None = None, cache: object = None, **kwargs: Any,
 ) -> tuple[Tensor, None]:
     """`MiniMaxLightningAttention.forward` under CP: the state `(batch, heads, head_dim, head_dim)` passed
@@ -79,17 +80,27 @@ def cp_lightning_attention(
     qkv = self.act_fn(self.qkv_proj(hidden_states)).reshape(batch, seq_local, heads, 3 * dim)
     q, k, v = (t.transpose(1, 2) for t in torch.split(qkv, dim, dim=3))
 
+    finals: dict[int, Tensor] = {}
+
     def kernel(rows: slice, init: Tensor | None) -> tuple[Tensor, Tensor]:
-        return lightning_blocks(self, q[:, :, rows], k[:, :, rows], v[:, :, rows], init)
+        out, final = lightning_blocks(self, q[:, :, rows], k[:, :, rows], v[:, :, rows], init)
+        finals[rows.start] = final
+        return out, final
 
     def transition(rows: slice) -> Tensor:
         return torch.exp(-self.slope_rate * (rows.stop - rows.start))[None].to(q.dtype)  # (1, heads, 1, 1)
+
+    def correct(rows: slice, out: Tensor, init: Tensor) -> Tensor:
+        # The state entering token t (from the stretch's start) holds init decayed t + 1 times: o_t += q_t l^(t+1) init.
+        steps = torch.arange(1, rows.stop - rows.start + 1, device=q.device, dtype=q.dtype)[:, None]
+        return out + torch.matmul(q[:, :, rows] * torch.exp(-self.slope_rate * steps).to(q.dtype), init)
 
     out = cp_chunked_recurrence(
         kernel, transition, mesh=region.mesh, layout=region.options.layout, seq_local=seq_local, kind="diagonal",
         out_dim=2, what="MiniMaxLightningAttention", device=hidden_states.device, dtype=q.dtype,
         grad=needs_grad(q, k, v), signature=[*tensor_fields("qkv", qkv), ("block_size", int(self.block_size))],
         caller_error=error, meter=region.options.meter,
+        correction=Correction(final=lambda rows: finals[rows.start], apply=correct),
     )
     out = self.norm(out.transpose(1, 2).reshape(batch, seq_local, heads * dim))
     out = F.sigmoid(self.output_gate(hidden_states)) * out

@@ -8,7 +8,7 @@ from typing import Any
 from torch import Tensor
 
 from cpcompose.mixers.conv import cp_causal_conv1d
-from cpcompose.parallel.dispatch import CPAttentionMode
+from cpcompose.mixers.region import Region
 
 __all__ = ["cp_causal_conv1d_fn"]
 
@@ -16,7 +16,7 @@ _ACTIVATIONS = {None: None, "silu": "silu", "swish": "silu"}
 
 
 def cp_causal_conv1d_fn(
-    original: Callable[..., Tensor], region: CPAttentionMode, hidden_states: Tensor, weight: Tensor,
+    original: Callable[..., Tensor], region: Region, hidden_states: Tensor, weight: Tensor,
     bias: Tensor | None = None, activation: str | None = None, **kwargs: Any,
 ) -> Tensor:
     """`causal_conv1d_fn(x (batch, channels, seq), weight (channels, width), bias, activation)` under CP.

@@ -32,12 +32,12 @@ from torch import Tensor, nn
 
 from cpcompose.agreement import agree_across_ranks, dtype_code
 from cpcompose.comm import CPGroup
-from cpcompose.integrations.transformers.kernels.common import needs_grad, tensor_fields
+from cpcompose.mixers.kernel_calls import needs_grad, tensor_fields
 from cpcompose.layouts import Layout
 from cpcompose.mixers.chunked import cp_chunked_recurrence
 from cpcompose.mixers.halo import fetch_positions
 from cpcompose.mixers.states import tie
-from cpcompose.parallel.dispatch import CPAttentionMode
+from cpcompose.mixers.region import Region
 
 __all__ = ["cp_mlstm_backend"]
 
@@ -53,7 +53,7 @@ def _shape_error(q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor) -> str |
     return None
 
 
-def _starting_m(igate: Tensor, fgate: Tensor, layout: Layout, cp: CPGroup, region: CPAttentionMode
+def _starting_m(igate: Tensor, fgate: Tensor, layout: Layout, cp: CPGroup, region: Region
                 ) -> tuple[dict[int, Tensor], Tensor]:
     """Per local run (by its first row), the stabilizer `m` the sequential run has at the run's start `(b, h)`;
     and the fetched summaries (the output must depend on them: every rank then joins the exchange's backward)."""
@@ -86,7 +86,7 @@ def _starting_m(igate: Tensor, fgate: Tensor, layout: Layout, cp: CPGroup, regio
 
 
 def cp_mlstm_backend(
-    original: Callable[..., Any], region: CPAttentionMode, self: nn.Module, query: Tensor, key: Tensor, value: Tensor,
+    original: Callable[..., Any], region: Region, self: nn.Module, query: Tensor, key: Tensor, value: Tensor,
     igate: Tensor, fgate: Tensor, c_initial: Tensor | None = None, n_initial: Tensor | None = None,
     m_initial: Tensor | None = None, return_last_states: bool | None = None, mode: str | None = None,
 ) -> tuple[Tensor, None]:

@@ -22,11 +22,11 @@ import torch
 from torch import Tensor, nn
 
 from cpcompose.comm import CPGroup
-from cpcompose.integrations.transformers.kernels.common import needs_grad, tensor_fields, whole_pack_refusal
+from cpcompose.mixers.kernel_calls import needs_grad, tensor_fields, whole_pack_refusal
 from cpcompose.layouts import PackedLayout
-from cpcompose.mixers.chunked import cp_chunked_recurrence
+from cpcompose.mixers.chunked import Correction, cp_chunked_recurrence
 from cpcompose.mixers.conv import cp_causal_conv1d
-from cpcompose.parallel.dispatch import CPAttentionMode
+from cpcompose.mixers.region import Region
 
 __all__ = ["cp_recurrent_block", "cp_rglru_scan"]
 
@@ -49,7 +49,7 @@ def _causal_conv_refusal(conv: nn.Module) -> str | None:
 
 
 def cp_recurrent_block(
-    original: Callable[..., Any], region: CPAttentionMode, self: nn.Module, input_states: Tensor,
+    original: Callable[..., Any], region: Region, self: nn.Module, input_states: Tensor,
     position_ids: Tensor, attention_mask: Tensor | None, use_cache: bool | None = True, **kwargs: Any,
 ) -> tuple[Tensor, None]:
     """`RecurrentGemmaRecurrentBlock.forward` under CP: transformers' own forward, its `conv_1d` call answered
@@ -75,7 +75,7 @@ def cp_recurrent_block(
         handle.remove()
 
 
-def _reset_refusal(reset: Tensor, region: CPAttentionMode) -> str | None:
+def _reset_refusal(reset: Tensor, region: Region) -> str | None:
     """Why the scan's `reset` (`position_ids == 0`) is not the layout's document starts on this rank, or None.
 
     A PackedLayout's padding document is not checked: nothing reads its outputs.
@@ -100,15 +100,18 @@ def _reset_refusal(reset: Tensor, region: CPAttentionMode) -> str | None:
 
 
 def cp_rglru_scan(
-    original: Callable[..., Any], region: CPAttentionMode, self: nn.Module, hidden_states: Tensor,
+    original: Callable[..., Any], region: Region, self: nn.Module, hidden_states: Tensor,
     recurrent_gate: Tensor, reset: Tensor, recurrent_states: Tensor | None,
     acc_dtype: torch.dtype = torch.float32,
 ) -> tuple[Tensor, None]:
     """`RecurrentGemmaRglru._rnn_scan` under CP: the state `(batch, lru_width)` passed between runs.
 
-    Each local run is scanned by transformers' own `_rnn_scan` (accumulating in `acc_dtype`,
-    float32 as the RG-LRU calls it); a run's transition is the product of its gates
-    `a_t * ~reset_t`, as the scan applies them (`cpcompose.mixers.cp_chunked_recurrence`).
+    Each local stretch is scanned once, from zero, by transformers' own `_rnn_scan`
+    (accumulating in `acc_dtype`, float32 as the RG-LRU calls it); a stretch's transition is
+    the product of its gates `a_t * ~reset_t`, as the scan applies them, and one that
+    continues a document gets `(a_1 ... a_t) h0` added to each output (a `Correction`:
+    the outputs are the states, affine in h0), no second scan
+    (`cpcompose.mixers.cp_chunked_recurrence`).
 
     Returns:
         `(outputs (batch, seq_local, lru_width), None)`: no final state (the RG-LRU keeps it
@@ -117,11 +120,24 @@ def cp_rglru_scan(
     error = (whole_pack_refusal("RecurrentGemmaRglru._rnn_scan", {}, state=recurrent_states)
              or _reset_refusal(reset, region))
 
+    finals: dict[int, Tensor] = {}
+    wide = torch.promote_types(acc_dtype, hidden_states.dtype)  # the correction: the scan's precision or wider
+
     def kernel(rows: slice, init: Tensor | None) -> tuple[Tensor, Tensor]:
-        return original(self, hidden_states[:, rows], recurrent_gate[:, rows], reset[:, rows], init, acc_dtype)
+        out, final = original(self, hidden_states[:, rows], recurrent_gate[:, rows], reset[:, rows], init, acc_dtype)
+        finals[rows.start] = final
+        return out, final
+
+    def decays(rows: slice) -> Tensor:
+        return (recurrent_gate[:, rows] * ~reset[:, rows]).to(acc_dtype)  # as the scan applies them
 
     def transition(rows: slice) -> Tensor:
-        return (recurrent_gate[:, rows] * ~reset[:, rows]).to(acc_dtype).prod(dim=1)  # (batch, lru_width)
+        return decays(rows).prod(dim=1)  # (batch, lru_width)
+
+    def correct(rows: slice, out: Tensor, init: Tensor) -> Tensor:
+        # h_t from init: h_t^0 + (a_1 ... a_t) init, each a_s zero at a reset (a reset inside the stretch stops it).
+        carried = torch.cumprod(decays(rows).to(wide), dim=1) * init.to(wide)[:, None]
+        return (out.to(wide) + carried).to(out.dtype)
 
     out = cp_chunked_recurrence(
         kernel, transition, mesh=region.mesh, layout=region.options.layout, seq_local=hidden_states.shape[1],
@@ -129,5 +145,6 @@ def cp_rglru_scan(
         dtype=hidden_states.dtype, grad=needs_grad(hidden_states, recurrent_gate),
         signature=[*tensor_fields("hidden_states", hidden_states), *tensor_fields("reset", reset)],
         caller_error=error, meter=region.options.meter,
+        correction=Correction(final=lambda rows: finals[rows.start], apply=correct),
     )
     return out, None

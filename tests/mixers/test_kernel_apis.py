@@ -1,0 +1,200 @@
+"""flash-linear-attention's and mamba-ssm's kernel APIs called through `cpcompose.mixers` directly.
+
+No transformers routing and no `context_parallel` block: a `MixerRegion` names the mesh and
+the layout, and the CP versions run the kernel they are given on this rank's stretches. The
+kernels are transformers' module-level functions for those APIs (`torch_chunk_gated_delta_rule`,
+`mamba2_chunk_scan`): their torch fallbacks on the CPU, in float32 as they compute; on a GPU
+(`gpu` marker) the same functions, which run fla's and mamba-ssm's CUDA kernels where those
+packages are installed (transformers dispatches to them). Each rank's outputs and input
+gradients are compared with its shard of the same kernel run on each document of the full
+sequence on one process, at P = 2 under zigzag (one document, both of rank 1's runs one
+stretch) and a pack.
+
+Tolerance: CP differs from the reference only in rounding (chunks aligned to the stretches,
+states composed across ranks). On the CPU each value is a chain of at most L float32 steps,
+so `eps32 * L` relative to the reference's largest value bounds it. The CUDA kernels' Triton
+dots round to tf32 (10-bit mantissa), whose errors add like a random walk over the chain:
+`2**-10 * sqrt(L)`. Dropping the correction (the true state's contribution) misses by far
+more, checked on the same data. And each rank's kernel sees each of its tokens once: no rerun
+(scan work 1.0 per rank).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from transformers.models.mamba2.modeling_mamba2 import mamba2_chunk_scan
+from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
+
+from cpcompose.layouts import Layout
+from cpcompose.mixers import MixerOptions, MixerRegion
+from cpcompose.mixers.chunked import stretches
+from cpcompose.mixers.fla import cp_chunk_gated_delta_rule
+from cpcompose.mixers.mamba_ssm import cp_mamba2_chunk_scan
+from tests.support.mixer_cases import make_layout, randn, value_errors
+
+SPECS = ("zigzag", "packed")
+SIZES = {"cpu": (12, 4, 4), "cuda": (128, 64, 32)}
+"""Per device: tokens per rank, chunk size, key/value head dim (the CUDA kernels want dims of 16 or more and
+chunks of 64)."""
+
+
+def _inputs(api: str, seq: int, dim: int) -> dict[str, torch.Tensor]:
+    if api == "fla":
+        return {"q": randn(1, seq, 2, dim, seed=1), "k": randn(1, seq, 2, dim, seed=2),
+                "v": randn(1, seq, 4, dim, seed=3),
+                "g": -torch.rand(1, seq, 4, generator=torch.Generator().manual_seed(4), dtype=torch.float64),
+                "beta": torch.sigmoid(randn(1, seq, 4, seed=5))}
+    return {"x": randn(1, seq, 4, dim, seed=1), "dt": 0.5 * randn(1, seq, 4, seed=2) - 1.0,
+            "B": randn(1, seq, 2, dim, seed=4), "C": randn(1, seq, 2, dim, seed=5)}
+
+
+def _prepared(api: str, seq: int, dim: int, device: str) -> dict[str, torch.Tensor]:
+    return {k: v.float().to(device) for k, v in _inputs(api, seq, dim).items()}
+
+
+class Counted:
+    """A kernel that counts the tokens it is given (dim 1 of its first argument), call by call."""
+
+    def __init__(self, kernel: Callable[..., Any]) -> None:
+        self.kernel, self.tokens = kernel, 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.tokens += args[0].shape[1]
+        return self.kernel(*args, **kwargs)
+
+
+def _call(api: str, t: dict[str, torch.Tensor], region: MixerRegion | None, chunk: int,
+          counted: Counted | None = None) -> torch.Tensor:
+    """The API on `t`: through its CP version under `region` (running `counted`'s kernel where given), or the
+    kernel itself when `region` is None."""
+    if api == "fla":
+        args = (t["q"], t["k"], t["v"], t["g"], t["beta"])
+        if region is None:
+            return torch_chunk_gated_delta_rule(*args, chunk_size=chunk, use_qk_l2norm_in_kernel=True)[0]
+        return cp_chunk_gated_delta_rule(counted or torch_chunk_gated_delta_rule, region, *args, chunk_size=chunk,
+                                         use_qk_l2norm_in_kernel=True)[0]
+    A = -torch.tensor([0.5, 1.0, 1.5, 2.0], device=t["x"].device)
+    args = (t["x"], t["dt"], A, t["B"], t["C"])
+    if region is None:
+        return mamba2_chunk_scan(*args, chunk_size=chunk, dt_softplus=True)
+    return cp_mamba2_chunk_scan(counted or mamba2_chunk_scan, region, *args, chunk_size=chunk, dt_softplus=True)
+
+
+def api_cases(mesh, device: str) -> dict:
+    rank, world, results = mesh.get_local_rank(), mesh.size(), {}
+    s_local, chunk, dim = SIZES[device]
+    for spec in SPECS:
+        layout = make_layout(spec, world, s_local)
+        region = MixerRegion(mesh, MixerOptions(layout=layout))
+        for api in ("fla", "mamba_ssm"):
+            full = _prepared(api, world * s_local, dim, device)
+            local = {k: layout.shard(v, 1, rank).requires_grad_() for k, v in full.items()}
+            counted = Counted(torch_chunk_gated_delta_rule if api == "fla" else mamba2_chunk_scan)
+            out = _call(api, local, region, chunk, counted)
+            out.sum().backward()
+            results[spec, api] = {"out": out.detach().cpu(), "grads": {k: v.grad.cpu() for k, v in local.items()},
+                                  "tokens": counted.tokens}
+    return results
+
+
+def _reference(api: str, layout: Layout, device: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The kernel on each document alone (a pack's documents restart), outputs in global order."""
+    s_local, chunk, dim = SIZES[device]
+    seq = layout.world * s_local
+    full = {k: v.requires_grad_() for k, v in _prepared(api, seq, dim, device).items()}
+    docs = layout.global_runs(seq)
+    out = torch.cat([_call(api, {k: v[:, d.pos:d.pos + d.length] for k, v in full.items()}, None, chunk)
+                     for d in docs], 1)
+    out.sum().backward()
+    return out.detach().cpu(), {k: v.grad.cpu() for k, v in full.items()}
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_kernel_apis_through_cpcompose_directly(pools, device: str) -> None:
+    world = 2
+    s_local, chunk, dim = SIZES[device]
+    seq = world * s_local
+    results = pools.get(world, device).run(api_cases, device)
+    for spec in SPECS:
+        layout = make_layout(spec, world, s_local)
+        for api in ("fla", "mamba_ssm"):
+            want, grads = _reference(api, layout, device)
+            # rounding chains of at most `seq` steps, relative to the largest value (module docstring)
+            tol = torch.finfo(torch.float32).eps * seq if device == "cpu" else 2.0 ** -10 * seq ** 0.5
+            zero_state = []  # every document restarting at every run: what the CP version would give uncorrected
+            for rank in range(world):
+                got = results[rank][spec, api]
+                assert got["tokens"] == s_local, f"{spec} {api} rank {rank}: the kernel saw {got['tokens']} tokens " \
+                    f"for a shard of {s_local}: one pass per token, no rerun"
+                scale = want.abs().max().item()
+                torch.testing.assert_close(got["out"], layout.shard(want, 1, rank), rtol=tol, atol=tol * scale,
+                                           msg=lambda m, at=(spec, api, rank): f"{at} outputs: {m}")
+                for name, grad in grads.items():
+                    torch.testing.assert_close(got["grads"][name], layout.shard(grad, 1, rank), rtol=tol,
+                                               atol=tol * grad.abs().max().item(),
+                                               msg=lambda m, at=(spec, api, rank, name): f"{at} grad: {m}")
+                runs = layout.runs(rank, seq)
+                local = {k: layout.shard(v, 1, rank) for k, v in _prepared(api, seq, dim, device).items()}
+                zero_state.append(torch.cat([_call(api, {k: v[:, r.row:r.row + r.length] for k, v in local.items()},
+                                                   None, chunk) for r in runs], 1).cpu())
+            missed = max((z - layout.shard(want, 1, r)).abs().max().item() for r, z in enumerate(zero_state))
+            assert missed > 10 * tol * want.abs().max().item(), f"{spec} {api}: the check cannot tell a dropped state"
+
+
+def test_mixer_region_reports_a_bad_layout() -> None:
+    assert MixerOptions(layout="no-such-layout").error(2) is not None
+    assert MixerOptions(layout="zigzag").error(2) is None
+
+
+def test_stretches_merge_a_ranks_consecutive_runs_of_one_document() -> None:
+    """Zigzag's middle pair is one kernel call; runs of different documents, or apart, stay separate."""
+    seq = 16
+    zigzag = make_layout("zigzag", 2, seq // 2)
+    runs = zigzag.runs(1, seq)  # chunks 1 and 2: one document, consecutive positions and rows
+    starts = {run.doc: run.pos for run in zigzag.global_runs(seq)}
+    merged = stretches(runs, starts, continued={0, 1})
+    assert [(s.rows, s.runs, s.continues, s.continued) for s in merged] == [(slice(0, 8), (0, 1), True, True)]
+    apart = stretches(zigzag.runs(0, seq), starts, continued={0})  # chunks 0 and 3
+    assert [(s.rows, s.runs, s.continues, s.continued) for s in apart] == [
+        (slice(0, 4), (0,), False, True), (slice(4, 8), (1,), True, False)]
+    packed, seq = make_layout("packed", 2, 12), 24  # the pack of tests/support: documents shorter and longer
+    for rank in range(2):
+        every = packed.runs(rank, seq)
+        for s in stretches(every, {run.doc: run.pos for run in packed.global_runs(seq)}, continued=set()):
+            assert len({every[i].doc for i in s.runs}) == 1  # never across a document boundary
+
+
+def direct_refusals(mesh) -> dict:
+    """Bad input on rank 0 only, through a `MixerRegion`: every rank raises the same error; then a valid call."""
+    rank, world = mesh.get_local_rank(), mesh.size()
+    s_local, chunk, dim = SIZES["cpu"]
+    layout = make_layout("zigzag", world, s_local)
+    region = MixerRegion(mesh, MixerOptions(layout=layout))
+    t = {k: layout.shard(v, 1, rank) for k, v in _prepared("fla", world * s_local, dim, "cpu").items()}
+    args = (t["q"], t["k"], t["v"], t["g"], t["beta"])
+    state = torch.zeros(1, 4, dim, dim) if rank == 0 else None
+
+    def cache() -> object:
+        return cp_chunk_gated_delta_rule(torch_chunk_gated_delta_rule, region, *args, chunk_size=chunk,
+                                         initial_state=state)
+
+    def short() -> object:  # rank 0's shard one token short: it does not fit the layout
+        cut = [a[:, :-1] if rank == 0 else a for a in args]
+        return cp_chunk_gated_delta_rule(torch_chunk_gated_delta_rule, region, *cut, chunk_size=chunk)
+
+    messages = value_errors({"cache": cache, "short": short})
+    good = cp_chunk_gated_delta_rule(torch_chunk_gated_delta_rule, region, *args, chunk_size=chunk)[0]
+    return {"messages": messages, "shape": tuple(good.shape)}
+
+
+def test_direct_calls_refuse_on_every_rank(pools) -> None:
+    results = pools.get(2).run(direct_refusals)
+    for name, needle in (("cache", "generation cache"), ("short", "rank 0: global length (local 11 x 2 ranks)")):
+        messages = [r["messages"][name] for r in results]
+        assert messages[0] is not None and needle in messages[0], messages
+        assert all(m == messages[0] for m in messages), f"{name}: ranks disagree: {messages}"
+    assert all(r["shape"] == results[0]["shape"] for r in results)
