@@ -147,3 +147,14 @@ def test_outside_a_cp_region_it_is_transformers_sparse_attention() -> None:
     loss = F.cross_entropy(logits.flatten(0, 1), x["labels"].flatten(), ignore_index=-100)
     loss.backward()
     assert_matches({"loss": loss.detach(), "grads": grads(model)}, want, REL[torch.float64])
+
+
+@pytest.mark.parametrize("path", ["deepseek_v4.DeepseekV4Attention", "minimax_m3_vl.MiniMaxM3VLAttention"])
+def test_pooled_sparse_attention_is_refused_by_class(path: str) -> None:
+    """Indexers over pooled entries or blocks (not per-token rows) are refused by name, before any collective."""
+    import importlib
+
+    name, cls_name = path.split(".")
+    cls = getattr(importlib.import_module(f"transformers.models.{name}.modeling_{name}"), cls_name)
+    assert getattr(cls.forward, "__cpcompose_refused__", False)
+    assert any(p.endswith(f".{cls_name}") for p in cphf.kernels.REFUSED)
