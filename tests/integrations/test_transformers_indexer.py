@@ -22,7 +22,7 @@ import torch.nn.functional as F
 import transformers as hf
 
 import cpcompose.integrations.transformers as cphf
-from cpcompose import allreduce_gradients, context_parallel, cp_cross_entropy
+from cpcompose import allreduce_gradients, context_parallel, cp_cross_entropy, cp_unshard
 
 B, SEQ, V = 2, 32, 64
 DOCS = (5, 17, 1, 3, 6)  # 32 tokens, a document of length 1
@@ -132,6 +132,47 @@ def test_dsa_model_is_exact(pools, name: str, kind: str, world: int, strategy: s
     want, state = reference(name, kind, dtype)
     for got in pools.get(world).run(cp_step, name, kind, dtype, state, strategy):
         assert_matches(got, want, REL[dtype])
+
+
+def _recording(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The indices every indexer returns, in call order."""
+    seen: list[torch.Tensor] = []
+    for layer in model.model.layers:
+        if layer.self_attn.indexer is not None:
+            layer.self_attn.indexer.register_forward_hook(lambda m, a, out: seen.append(out.clone()))
+    return seen
+
+
+def cp_indices(mesh, name: str, kind: str, state: dict) -> list[torch.Tensor]:
+    """Each indexer's top-k on every rank, joined into the whole sequence's rows in global order."""
+    model = build(name, "cpcompose", torch.float32, state)
+    seen = _recording(model)
+    x = batch(kind)
+    packed = cphf.pack_batch(x["input_ids"], mesh, position_ids=x["position_ids"], labels=x["labels"], shift=False)
+    with context_parallel(mesh, buffers=packed.buffers, buffer_seq_dims=packed.seq_dims, layout=packed.layout):
+        model(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False)
+    ours = seen[-_indexer_count(model):]  # the first-use probe ran the model on its own tokens before
+    return [cp_unshard(t, mesh, seq_dim=1, layout=packed.layout)[:, : x["input_ids"].shape[1]] for t in ours]
+
+
+def _indexer_count(model: torch.nn.Module) -> int:
+    return sum(layer.self_attn.indexer is not None for layer in model.model.layers)
+
+
+@pytest.mark.parametrize("name", ["glm_moe_dsa", "glm_moe_dsa_ties"])
+def test_indexer_selection_equals_one_process(pools, name: str) -> None:
+    """The same top-k lists, order included, as torch.topk on one process's rows; with every score tied at 0
+    (`_ties`) the whole choice is topk's tie-breaking, reproduced from the same full row."""
+    model = build(name, "sdpa", torch.float32)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    seen = _recording(model)
+    x = batch("packed")
+    with torch.no_grad():
+        model(input_ids=x["input_ids"], position_ids=x["position_ids"], use_cache=False)
+    for got in pools.get(2).run(cp_indices, name, "packed", state):
+        assert len(got) == len(seen) == _indexer_count(model)
+        for cp_rows, want in zip(got, seen):
+            assert torch.equal(cp_rows, want)
 
 
 def test_every_dsa_indexer_of_this_transformers_is_routed() -> None:
