@@ -38,7 +38,7 @@ RowChoice = Literal["auto", "selected", "allgather"]
 def attend_selected(
     q: Tensor, k: Tensor, v: Tensor, indices: Tensor, *, mesh: DeviceMesh, is_causal: bool,
     scale: float | None = None, options: CPOptions | None = None, rows: RowChoice | None = None,
-    caller_error: str | None = None,
+    caller_error: str | None = None, sinks: Tensor | None = None,
 ) -> Tensor:
     """Exact attention of each local query over the global keys it selected.
 
@@ -51,6 +51,9 @@ def attend_selected(
         rows: "selected" (fetch only selected rows), "allgather" (every row), "auto"
             (fewer bytes); None: "allgather" if `options.strategy` names it, else "auto".
         caller_error: the caller's complaint, raised on every rank.
+        sinks: attention sinks (gpt-oss's, HunYuan V4's): one logit per query head `(heads,)` joining
+            every row's softmax with no value. Its gradient is this rank's share (sum it over the CP
+            ranks, as every replicated parameter's).
 
     Returns:
         The local output `(batch, heads, S_local, v_head_dim)`.
@@ -58,7 +61,7 @@ def attend_selected(
     options = options or CPOptions()
     cp = CPGroup.from_mesh(mesh)
     layout: Layout | None = None
-    error = caller_error or _input_error(q, k, v, indices) or options.error(cp.world)
+    error = caller_error or _input_error(q, k, v, indices) or _sinks_error(sinks, q) or options.error(cp.world)
     if error is None and options.window_size is not None:
         error = "a sliding window with indexer-selected attention is not supported under CP"
     if error is None:
@@ -69,7 +72,7 @@ def attend_selected(
         error = f"indices must be global key positions in [0, {seq_len}), got {int(indices.min())}..{int(indices.max())}"
     signature = (Signature().shape("q", q.shape).shape("k", k.shape).shape("v", v.shape)
                  .shape("indices", indices.shape, ndim=3).dtype("dtype", q.dtype).flag("causal", is_causal)
-                 .float("scale", scale).layout(layout))
+                 .float("scale", scale).flag("sinks", sinks is not None).layout(layout))
     agree_across_ranks(cp, error, signature.fields, what="indexer-selected attention", device=_meta_device(q))
     assert layout is not None
     allowed = allowed_keys(layout, cp.rank, seq_len, is_causal=is_causal, device=q.device)
@@ -84,7 +87,7 @@ def attend_selected(
     positions = layout.local_indices(cp.rank, seq_len, q.device)
     outs = [
         _attend_row(q[b], local.view(q.shape[0], q.shape[2], -1)[b], positions, fetched, plan, b, seq_len,
-                    _dense_mask(picked[b], allowed, seq_len), heads_kv, dk, scale)
+                    _dense_mask(picked[b], allowed, seq_len), heads_kv, dk, scale, sinks)
         for b in range(q.shape[0])
     ]
     return torch.stack(outs)
@@ -116,7 +119,8 @@ def _dense_mask(picked: Tensor, allowed: Tensor, seq_len: int) -> Tensor:
 
 
 def _attend_row(q: Tensor, local: Tensor, positions: Tensor, fetched: Tensor, plan: RowPlan, batch: int,
-                seq_len: int, mask: Tensor, heads_kv: int, dk: int, scale: float | None) -> Tensor:
+                seq_len: int, mask: Tensor, heads_kv: int, dk: int, scale: float | None,
+                sinks: Tensor | None) -> Tensor:
     """One batch row: softmax over its local rows and the rows fetched for it, each query's mask applied."""
     mine = (plan.fetched.to(q.device) // seq_len) == batch
     bank = torch.cat([local, fetched[mine]])  # (U, Hk*dk + Hk*dv)
@@ -128,7 +132,12 @@ def _attend_row(q: Tensor, local: Tensor, positions: Tensor, fetched: Tensor, pl
     acc = accumulation_dtype(q.dtype)
     scores = (q.to(acc) @ keys.to(acc).transpose(1, 2)) * (scale if scale is not None else dk ** -0.5)
     scores = scores.masked_fill(~mask[:, bank_pos], torch.finfo(acc).min)
-    return (scores.softmax(-1) @ values.to(acc)).to(q.dtype)
+    if sinks is not None:  # a logit with no value: it joins the softmax and is dropped
+        column = sinks.to(acc).view(-1, 1, 1).expand(-1, scores.shape[1], 1)
+        probs = torch.cat([scores, column], dim=-1).softmax(-1)[..., :-1]
+    else:
+        probs = scores.softmax(-1)
+    return (probs @ values.to(acc)).to(q.dtype)
 
 
 def _input_error(q: Tensor, k: Tensor, v: Tensor, indices: Tensor) -> str | None:
@@ -144,6 +153,12 @@ def _input_error(q: Tensor, k: Tensor, v: Tensor, indices: Tensor) -> str | None
         return (f"indices must be integer (batch, S_local, topk) = ({q.shape[0]}, {q.shape[2]}, k), got "
                 f"{indices.dtype} {tuple(indices.shape)}")
     return None
+
+
+def _sinks_error(sinks: Tensor | None, q: Tensor) -> str | None:
+    if sinks is None or (isinstance(sinks, Tensor) and sinks.shape == (q.shape[1],)):
+        return None
+    return f"sinks must be one logit per query head ({q.shape[1]},), got {getattr(sinks, 'shape', sinks)!r}"
 
 
 def _meta_device(q: Tensor) -> torch.device:

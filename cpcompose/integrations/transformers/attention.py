@@ -228,12 +228,14 @@ def cpcompose_attention_forward(
     if error:
         error = f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}): {error}"
     if isinstance(indices, Tensor):  # indexer-selected attention: only the selected rows move
-        if error is None and (softcap is not None or sliding_window is not None or kwargs.get("s_aux") is not None):
-            error = (f"{type(module).__name__}: indexer-selected attention with a softcap, sliding window or sinks "
+        if error is None and (softcap is not None or sliding_window is not None):
+            error = (f"{type(module).__name__}: indexer-selected attention with a softcap or a sliding window "
                      "is not supported under CP")
         region.routed += 1
+        sinks = kwargs.get("s_aux")
         out = attend_selected(query, key, value, indices, mesh=region.mesh, is_causal=causal, scale=scaling,
-                              options=region.options, caller_error=error)
+                              options=region.options, caller_error=error,
+                              sinks=sinks if isinstance(sinks, Tensor) and not error else None)
         return out.transpose(1, 2).contiguous(), None
     sinks = kwargs.get("s_aux")  # gpt-oss's attention sinks: one logit per head, joining every row's softmax
     out = region.attend(query, key, value, is_causal=causal, scale=scaling, softcap=softcap, caller_error=error,
