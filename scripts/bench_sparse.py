@@ -69,9 +69,11 @@ def byte_rows(args: argparse.Namespace) -> list[dict]:
             for k in args.topks:
                 for pattern in args.patterns:
                     table = count_table(pattern, seq_len, k, world)
-                    sparse = max(selected_sent(table, r, values, args.itemsize) for r in range(world))
+                    per_rank = [selected_sent(table, r, values, args.itemsize) for r in range(world)]
+                    sparse = max(per_rank)
                     rows.append({"world": world, "seq_len": seq_len, "topk": k, "pattern": pattern,
-                                 "selected_bytes": sparse, "allgather_bytes": dense, "ratio": sparse / dense})
+                                 "selected_bytes": sparse, "allgather_bytes": dense, "ratio": sparse / dense,
+                                 "busiest_over_mean": sparse * world / max(sum(per_rank), 1)})
     return rows
 
 
@@ -139,7 +141,7 @@ def main() -> None:
     for r in rows:
         print(f"P={r['world']} L={r['seq_len']:6d} k={r['topk']:5d} {r['pattern']:6s}  selected "
               f"{r['selected_bytes'] / 2**20:10.1f} MiB  all-gather {r['allgather_bytes'] / 2**20:10.1f} MiB  "
-              f"ratio {r['ratio']:.3f}")
+              f"ratio {r['ratio']:.3f}  busiest/mean rank {r['busiest_over_mean']:.2f}")
     if args.time:
         for r in time_rows(args):
             print(f"P={r['world']} L={r['seq_len']:6d} k={r['topk']:5d} {r['pattern']:6s}  selected "

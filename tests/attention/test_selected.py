@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from cpcompose import CommMeter, cp_shard, cp_unshard
 from cpcompose.attention.cost.selected import allgather_sent, selected_sent
@@ -53,36 +54,49 @@ def _visible(docs: tuple[int, ...] | None) -> torch.Tensor:
     return ok
 
 
-def reference(docs: tuple[int, ...] | None, local_pattern: bool = False) -> dict[str, torch.Tensor]:
+def _sinks() -> torch.Tensor:
+    return torch.randn(H, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+
+
+def reference(docs: tuple[int, ...] | None, local_pattern: bool = False, sinks: bool = False) -> dict:
     x = {n: t.clone().requires_grad_(n in ("q", "k", "v")) for n, t in _inputs(local_pattern).items()}
+    sink = _sinks().requires_grad_()
     selected = torch.zeros(B, SEQ, SEQ, dtype=torch.bool).scatter(2, x["indices"], True)
     k, v = (x[n].repeat_interleave(H // KV, dim=1) for n in ("k", "v"))
     scores = x["q"] @ k.transpose(-1, -2) / D**0.5
     scores = scores.masked_fill(~(selected & _visible(docs)).unsqueeze(1), float("-inf"))
-    out = scores.softmax(dim=-1) @ v
+    if sinks:  # one logit per head with no value, in every row's softmax
+        scores = torch.cat([scores, sink.view(1, H, 1, 1).expand(B, H, SEQ, 1)], dim=-1)
+    out = scores.softmax(dim=-1)[..., :SEQ] @ v
     (out * x["dout"]).sum().backward()
-    return {"out": out.detach(), **{f"d{n}": x[n].grad for n in ("q", "k", "v")}}
+    return {"out": out.detach(), **{f"d{n}": x[n].grad for n in ("q", "k", "v")},
+            **({"dsinks": sink.grad} if sinks else {})}
 
 
 def _layout(docs: tuple[int, ...] | None, world: int) -> PackedLayout | str:
     return PackedLayout.build([0, *torch.tensor(docs).cumsum(0).tolist()], world) if docs else "zigzag"
 
 
-def cp_run(mesh, rows: str, docs: tuple[int, ...] | None, local_pattern: bool = False) -> dict:
+def cp_run(mesh, rows: str, docs: tuple[int, ...] | None, local_pattern: bool = False, sinks: bool = False) -> dict:
     x = _inputs(local_pattern)
     layout = _layout(docs, mesh.size())
     local = {n: cp_shard(x[n], mesh, seq_dim=2, layout=layout).requires_grad_(n != "dout")
              for n in ("q", "k", "v", "dout")}
     indices = cp_shard(x["indices"], mesh, seq_dim=1, layout=layout)
     meter = CommMeter()
+    sink = _sinks().requires_grad_() if sinks else None
     out = attend_selected(local["q"], local["k"], local["v"], indices, mesh=mesh, is_causal=True,
-                          options=_options(layout, meter), rows=rows)
+                          options=_options(layout, meter), rows=rows, sinks=sink)
     (out * local["dout"]).sum().backward()
+    extra = {}
+    if sink is not None:  # this rank's share of a replicated parameter's gradient: summed over the ranks
+        dist.all_reduce(dsinks := sink.grad.clone(), group=mesh.get_group())
+        extra["dsinks"] = dsinks
     full = {n: cp_unshard(t.detach(), mesh, seq_dim=2, layout=layout)
             for n, t in (("out", out), ("dq", local["q"].grad), ("dk", local["k"].grad), ("dv", local["v"].grad))}
     cp = CPGroup.from_mesh(mesh)
     plan = selected_rows_plan(_readable(indices, layout, cp), resolve_layout(layout, cp.world), SEQ, cp)
-    return {**full, "sent": meter.total, "counts": plan.counts}
+    return {**full, **extra, "sent": meter.total, "counts": plan.counts}
 
 
 def _readable(indices: torch.Tensor, layout: object, cp: CPGroup) -> torch.Tensor:
@@ -100,7 +114,7 @@ def _options(layout: object, meter: CommMeter):
 
 
 def _assert_close(got: dict, want: dict) -> None:
-    for name in ("out", "dq", "dk", "dv"):
+    for name in want:
         scale = want[name].abs().max()
         err = (got[name] - want[name]).abs().max()
         assert err <= TOL * scale, f"{name}: max error {err:.3e} > {TOL * scale:.3e}"
@@ -112,6 +126,13 @@ def _assert_close(got: dict, want: dict) -> None:
 def test_selected_attention_is_exact(pools, world: int, rows: str, docs: tuple[int, ...] | None) -> None:
     want = reference(docs)
     for got in pools.get(world).run(cp_run, rows, docs):
+        _assert_close(got, want)
+
+
+def test_sinks_join_every_softmax(pools) -> None:
+    """Attention sinks (HunYuan V4's): outputs, q/k/v gradients and the sinks' summed gradient."""
+    want = reference(DOCS, sinks=True)
+    for got in pools.get(2).run(cp_run, "selected", DOCS, False, True):
         _assert_close(got, want)
 
 
