@@ -81,7 +81,7 @@ def _timed(rank: int, world: int, seq_len: int, k: int, pattern: str, args: argp
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from cpcompose.attention.selected import attend_selected
+    from cpcompose.attention.call.selected import attend_selected
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port))
     dist.init_process_group("gloo", rank=rank, world_size=world)

@@ -45,7 +45,7 @@ except ImportError as e:  # an optional dependency: say which extra brings it
     ) from e
 
 from cpcompose import _compat
-from cpcompose.attention.selected import attend_selected
+from cpcompose.attention.call.selected import attend_selected
 from cpcompose.comm import CPGroup
 from cpcompose.integrations.transformers.indexer import INDEXED_FAMILIES
 from cpcompose.layouts import Layout, PackedLayout

@@ -14,7 +14,7 @@ global row (causal by global position, documents of a pack). So the model's own 
 computes each local query's full score row, entry for entry as one process does, and
 its `topk` makes the same choice, ties included (a selection is a function of the row's
 values and their order only). The indices it returns are global positions, which
-`cpcompose.attention.selected` reads (and which GLM-5's "shared" layers reuse as they are).
+`cpcompose.attention.call.selected` reads (and which GLM-5's "shared" layers reuse as they are).
 The indexer is not trained through the model's loss in transformers (its forward runs
 under no_grad, and no family computes an indexer loss), so there is no gradient to carry.
 
@@ -34,7 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from cpcompose.agreement import Signature, agree_across_ranks
-from cpcompose.attention.selection import allowed_keys, global_rows
+from cpcompose.attention.strategies.selection import allowed_keys, global_rows
 from cpcompose.comm import CommMeter, CPGroup
 from cpcompose.layouts import Layout, resolve_layout
 from cpcompose.parallel.dispatch import CPAttentionMode, active_cp_region

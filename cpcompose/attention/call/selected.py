@@ -23,9 +23,9 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from cpcompose.agreement import Signature, agree_across_ranks
 from cpcompose.attention.cost.selected import ALLGATHER, SELECTED, choose
-from cpcompose.attention.options import CPOptions
-from cpcompose.attention.selected_rows import RowPlan, all_rows_plan, fetch_rows, selected_rows_plan
-from cpcompose.attention.selection import allowed_keys
+from cpcompose.attention.call.options import CPOptions
+from cpcompose.attention.strategies.selected_rows import RowPlan, all_rows_plan, fetch_rows, selected_rows_plan
+from cpcompose.attention.strategies.selection import allowed_keys
 from cpcompose.comm import CPGroup
 from cpcompose.layouts import Layout, resolve_layout
 from cpcompose.precision import accumulation_dtype
@@ -69,7 +69,8 @@ def attend_selected(
         error = layout.local_len_error(q.shape[2])
     seq_len = q.shape[2] * cp.world
     if error is None and indices.numel() and not (0 <= int(indices.min()) and int(indices.max()) < seq_len):
-        error = f"indices must be global key positions in [0, {seq_len}), got {int(indices.min())}..{int(indices.max())}"
+        error = (f"indices must be global key positions in [0, {seq_len}), got "
+                 f"{int(indices.min())}..{int(indices.max())}")
     signature = (Signature().shape("q", q.shape).shape("k", k.shape).shape("v", v.shape)
                  .shape("indices", indices.shape, ndim=3).dtype("dtype", q.dtype).flag("causal", is_causal)
                  .float("scale", scale).flag("sinks", sinks is not None).layout(layout))
@@ -81,8 +82,8 @@ def attend_selected(
     picked = torch.where(readable, picked, -1)
     plan = _row_plan(picked, k, v, layout, seq_len, cp, options, rows or _rows_of(options))
     heads_kv, dk = k.shape[1], k.shape[3]
-    local = torch.cat([k.transpose(1, 2).reshape(-1, heads_kv * dk), v.transpose(1, 2).reshape(-1, heads_kv * v.shape[3])],
-                      dim=1)
+    local = torch.cat([k.transpose(1, 2).reshape(-1, heads_kv * dk),
+                       v.transpose(1, 2).reshape(-1, heads_kv * v.shape[3])], dim=1)
     fetched = fetch_rows(local, plan, cp, options.meter)
     positions = layout.local_indices(cp.rank, seq_len, q.device)
     outs = [
@@ -142,7 +143,8 @@ def _attend_row(q: Tensor, local: Tensor, positions: Tensor, fetched: Tensor, pl
 
 def _input_error(q: Tensor, k: Tensor, v: Tensor, indices: Tensor) -> str | None:
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
-        return f"q, k, v must be (batch, heads, seq, head_dim), got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        return (f"q, k, v must be (batch, heads, seq, head_dim), got {tuple(q.shape)}, {tuple(k.shape)}, "
+                f"{tuple(v.shape)}")
     if k.shape[:3] != v.shape[:3] or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2] or q.shape[3] != k.shape[3]:
         return f"q, k, v shapes do not fit: {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
     if q.shape[1] % k.shape[1]:
