@@ -16,7 +16,7 @@ import torch
 
 # Opaque objects (private; present in torch 2.11 and 2.13 alike): a Python object a custom op takes by reference,
 # passed through torch.compile as a graph input instead of being traced. The compiled
-# CP attention op (`cpcompose.attention.op`) carries its process group and options this way.
+# CP attention op (`cpcompose.attention.call.op`) carries its process group and options this way.
 from torch._library.opaque_object import MemberType, register_opaque_type
 from torch._opaque_base import OpaqueBase
 

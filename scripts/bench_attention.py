@@ -110,8 +110,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from cpcompose import CommMeter, cp_attention, cp_shard  # noqa: E402
 from cpcompose.attention import STRATEGIES  # noqa: E402
-from cpcompose.attention.heads import query_head_ranges  # noqa: E402
-from cpcompose.attention.blocks import BlockTask, MaskSpec, plan  # noqa: E402
+from cpcompose.attention.local.heads import query_head_ranges  # noqa: E402
+from cpcompose.attention.local.blocks import BlockTask, MaskSpec, plan  # noqa: E402
 from cpcompose.data import long_tailed_lengths  # noqa: E402
 from cpcompose.layouts import LAYOUTS, Layout, PackedLayout, resolve_layout  # noqa: E402
 from cpcompose.sharding.packed import pad_pack  # noqa: E402

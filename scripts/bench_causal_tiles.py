@@ -8,7 +8,7 @@ merged through their LSE and with the gradients added, as `forward_blocks` /
 visible pair of a whole causal block against a full n x n block: the CPU kernel
 skips masked work only in whole tiles of up to 512 keys, so a causal block of
 n <= 512 costs as much as a full one. Best of `--repeats` (the fastest run is the
-one least disturbed by the machine's other load). `cpcompose.attention.cpu_tiles`
+one least disturbed by the machine's other load). `cpcompose.attention.local.cpu_tiles`
 takes its tile-size rule from this table.
 """
 
@@ -27,10 +27,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from cpcompose.attention.blocks import BlockTask  # noqa: E402
-from cpcompose.attention.cpu_tiles import tile_causal, tile_rows  # noqa: E402
-from cpcompose.attention.kernels import attention_backward, attention_forward  # noqa: E402
-from cpcompose.attention.merge import SoftmaxAccumulator  # noqa: E402
+from cpcompose.attention.local.blocks import BlockTask  # noqa: E402
+from cpcompose.attention.local.cpu_tiles import tile_causal, tile_rows  # noqa: E402
+from cpcompose.attention.local.kernels import attention_backward, attention_forward  # noqa: E402
+from cpcompose.attention.local.merge import SoftmaxAccumulator  # noqa: E402
 
 H, HKV, D = 8, 2, 64
 TILES = (32, 64, 128, 256)

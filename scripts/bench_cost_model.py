@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cpcompose import CommMeter, cp_attention, cp_shard
 from cpcompose.attention import STRATEGIES
-from cpcompose.attention.blocks import MaskSpec
+from cpcompose.attention.local.blocks import MaskSpec
 from cpcompose.data import long_tailed_lengths
 from cpcompose.layouts import Layout, PackedLayout, resolve_layout
 from cpcompose.sharding.packed import pad_pack

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from cpcompose import _compat
-from cpcompose.attention.kernels import attention_backward, attention_forward
+from cpcompose.attention.local.kernels import attention_backward, attention_forward
 
 SHAPES = [(8, 2, 64), (32, 8, 128)]  # (H, Hkv, D): the attention benchmark's, and a Llama-3-8B layer's
 

@@ -14,7 +14,7 @@ Method. Three measurements, all on the CPU, medians of `--repeats`:
 2. Decision per call, virtual ranks: the host work `cp_attention` does before any
    K/V moves when the call is the expected one: local checks, the signature, the
    agreement-history lookup, the setup. Measured by timing `decide()` below, which
-   calls the same functions as `cpcompose.attention.checks.checked_call`, on tiny CPU tensors.
+   calls the same functions as `cpcompose.attention.call.orchestrate.checked_call`, on tiny CPU tensors.
 3. End to end, 2 real ranks (forked, gloo, one thread each): `cp_attention` forward on
    tiny shards (B=1, H=2, 64 tokens per rank, D=16), ring, `validate="first_call"`
    (steady state: no agreement) against `validate="every_call"` (the blocking
@@ -44,15 +44,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cpcompose.attention import checks
-from cpcompose.attention.call_setup import AttentionSetup
-from cpcompose.attention.kernels import KernelArgs, select_backend
+from cpcompose.attention.call import orchestrate as checks
+from cpcompose.attention.local.call_setup import AttentionSetup
+from cpcompose.attention.local.kernels import KernelArgs, select_backend
 from cpcompose.layouts import resolve_layout
 from cpcompose.agreement import AgreementCache
-from cpcompose.attention.blocks import MaskSpec
-from cpcompose.attention.options import CPOptions
-from cpcompose.attention.ring_loop import ring_round
-from cpcompose.attention.plans import cached_plan
+from cpcompose.attention.local.blocks import MaskSpec
+from cpcompose.attention.call.options import CPOptions
+from cpcompose.attention.strategies.ring_loop import ring_round
+from cpcompose.attention.local.plans import cached_plan
 from cpcompose.data.documents import long_tailed_lengths
 from cpcompose.layouts import Layout, PackedLayout, ZigzagLayout
 

@@ -47,11 +47,11 @@ import torch.multiprocessing as tmp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cpcompose.attention.blocks import BlockTask
-from cpcompose.attention.execute import backward_blocks, forward_blocks
-from cpcompose.attention.kernels import KernelArgs
-from cpcompose.attention.kernels import attention_backward, attention_forward
-from cpcompose.attention.merge import SoftmaxAccumulator
+from cpcompose.attention.local.blocks import BlockTask
+from cpcompose.attention.local.execute import backward_blocks, forward_blocks
+from cpcompose.attention.local.kernels import KernelArgs
+from cpcompose.attention.local.kernels import attention_backward, attention_forward
+from cpcompose.attention.local.merge import SoftmaxAccumulator
 from cpcompose.attention.cost import INTER, INTRA, Calibration, Link
 
 H, HKV, D = 8, 2, 64

@@ -26,12 +26,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cpcompose.attention.blocks import MaskSpec
+from cpcompose.attention.local.blocks import MaskSpec
 from cpcompose.data import long_tailed_lengths
 from cpcompose.layouts import Layout, PackedLayout, resolve_layout
-from cpcompose.attention.choose import Choice, choose_strategy
+from cpcompose.attention.call.choose import Choice, choose_strategy
 from cpcompose.attention.cost import H100_CLUSTER, AttentionCall, Topology, predict
-from cpcompose.attention.registry import STRATEGIES
+from cpcompose.attention.strategies.registry import STRATEGIES
 
 MODELS = {"Llama-3-8B": (32, 8, 128), "Llama-3-70B": (64, 8, 128)}
 LOCK = Path("/work/BENCH_LOCK")

@@ -1,9 +1,10 @@
-"""Context-parallel attention: kernels, block planning, the strategies (ring, all-gather, all-to-all, 2-D)
-and their cost model."""
+"""Context-parallel attention, in four rooms, bottom to top: `local/` (kernels, block planning, the
+softmax merge), `cost/` (the cost model), `strategies/` (ring, all-gather, all-to-all, 2-D, indexer-selected
+rows) and `call/` (options, checks and agreement, the automatic choice, the entry points)."""
 
-from cpcompose.attention.api import cp_attention
-from cpcompose.attention.op import CPContext
-from cpcompose.attention.options import CPOptions
-from cpcompose.attention.registry import STRATEGIES
+from cpcompose.attention.call.api import cp_attention
+from cpcompose.attention.call.op import CPContext
+from cpcompose.attention.call.options import CPOptions
+from cpcompose.attention.strategies.registry import STRATEGIES
 
 __all__ = ["CPContext", "CPOptions", "STRATEGIES", "cp_attention"]

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Literal
 
 from cpcompose.attention.cost.calibration import Calibration
-from cpcompose.attention.options import CPOptions, StrategyChoice, Validate
+from cpcompose.attention.call.options import CPOptions, StrategyChoice, Validate
 from cpcompose.comm import CommMeter
 from cpcompose.layouts import DEFAULT_LAYOUT
 

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
-from cpcompose.attention.options import CPOptions, StrategyChoice
+from cpcompose.attention.call.options import CPOptions, StrategyChoice
 from cpcompose.comm import CPGroup
 from cpcompose.layouts import Layout, resolve_layout
 from cpcompose.layouts.packed import BALANCES

@@ -1,6 +1,6 @@
 """Grouped: a layout seen through blocks of consecutive ranks, one "rank" per block.
 
-The 2-D strategy (`cpcompose.attention.alltoall_ring`) trades heads for sequence inside
+The 2-D strategy (`cpcompose.attention.strategies.alltoall_ring`) trades heads for sequence inside
 blocks of `size` consecutive CP ranks; afterwards each rank of block g holds, for
 its heads, the tokens of every member of block g. That union is itself a split of
 the sequence over `world / size` blocks, so it is a `Layout`: the ring across

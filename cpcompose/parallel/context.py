@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
-from cpcompose.attention.options import CPOptions
+from cpcompose.attention.call.options import CPOptions
 from cpcompose.comm import CPGroup
 from cpcompose.layouts import LayoutSpec, layout_error, resolve_layout
 from cpcompose.parallel.dispatch import CPAttentionMode

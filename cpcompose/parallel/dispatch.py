@@ -33,9 +33,9 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.overrides import TorchFunctionMode
 
 from cpcompose import _compat
-from cpcompose.attention.api import attend
-from cpcompose.attention.op import CPContext, compiled_attention
-from cpcompose.attention.options import CPOptions
+from cpcompose.attention.call.api import attend
+from cpcompose.attention.call.op import CPContext, compiled_attention
+from cpcompose.attention.call.options import CPOptions
 from cpcompose.comm import CPGroup
 from cpcompose.sharding.dtensor import cp_dim_name, split_mismatch
 from cpcompose.layouts import Layout, resolve_layout
@@ -57,7 +57,7 @@ class CPAttentionMode(TorchFunctionMode):
 
     `routed` counts the calls it routed, so a region can tell whether any attention ran through CP.
     Under `torch.compile` the calls go through the `cpcompose::attention` custom op with
-    `context` (see `cpcompose.attention.op`); a mode entered inside compiled code (by a
+    `context` (see `cpcompose.attention.call.op`); a mode entered inside compiled code (by a
     style's hook) must be given its owner's context, since dynamo cannot create one.
     """
 

@@ -10,8 +10,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
-from cpcompose.attention.op import CPContext
-from cpcompose.attention.options import CPOptions
+from cpcompose.attention.call.op import CPContext
+from cpcompose.attention.call.options import CPOptions
 from cpcompose.sharding.dtensor import split_mismatch
 from cpcompose.layouts import LayoutSpec
 from cpcompose.parallel.dispatch import CPAttentionMode
@@ -72,7 +72,7 @@ class ContextParallel(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         active: list[tuple[CPAttentionMode, DTensor | None]] = []  # re-entrant (recursion, recompute)
         # Made here, outside any compiled code, and kept as long as the hooks: the compiled
-        # route hands it to the custom op by reference (see cpcompose.attention.op).
+        # route hands it to the custom op by reference (see cpcompose.attention.call.op).
         context = CPContext(device_mesh, self.current_options)
 
         def enter(_module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from cpcompose.attention.options import CPOptions
+from cpcompose.attention.call.options import CPOptions
 from cpcompose.comm import CPGroup, all_gather
 from cpcompose.layouts import Layout, resolve_layout
 from cpcompose.parallel.context import context_parallel

@@ -35,11 +35,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cpcompose.attention.blocks import MaskSpec
-from cpcompose.attention.choose import candidates
+from cpcompose.attention.local.blocks import MaskSpec
+from cpcompose.attention.call.choose import candidates
 from cpcompose.attention.cost import AttentionCall, default_calibration
 from cpcompose.attention.cost.calibration import Calibration
-from cpcompose.attention.registry import STRATEGIES
+from cpcompose.attention.strategies.registry import STRATEGIES
 from cpcompose.config import JobConfig
 from cpcompose.distributed import ParallelDims
 from cpcompose.layouts import resolve_layout

@@ -15,8 +15,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from cpcompose import PackedLayout, cp_attention
 from cpcompose.agreement.expected import AgreementCache, agreement_cache
-from cpcompose.attention.blocks import MaskSpec, needed_rows, plan
-from cpcompose.attention.call_setup import GLOBAL, cached_plan
+from cpcompose.attention.local.blocks import MaskSpec, needed_rows, plan
+from cpcompose.attention.local.call_setup import GLOBAL, cached_plan
 from cpcompose.layouts import ZigzagLayout
 from tests.support.attention_cases import Case, run_cp
 

@@ -18,11 +18,11 @@ import pytest
 import torch
 
 from cpcompose import CommMeter, cp_attention, cp_shard
-from cpcompose.attention.blocks import MaskSpec
+from cpcompose.attention.local.blocks import MaskSpec
 from cpcompose.layouts import resolve_layout
 import dataclasses
 
-from cpcompose.attention.choose import choose_strategy
+from cpcompose.attention.call.choose import choose_strategy
 from cpcompose.attention.cost import CPU_DEFAULT, H100_CLUSTER, INTER, INTRA, AttentionCall, Link, Topology
 from tests.support.attention_cases import Case, assert_matches_single_process, make_inputs
 
@@ -97,7 +97,7 @@ def test_one_rank_with_another_calibration_raises_everywhere(pools) -> None:
 
 def test_the_choice_is_logged_once_per_signature(caplog) -> None:
     """One line per new call signature on CP rank 0 (here a one-rank group: world 1 is refused, so pure)."""
-    from cpcompose.attention import auto
+    from cpcompose.attention.call import auto
 
     case = Case("auto", "zigzag", True, 8, 2, 2, seq=96)
     layout = resolve_layout("zigzag", 2)

@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cpcompose.attention.blocks import MaskSpec, plan
-from cpcompose.attention.kernels import Band, attention_backward, attention_forward
-from cpcompose.attention.merge import SoftmaxAccumulator
+from cpcompose.attention.local.blocks import MaskSpec, plan
+from cpcompose.attention.local.kernels import Band, attention_backward, attention_forward
+from cpcompose.attention.local.merge import SoftmaxAccumulator
 from cpcompose.layouts import Run
 
 
@@ -64,7 +64,7 @@ def _wanted(q_runs, kv_runs, mask: MaskSpec) -> torch.Tensor:
 @pytest.mark.parametrize("name", sorted(RUN_CASES))
 @pytest.mark.parametrize("mask", list(MASKS.values()), ids=list(MASKS))
 def test_plan_covers_exactly_the_visible_pairs(name: str, mask: MaskSpec, monkeypatch) -> None:
-    import cpcompose.attention.blocks as blocks
+    import cpcompose.attention.local.blocks as blocks
 
     monkeypatch.setattr(blocks, "BAND_TILE", 4)  # exercise tiling on small cases
     q_runs, kv_runs = RUN_CASES[name]
@@ -80,7 +80,7 @@ def test_plan_never_computes_a_fully_masked_row_or_key(mask: MaskSpec, monkeypat
     The CPU kernel returns lse=0 (not -inf) for a fully masked row, which would
     corrupt the merge; a key nobody sees would be sent and computed for nothing.
     """
-    import cpcompose.attention.blocks as blocks
+    import cpcompose.attention.local.blocks as blocks
 
     monkeypatch.setattr(blocks, "BAND_TILE", 4)
     g = torch.Generator().manual_seed(0)
@@ -156,7 +156,7 @@ def test_explicit_kernel_matches_float64_definition(softcap, masking: str, monke
     float64 inputs are computed in float64, so agreement is to rounding (1e-10);
     the tiny tile size makes several row tiles, as long key blocks would.
     """
-    import cpcompose.attention.explicit as explicit
+    import cpcompose.attention.local.explicit as explicit
 
     monkeypatch.setattr(explicit, "TILE_ELEMENTS", 2 * 6 * 23 * 3)  # 3 query rows per tile
     g = torch.Generator().manual_seed(2)

@@ -55,8 +55,8 @@ def test_allgather_volume(pools, world: int) -> None:
 def test_allgather_sends_only_the_rows_others_read(pools, world: int) -> None:
     """Under a causal sliding window most of a shard is read by nobody else: the all-gather carries the
     rows some peer reads, packed and padded to the most any rank has, both passes and the gradients."""
-    from cpcompose.attention.blocks import MaskSpec
-    from cpcompose.attention.plans import gathered_rows, gathered_width
+    from cpcompose.attention.local.blocks import MaskSpec
+    from cpcompose.attention.local.plans import gathered_rows, gathered_width
     from cpcompose.layouts import resolve_layout
 
     case = Case("allgather", "zigzag", True, 8, 2, world, seq=48 * world, window=(9, 0))
@@ -186,8 +186,8 @@ def test_twod_closed_form_equals_the_planner(layout: str) -> None:
 def test_allgather_carries_whole_shards_above_the_planning_limit() -> None:
     """Finding the rows others read plans every pair of ranks; above COMPACT_GATHER_MAX_WORLD every row travels
     (whole shards, plans unchanged), as in Llama 3's all-gather, so a new packed layout never costs P^2 plans."""
-    from cpcompose.attention import plans as setup
-    from cpcompose.attention.blocks import MaskSpec
+    from cpcompose.attention.local import plans as setup
+    from cpcompose.attention.local.blocks import MaskSpec
     from cpcompose.layouts import resolve_layout
 
     mask = MaskSpec(True, 9, 0)

@@ -21,16 +21,16 @@ from pathlib import Path
 
 import pytest
 
-from cpcompose.attention import cpu_tiles
-from cpcompose.attention.blocks import BlockTask, MaskSpec, split_work
-from cpcompose.attention.choose import candidates, choose_strategy
+from cpcompose.attention.local import cpu_tiles
+from cpcompose.attention.local.blocks import BlockTask, MaskSpec, split_work
+from cpcompose.attention.call.choose import candidates, choose_strategy
 from cpcompose.attention.cost import CPU_DEFAULT, H100_CLUSTER, AttentionCall, Calibration, StrategyCost, Topology
 from cpcompose.attention.cost import predict as predict_record
 from cpcompose.attention.cost.calibration import INTER, INTRA, Link
 from cpcompose.attention.cost.model import kernel_calls, task_costs
 from cpcompose.attention.cost.traffic import block_plan
-from cpcompose.attention.plans import cached_halves, cached_plan
-from cpcompose.attention.registry import STRATEGIES
+from cpcompose.attention.local.plans import cached_halves, cached_plan
+from cpcompose.attention.strategies.registry import STRATEGIES
 from cpcompose.layouts import PackedLayout, resolve_layout
 from tests.support.attention_cases import Case, run_cp
 from tests.support.packed_cases import PackedCase, run_packed
@@ -125,7 +125,7 @@ def test_choice_is_deterministic_and_complete() -> None:
 
 def test_ties_go_to_the_earlier_candidate(monkeypatch) -> None:
     """Equal predictions: the fixed candidate order decides, whatever order the caller lists them in."""
-    from cpcompose.attention import choose
+    from cpcompose.attention.call import choose
 
     def same(call, strategy, topology, calibration, alltoall_size=None, backward=True):
         return StrategyCost(strategy.name, alltoall_size, 1.0, 1.0, (), (), 0, 0)
@@ -139,9 +139,9 @@ def test_ties_go_to_the_earlier_candidate(monkeypatch) -> None:
 
 _CHILD = """
 import json, sys
-from cpcompose.attention.blocks import MaskSpec
+from cpcompose.attention.local.blocks import MaskSpec
 from cpcompose.layouts import resolve_layout
-from cpcompose.attention.choose import choose_strategy
+from cpcompose.attention.call.choose import choose_strategy
 from cpcompose.attention.cost import H100_CLUSTER, CPU_DEFAULT, AttentionCall, Topology
 call = AttentionCall(1, 32, 8, 128, 1 << 17, resolve_layout("zigzag", 16), MaskSpec(True), dtype="bfloat16")
 c = choose_strategy(call, Topology(8), H100_CLUSTER, 16)
@@ -267,7 +267,7 @@ def test_band_weights_count_the_visible_pairs() -> None:
     side bounded or not, bands that miss the block included."""
     import random
 
-    from cpcompose.attention.kernels import UNBOUNDED, Band
+    from cpcompose.attention.local.kernels import UNBOUNDED, Band
 
     rng = random.Random(0)
     for _ in range(2000):

@@ -16,11 +16,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cpcompose.attention import cpu_tiles
-from cpcompose.attention.blocks import NO_WINDOW, BlockTask, split_work
-from cpcompose.attention.execute import backward_blocks, forward_blocks
-from cpcompose.attention.kernels import KernelArgs
-from cpcompose.attention.merge import SoftmaxAccumulator
+from cpcompose.attention.local import cpu_tiles
+from cpcompose.attention.local.blocks import NO_WINDOW, BlockTask, split_work
+from cpcompose.attention.local.execute import backward_blocks, forward_blocks
+from cpcompose.attention.local.kernels import KernelArgs
+from cpcompose.attention.local.merge import SoftmaxAccumulator
 
 
 def _coverage(tasks, nq: int, nk: int) -> torch.Tensor:

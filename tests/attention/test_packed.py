@@ -15,7 +15,7 @@ import statistics
 import pytest
 import torch
 
-from cpcompose.attention.blocks import MaskSpec, plan
+from cpcompose.attention.local.blocks import MaskSpec, plan
 from cpcompose.data import long_tailed_lengths
 from cpcompose.layouts import PackedLayout
 from tests.support.packed_cases import PackedCase, reference, run_packed, unshard
@@ -164,8 +164,8 @@ def test_documents_make_the_allgather_send_less(pools, causal: bool) -> None:
     """All-gather carries only the rows another rank reads, padded to the widest rank's: on a long-tailed pack a
     causal rank's late pieces are read by nobody else, and when every document lies within one rank nothing is
     gathered at all. Exact in every case."""
-    from cpcompose.attention.blocks import MaskSpec
-    from cpcompose.attention.call_setup import gathered_width
+    from cpcompose.attention.local.blocks import MaskSpec
+    from cpcompose.attention.local.call_setup import gathered_width
     from cpcompose.data import long_tailed_lengths
 
     pack = PackedCase("allgather", tuple(long_tailed_lengths(2048, 0)), causal, None, 4, 2, 2)  # 17 documents

@@ -203,7 +203,7 @@ def test_cuda_longer_sequence(pools) -> None:
 
 def fused_routes(mesh) -> dict:
     """Where "cuda_fused" sends a small and a large plain block on this GPU."""
-    from cpcompose.attention import kernels
+    from cpcompose.attention.local import kernels
 
     def route(heads: int, n: int, dim: int) -> str:
         q = torch.empty(1, heads, n, dim, device="cuda", dtype=torch.bfloat16)

@@ -17,11 +17,11 @@ import itertools
 import pytest
 import torch
 
-from cpcompose.attention import execute, kernels, varlen
-from cpcompose.attention.blocks import MaskSpec, plan
-from cpcompose.attention.execute import backward_blocks, forward_blocks
-from cpcompose.attention.kernels import KernelArgs
-from cpcompose.attention.merge import SoftmaxAccumulator
+from cpcompose.attention.local import execute, kernels, varlen
+from cpcompose.attention.local.blocks import MaskSpec, plan
+from cpcompose.attention.local.execute import backward_blocks, forward_blocks
+from cpcompose.attention.local.kernels import KernelArgs
+from cpcompose.attention.local.merge import SoftmaxAccumulator
 from cpcompose.layouts import PackedLayout
 
 

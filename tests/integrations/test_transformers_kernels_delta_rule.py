@@ -31,7 +31,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cpcompose.attention.options import CPOptions
+from cpcompose.attention.call.options import CPOptions
 from cpcompose.mixers.fla.delta_rule import (
     cp_chunk_gated_delta_rule, cp_chunk_kimi_delta_attention,
 )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cpcompose.attention.blocks import MaskSpec, plan
+from cpcompose.attention.local.blocks import MaskSpec, plan
 from cpcompose.layouts import resolve_layout
 
 

@@ -7,9 +7,9 @@ mistake in the model and the code alike does not pass unnoticed.
 
 from __future__ import annotations
 
-from cpcompose.attention.blocks import MaskSpec
+from cpcompose.attention.local.blocks import MaskSpec
 from cpcompose.attention.cost.traffic import rows_read
-from cpcompose.attention.heads import kv_head_ranges, query_head_ranges
+from cpcompose.attention.local.heads import kv_head_ranges, query_head_ranges
 from cpcompose.layouts import Layout, resolve_layout
 
 

@@ -81,7 +81,7 @@ class Calibration:
             (CPU cores here); None: every rank has its own device.
         executor: what runs the calls, where cpcompose runs them differently:
             "cpu_gloo": PyTorch's CPU flash kernel, on which every causal block of more
-            than 256 rows runs as row tiles (`cpcompose.attention.cpu_tiles`), with gloo
+            than 256 rows runs as row tiles (`cpcompose.attention.local.cpu_tiles`), with gloo
             collectives (the gradients' reduce-scatter runs as an all-to-all and a
             local sum, `cpcompose.comm.start_reduce_scatter`); "cuda_nccl" (default):
             CUDA kernels, one call per block, and NCCL's ring reduce-scatter.

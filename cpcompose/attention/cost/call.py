@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cpcompose.attention.blocks import MaskSpec
+from cpcompose.attention.local.blocks import MaskSpec
 from cpcompose.layouts import Layout
 
 __all__ = ["AttentionCall"]
@@ -33,7 +33,7 @@ class AttentionCall:
         v_head_dim: V's head dim (MLA may differ); None = head_dim.
         seq_len: global sequence length L (after padding, for a pack).
         layout: the `Layout` the shards were cut by (its `world` is the CP group size).
-        mask: causal or not, and the window (`cpcompose.attention.blocks.MaskSpec`).
+        mask: causal or not, and the window (`cpcompose.attention.local.blocks.MaskSpec`).
         dtype: of q, k, v (a torch dtype or its name; stored as the name).
         need_lse: the caller asked for the LSE (all-to-all then sends it home too).
     """

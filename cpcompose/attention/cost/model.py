@@ -13,7 +13,7 @@ at the next collective or ring round):
   its diagonal tiles (`causal_tile`: the kernel skips whole tiles only). The tasks
   are the calls the executor runs (`kernel_calls`): on PyTorch's CPU kernel
   (`Calibration.executor` "cpu_gloo") every causal block of more than 256 rows runs
-  as the row tiles of `cpcompose.attention.cpu_tiles`, each costed as a call of its
+  as the row tiles of `cpcompose.attention.local.cpu_tiles`, each costed as a call of its
   own, except all-to-all's single whole-sequence call (`blocks.one_kernel_call`).
   When more ranks share a node than it has compute slots (CPU cores here), compute
   slows by that ratio, and so does communication (gloo's loopback transport runs on
@@ -61,8 +61,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from cpcompose.attention import cpu_tiles
-from cpcompose.attention.blocks import BlockTask, one_kernel_call, split_work
+from cpcompose.attention.local import cpu_tiles
+from cpcompose.attention.local.blocks import BlockTask, one_kernel_call, split_work
 from cpcompose.attention.cost.calibration import INTER, INTRA, LEVELS, Calibration, Topology
 from cpcompose.attention.cost.call import AttentionCall
 from cpcompose.attention.cost.traffic import (
@@ -75,7 +75,7 @@ from cpcompose.attention.cost.traffic import (
     ring_family_work,
     rows_read,
 )
-from cpcompose.attention.plans import gathered_width
+from cpcompose.attention.local.plans import gathered_width
 
 __all__ = [
     "GATHER", "RING_FAMILY", "CostModel", "Modelled", "StrategyCost", "bytes_sent", "kernel_calls", "predict",
@@ -207,7 +207,7 @@ class CostModel:
 
 
 class Modelled(Protocol):
-    """What the cost model reads of a strategy's record (`cpcompose.attention.strategy.Strategy`)."""
+    """What the cost model reads of a strategy's record (`cpcompose.attention.strategies.strategy.Strategy`)."""
 
     name: str
     cost: CostModel

@@ -23,7 +23,7 @@ bytes, as `cpcompose.comm.CommMeter` counts them:
 
 A `Transfer` is one piece of that: which pass, which ring round (or a collective),
 to which peer, how many bytes and messages. A strategy's record
-(`cpcompose.attention.strategy.Strategy`) names its family's functions here.
+(`cpcompose.attention.strategies.strategy.Strategy`) names its family's functions here.
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from cpcompose.attention.blocks import BlockTask, MaskSpec, needed_rows, plan
-from cpcompose.attention.heads import kv_head_ranges, query_head_ranges
-from cpcompose.attention.plans import gathered_width
+from cpcompose.attention.local.blocks import BlockTask, MaskSpec, needed_rows, plan
+from cpcompose.attention.local.heads import kv_head_ranges, query_head_ranges
+from cpcompose.attention.local.plans import gathered_width
 from cpcompose.layouts import Layout, Run
 from cpcompose.layouts.grouped import grouped
 from cpcompose.attention.cost.call import AttentionCall

@@ -33,6 +33,7 @@ from cpcompose.integrations.transformers.batch import (
 )
 from cpcompose.integrations.transformers.context_length import SCALED_ROPE_TYPES, extend_context
 from cpcompose.integrations.transformers.head import HEADS, CausalLMHead, causal_lm_head
+from cpcompose.integrations.transformers.indexer import INDEXERS, install_indexers, routed_indexers
 from cpcompose.integrations.transformers.kernels import install, refused_in
 from cpcompose.integrations.transformers.probe import install_first_use_probe, verify
 from cpcompose.integrations.transformers.weights import (
@@ -47,11 +48,13 @@ from cpcompose.integrations.transformers.weights import (
 )
 
 install()
+install_indexers()
 install_first_use_probe()
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
     "HEADS",
+    "INDEXERS",
     "SCALED_ROPE_TYPES",
     "CausalLMHead",
     "PackedBatch",
@@ -69,6 +72,7 @@ __all__ = [
     "pack_batch",
     "read_checkpoint_index",
     "refused_in",
+    "routed_indexers",
     "save_pretrained_weights",
     "shift_labels",
     "verify",

@@ -45,7 +45,9 @@ except ImportError as e:  # an optional dependency: say which extra brings it
     ) from e
 
 from cpcompose import _compat
+from cpcompose.attention.call.selected import attend_selected
 from cpcompose.comm import CPGroup
+from cpcompose.integrations.transformers.indexer import INDEXED_FAMILIES
 from cpcompose.layouts import Layout, PackedLayout
 from cpcompose.parallel.dispatch import CPAttentionMode, active_cp_region
 
@@ -65,6 +67,7 @@ OWN_ATTENTION = {
 
 _UNDER_CP_ATTR = "_cpcompose_forward_under_cp"  # set on attention modules by each forward
 _REFUSAL_ATTR = "_cpcompose_refusal"  # set on the marker mask the hook returns for what CP cannot honour
+_NO_MASK_ATTR = "_cpcompose_no_mask"  # set on the marker that stands for "no mask" where a model slices its mask
 _FLASH_VARLEN_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
 
@@ -109,11 +112,24 @@ def cpcompose_mask(*args: Any, **kwargs: Any) -> Tensor | None:
     elif isinstance(padding, Tensor):
         reason = _padding_refusal(padding, region.full_buffer(padding), kwargs.get("mask_function"))
         if reason is None:
-            return None
+            return _no_mask(kwargs)
     else:
-        return None
+        return _no_mask(kwargs)
     marker = torch.zeros(1, 1, 1, 1, dtype=torch.bool, device=kwargs.get("device", "cpu"))
     setattr(marker, _REFUSAL_ATTR, reason)
+    return marker
+
+
+def _no_mask(kwargs: dict[str, Any]) -> Tensor | None:
+    """None, or for a DSA family (whose attention slices its mask for the indexer) a marker meaning "no mask".
+
+    The indexer itself is given the global row's mask (`indexer.py`); the attention reads the layout.
+    """
+    family = type(kwargs.get("config")).__module__.split(".")
+    if len(family) < 3 or family[2] not in INDEXED_FAMILIES:
+        return None
+    marker = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=kwargs.get("device", "cpu"))
+    setattr(marker, _NO_MASK_ATTR, True)
     return marker
 
 
@@ -185,6 +201,7 @@ def cpcompose_attention_forward(
     Raises:
         ValueError: on every CP rank, before any K/V moves, naming what cannot be honoured.
     """
+    indices = kwargs.pop("indices", None)  # DSA's top-k key positions per query (an indexer's choice), or None
     region = active_cp_region()
     if region is None and _compat.in_backward() and getattr(module, _UNDER_CP_ATTR, False):
         raise ValueError(
@@ -195,6 +212,8 @@ def cpcompose_attention_forward(
     if not _compat.in_backward():
         setattr(module, _UNDER_CP_ATTR, region is not None)  # what a recomputation of this call must reproduce
     if region is None:
+        if isinstance(indices, Tensor):
+            attention_mask = _selected_mask(attention_mask, indices, query, key, module, is_causal)
         return _single_process(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, softcap=softcap,
             is_causal=is_causal, **kwargs,
@@ -208,6 +227,16 @@ def cpcompose_attention_forward(
     )
     if error:
         error = f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}): {error}"
+    if isinstance(indices, Tensor):  # indexer-selected attention: only the selected rows move
+        if error is None and (softcap is not None or sliding_window is not None):
+            error = (f"{type(module).__name__}: indexer-selected attention with a softcap or a sliding window "
+                     "is not supported under CP")
+        region.routed += 1
+        sinks = kwargs.get("s_aux")
+        out = attend_selected(query, key, value, indices, mesh=region.mesh, is_causal=causal, scale=scaling,
+                              options=region.options, caller_error=error,
+                              sinks=sinks if isinstance(sinks, Tensor) and not error else None)
+        return out.transpose(1, 2).contiguous(), None
     sinks = kwargs.get("s_aux")  # gpt-oss's attention sinks: one logit per head, joining every row's softmax
     out = region.attend(query, key, value, is_causal=causal, scale=scaling, softcap=softcap, caller_error=error,
                         sinks=sinks if isinstance(sinks, Tensor) and not error else None,
@@ -216,7 +245,7 @@ def cpcompose_attention_forward(
 
 
 def _mask_refusal(attention_mask: object) -> str | None:
-    if attention_mask is None:
+    if attention_mask is None or getattr(attention_mask, _NO_MASK_ATTR, False):
         return None
     reason = getattr(attention_mask, _REFUSAL_ATTR, None)
     if reason:
@@ -295,6 +324,20 @@ def _non_padding(layout: Layout, rank: int, device: torch.device) -> Tensor:
     if not isinstance(layout, PackedLayout) or not layout.pad:
         return torch.ones((), dtype=torch.bool, device=device)
     return layout.local_indices(rank, device=device) < layout.seq_len - layout.pad
+
+
+def _selected_mask(attention_mask: Tensor | None, indices: Tensor, query: Tensor, key: Tensor, module: nn.Module,
+                   is_causal: bool | None) -> Tensor:
+    """transformers' mask (causal if none) narrowed to each query's selected keys, as its eager/sdpa paths do."""
+    selected = torch.zeros(indices.shape[0], 1, query.shape[2], key.shape[2], dtype=torch.bool, device=query.device)
+    selected.scatter_(-1, indices.long().unsqueeze(1), True)
+    if attention_mask is None:
+        causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+        ones = torch.ones(query.shape[2], key.shape[2], dtype=torch.bool, device=query.device)
+        attention_mask = ones.tril() if causal else ones
+    if attention_mask.dtype != torch.bool:  # an additive float mask: 0 where a key is visible
+        attention_mask = attention_mask == 0
+    return attention_mask & selected
 
 
 def _single_process(

@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
 from cpcompose import _compat
-from cpcompose.attention.options import CPOptions
+from cpcompose.attention.call.options import CPOptions
 from cpcompose.comm import CPGroup
 from cpcompose.integrations.transformers.kernels import refused_in
 from cpcompose.parallel.dispatch import active_cp_region

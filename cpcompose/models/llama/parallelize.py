@@ -23,7 +23,7 @@ in torchtitan, is:
    recompute communicates too. With ``offload_activations``, the inputs each block
    keeps wait in pinned host memory (CUDA only; nothing changes on the CPU).
 5. **Compile** (optional): each block whole, with ``fullgraph=True``: CP attention
-   is one opaque custom op in the graph (``cpcompose.attention.op``). With
+   is one opaque custom op in the graph (``cpcompose.attention.call.op``). With
    activation checkpointing, each block's parts instead, inside the checkpoint
    (dynamo may not enter the CP mode inside a traced checkpoint).
 6. **FSDP2** (``dp_replicate * dp_shard * cp > 1``, unless ``fsdp=False``): one

@@ -57,6 +57,18 @@ REFUSED: Mapping[str, str] = MappingProxyType({
         "indexer would see only this rank's tokens, and CP attention takes no per-query sparse mask. Qwen4-Exp with "
         "indexed_attention layers is not supported under CP (its Gated DeltaNet and PLE layers are)"
     ),
+    "transformers.models.deepseek_v4.modeling_deepseek_v4.DeepseekV4Attention": (
+        "its compressors pool windows of earlier tokens' K/V into compressed entries (HCA/CSA) and its indexer "
+        "keeps each query's top-k of those entries; under CP the compressors and the indexer would see only this "
+        "rank's tokens, and cpcompose's selected attention reads per-token rows (DeepSeek-V3.2's DSA), not pooled "
+        "entries. DeepSeek-V4 is not supported under CP"
+    ),
+    "transformers.models.minimax_m3_vl.modeling_minimax_m3_vl.MiniMaxM3VLAttention": (
+        "its indexer scores mean-pooled key blocks and keeps each query's top-k blocks plus its local blocks "
+        "(block_indices= to the attention); under CP the indexer would see only this rank's tokens, and "
+        "cpcompose's selected attention takes per-token indices (DeepSeek-V3.2's DSA), not blocks. MiniMax-M3-VL "
+        "is not supported under CP"
+    ),
     "transformers.models.inkling.modeling_inkling.InklingAttention": (
         "it adds a relative position bias computed from each query's hidden state (over backward distances up to "
         "rel_extent) to its scores, and counts the positions of that bias and of its log-scaling of queries from "

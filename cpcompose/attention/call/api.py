@@ -8,10 +8,10 @@ import torch
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
-from cpcompose.attention.checks import checked_call
-from cpcompose.attention.op import CPContext, compiled_attention
-from cpcompose.attention.options import CPOptions
-from cpcompose.attention.registry import STRATEGIES
+from cpcompose.attention.call.orchestrate import checked_call
+from cpcompose.attention.call.op import CPContext, compiled_attention
+from cpcompose.attention.call.options import CPOptions
+from cpcompose.attention.strategies.registry import STRATEGIES
 
 __all__ = ["attend", "cp_attention"]
 
@@ -49,7 +49,7 @@ def cp_attention(
             parameter's: `allreduce_gradients` or FSDP over the CP mesh do).
         **overrides: any `CPOptions` field by name, e.g. `strategy="alltoall"`,
             `strategy="alltoall_ring", alltoall_size=2` (2-D), `strategy="auto"` (the
-            cost model picks per call signature, `cpcompose.attention.auto`),
+            cost model picks per call signature, `cpcompose.attention.call.auto`),
             `layout=shard.layout` (a `PackedLayout` for packed documents: the very
             object the shards were cut by), `window_size=512` (causal) or
             `window_size=(left, right)` (bidirectional local attention).

@@ -20,13 +20,13 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 from cpcompose.attention.cost.calibration import Calibration, Topology
-from cpcompose.attention.registry import STRATEGIES, STRATEGY_NAMES
+from cpcompose.attention.strategies.registry import STRATEGIES, STRATEGY_NAMES
 from cpcompose.comm import CommMeter
 from cpcompose.layouts import LayoutSpec, layout_error
 
 __all__ = ["AUTO", "CHOICES", "VALIDATE_MODES", "CPOptions", "OptionProblem", "StrategyChoice", "Validate"]
 
-AUTO = "auto"  # the cost model picks one of the registered strategies per call (`cpcompose.attention.auto`)
+AUTO = "auto"  # the cost model picks one of the registered strategies per call (`cpcompose.attention.call.auto`)
 CHOICES: tuple[str, ...] = (*STRATEGY_NAMES, AUTO)
 StrategyChoice = Literal[CHOICES]  # type: ignore[valid-type]  # the choices, for configs that read Literal types
 Validate = Literal["first_call", "every_call"]

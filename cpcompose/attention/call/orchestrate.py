@@ -19,14 +19,14 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
 from cpcompose.agreement import CallSpec, Signature, agreed_call
-from cpcompose.attention import auto
-from cpcompose.attention.blocks import MaskSpec
-from cpcompose.attention.call_setup import AttentionSetup
-from cpcompose.attention.kernels import KernelArgs, select_backend
-from cpcompose.attention.nonfinite import NONFINITE_V, nonfinite_note, spread_nonfinite
-from cpcompose.attention.options import AUTO, CHOICES, VALIDATE_MODES, CPOptions
-from cpcompose.attention.registry import STRATEGIES
-from cpcompose.attention.strategy import Strategy
+from cpcompose.attention.call import auto
+from cpcompose.attention.local.blocks import MaskSpec
+from cpcompose.attention.local.call_setup import AttentionSetup
+from cpcompose.attention.local.kernels import KernelArgs, select_backend
+from cpcompose.attention.call.nonfinite import NONFINITE_V, nonfinite_note, spread_nonfinite
+from cpcompose.attention.call.options import AUTO, CHOICES, VALIDATE_MODES, CPOptions
+from cpcompose.attention.strategies.registry import STRATEGIES
+from cpcompose.attention.strategies.strategy import Strategy
 from cpcompose.comm import CommMeter, CPGroup
 from cpcompose.layouts import Layout, resolve_layout
 from cpcompose.precision import accumulation_dtype
@@ -55,7 +55,7 @@ def checked_call(
 
     Local checks, then the cross-rank agreement (skipped for a call every rank
     expects, see `cpcompose.agreement`). `run` is the strategy's autograd
-    function (`attend`) or the compiled route's custom op body (`cpcompose.attention.op`);
+    function (`attend`) or the compiled route's custom op body (`cpcompose.attention.call.op`);
     it returns a tuple whose first item is the output (`nonfinite.spread_nonfinite` may
     set NaN in it where a single-process softmax would have them).
 

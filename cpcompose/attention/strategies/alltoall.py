@@ -13,16 +13,16 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from cpcompose.attention.blocks import one_kernel_call
-from cpcompose.attention.call_setup import AttentionSetup, float_zeros
+from cpcompose.attention.local.blocks import one_kernel_call
+from cpcompose.attention.local.call_setup import AttentionSetup, float_zeros
 from cpcompose.attention.cost.model import RING_FAMILY
-from cpcompose.attention.execute import backward_blocks, forward_blocks
-from cpcompose.attention.heads import (
+from cpcompose.attention.local.execute import backward_blocks, forward_blocks
+from cpcompose.attention.local.heads import (
     HeadGroup, HeadPlan, HeadRange, gather_grads, head_plan, heads_to_seq, seq_to_heads,
 )
-from cpcompose.attention.kernels import attention_backward, attention_forward
-from cpcompose.attention.merge import SoftmaxAccumulator, fold_sinks, keep_nan_rows
-from cpcompose.attention.strategy import Strategy
+from cpcompose.attention.local.kernels import attention_backward, attention_forward
+from cpcompose.attention.local.merge import SoftmaxAccumulator, fold_sinks, keep_nan_rows
+from cpcompose.attention.strategies.strategy import Strategy
 
 __all__ = ["ALLTOALL", "AllToAllAttention"]
 

@@ -19,12 +19,12 @@ from typing import NamedTuple, Protocol, Sequence
 import torch
 from torch import Tensor
 
-from cpcompose.attention.blocks import BlockTask, MaskSpec, needed_rows
-from cpcompose.attention.call_setup import float_zeros
-from cpcompose.attention.execute import backward_blocks, forward_blocks
-from cpcompose.attention.kernels import KernelArgs
-from cpcompose.attention.merge import SoftmaxAccumulator
-from cpcompose.attention.plans import PLAN_CACHE_SIZE, cached_halves, cached_plan
+from cpcompose.attention.local.blocks import BlockTask, MaskSpec, needed_rows
+from cpcompose.attention.local.call_setup import float_zeros
+from cpcompose.attention.local.execute import backward_blocks, forward_blocks
+from cpcompose.attention.local.kernels import KernelArgs
+from cpcompose.attention.local.merge import SoftmaxAccumulator
+from cpcompose.attention.local.plans import PLAN_CACHE_SIZE, cached_halves, cached_plan
 from cpcompose.comm import PendingRecv, RingComm
 from cpcompose.layouts import Layout
 

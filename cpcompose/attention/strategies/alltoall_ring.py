@@ -30,12 +30,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from cpcompose.attention.call_setup import AttentionSetup
+from cpcompose.attention.local.call_setup import AttentionSetup
 from cpcompose.attention.cost.model import RING_FAMILY
-from cpcompose.attention.heads import HeadGroup, HeadPlan, gather_grads, head_plan, heads_to_seq, seq_to_heads
-from cpcompose.attention.merge import SoftmaxAccumulator, fold_sinks
-from cpcompose.attention.ring_loop import RingView, Rounds, ring_backward, ring_forward
-from cpcompose.attention.strategy import Strategy
+from cpcompose.attention.local.heads import HeadGroup, HeadPlan, gather_grads, head_plan, heads_to_seq, seq_to_heads
+from cpcompose.attention.local.merge import SoftmaxAccumulator, fold_sinks
+from cpcompose.attention.strategies.ring_loop import RingView, Rounds, ring_backward, ring_forward
+from cpcompose.attention.strategies.strategy import Strategy
 from cpcompose.comm import RingComm
 from cpcompose.layouts.grouped import grouped
 

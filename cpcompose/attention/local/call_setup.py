@@ -7,10 +7,10 @@ from typing import Any
 
 from torch import Tensor
 
-from cpcompose.attention.blocks import BlockTask, MaskSpec
-from cpcompose.attention.kernels import KernelArgs
-from cpcompose.attention.merge import SoftmaxAccumulator, fold_sinks
-from cpcompose.attention.plans import (
+from cpcompose.attention.local.blocks import BlockTask, MaskSpec
+from cpcompose.attention.local.kernels import KernelArgs
+from cpcompose.attention.local.merge import SoftmaxAccumulator, fold_sinks
+from cpcompose.attention.local.plans import (
     GLOBAL, cached_gathered_plan, cached_halves, cached_plan, gathered_rows, gathered_width,
 )
 from cpcompose.comm import CommMeter, CPGroup

@@ -29,11 +29,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from cpcompose.attention.call_setup import AttentionSetup, finish_forward, float_zeros
+from cpcompose.attention.local.call_setup import AttentionSetup, finish_forward, float_zeros
 from cpcompose.attention.cost.model import GATHER
-from cpcompose.attention.execute import backward_blocks, forward_blocks
-from cpcompose.attention.merge import SoftmaxAccumulator
-from cpcompose.attention.strategy import Strategy
+from cpcompose.attention.local.execute import backward_blocks, forward_blocks
+from cpcompose.attention.local.merge import SoftmaxAccumulator
+from cpcompose.attention.strategies.strategy import Strategy
 from cpcompose.comm import PendingCollective, start_all_gather, start_reduce_scatter
 from cpcompose.precision import accumulation_dtype
 

@@ -35,12 +35,12 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
 from cpcompose._compat import MemberType, OpaqueBase, register_opaque_type
-from cpcompose.attention.call_setup import AttentionSetup
-from cpcompose.attention.checks import checked_call, setup_for, tensor_error
-from cpcompose.attention.heads import head_plan, kv_head_ranges, query_head_ranges
-from cpcompose.attention.options import AUTO, CPOptions
-from cpcompose.attention.registry import STRATEGIES
-from cpcompose.attention.strategy import Strategy
+from cpcompose.attention.local.call_setup import AttentionSetup
+from cpcompose.attention.call.orchestrate import checked_call, setup_for, tensor_error
+from cpcompose.attention.local.heads import head_plan, kv_head_ranges, query_head_ranges
+from cpcompose.attention.call.options import AUTO, CPOptions
+from cpcompose.attention.strategies.registry import STRATEGIES
+from cpcompose.attention.strategies.strategy import Strategy
 from cpcompose.comm import CPGroup
 from cpcompose.precision import accumulation_dtype
 

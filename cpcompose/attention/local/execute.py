@@ -1,6 +1,6 @@
 """Running a block plan on the kernels: each block's partial result merged through its LSE.
 
-The plan (`cpcompose.attention.blocks`) says which blocks to compute; this module runs
+The plan (`cpcompose.attention.local.blocks`) says which blocks to compute; this module runs
 them on the backend the call chose, letting a backend rewrite the plan first where it
 has a faster form: flash-attn's varlen calls (`varlen.py`: many blocks in one call)
 and the CPU kernel's causal row tiles (`cpu_tiles.py`).
@@ -12,10 +12,10 @@ from typing import Sequence
 
 from torch import Tensor
 
-from cpcompose.attention import cpu_tiles, varlen
-from cpcompose.attention.blocks import BlockTask
-from cpcompose.attention.kernels import KernelArgs, attention_backward, attention_forward, supports_varlen
-from cpcompose.attention.merge import SoftmaxAccumulator
+from cpcompose.attention.local import cpu_tiles, varlen
+from cpcompose.attention.local.blocks import BlockTask
+from cpcompose.attention.local.kernels import KernelArgs, attention_backward, attention_forward, supports_varlen
+from cpcompose.attention.local.merge import SoftmaxAccumulator
 
 __all__ = ["backward_blocks", "forward_blocks"]
 

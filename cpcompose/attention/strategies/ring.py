@@ -25,11 +25,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from cpcompose.attention.call_setup import AttentionSetup, finish_forward
+from cpcompose.attention.local.call_setup import AttentionSetup, finish_forward
 from cpcompose.attention.cost.model import RING_FAMILY
-from cpcompose.attention.merge import SoftmaxAccumulator
-from cpcompose.attention.ring_loop import RingView, Rounds, ring_backward, ring_forward
-from cpcompose.attention.strategy import Strategy
+from cpcompose.attention.local.merge import SoftmaxAccumulator
+from cpcompose.attention.strategies.ring_loop import RingView, Rounds, ring_backward, ring_forward
+from cpcompose.attention.strategies.strategy import Strategy
 from cpcompose.comm import RingComm
 
 __all__ = ["RING", "RingAttention"]

@@ -19,11 +19,11 @@ import logging
 import torch
 from torch import Tensor
 
-from cpcompose.attention.blocks import MaskSpec
-from cpcompose.attention.choose import Choice, choose_strategy
+from cpcompose.attention.local.blocks import MaskSpec
+from cpcompose.attention.call.choose import Choice, choose_strategy
 from cpcompose.attention.cost.calibration import Calibration, Topology, default_calibration
 from cpcompose.attention.cost.call import AttentionCall
-from cpcompose.attention.options import AUTO, CPOptions
+from cpcompose.attention.call.options import AUTO, CPOptions
 from cpcompose.layouts import Layout
 
 log = logging.getLogger("cpcompose.auto")

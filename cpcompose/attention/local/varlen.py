@@ -22,11 +22,11 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from cpcompose.attention import kernels
-from cpcompose.attention.blocks import BlockTask
-from cpcompose.attention.kernels import KernelArgs
-from cpcompose.attention.merge import SoftmaxAccumulator
-from cpcompose.attention.plan_memo import PlanMemo
+from cpcompose.attention.local import kernels
+from cpcompose.attention.local.blocks import BlockTask
+from cpcompose.attention.local.kernels import KernelArgs
+from cpcompose.attention.local.merge import SoftmaxAccumulator
+from cpcompose.attention.local.plan_memo import PlanMemo
 
 __all__ = ["VarlenGroup", "backward", "forward", "groups"]
 

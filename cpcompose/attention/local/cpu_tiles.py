@@ -24,8 +24,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from cpcompose.attention.blocks import BlockTask
-from cpcompose.attention.plan_memo import PlanMemo
+from cpcompose.attention.local.blocks import BlockTask
+from cpcompose.attention.local.plan_memo import PlanMemo
 
 __all__ = ["TILE", "TILED_UP_TO", "WHOLE_UP_TO", "cpu_tasks", "tile_causal", "tile_rows"]
 

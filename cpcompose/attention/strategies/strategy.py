@@ -16,7 +16,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from cpcompose.attention.call_setup import AttentionSetup
+from cpcompose.attention.local.call_setup import AttentionSetup
 from cpcompose.attention.cost.model import CostModel
 
 __all__ = ["Saves", "Strategy"]

@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from cpcompose import _compat
-from cpcompose.attention.explicit import explicit_backward, explicit_forward
+from cpcompose.attention.local.explicit import explicit_backward, explicit_forward
 
 __all__ = [
     "BACKENDS", "CUDNN_MIN_WORK", "EFFICIENT_BIAS_ALIGN", "UNBOUNDED", "Backend", "Band", "KernelArgs",

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 from types import MappingProxyType
 
-from cpcompose.attention.allgather import ALLGATHER
-from cpcompose.attention.alltoall import ALLTOALL
-from cpcompose.attention.alltoall_ring import ALLTOALL_RING
-from cpcompose.attention.ring import RING
-from cpcompose.attention.strategy import Strategy
+from cpcompose.attention.strategies.allgather import ALLGATHER
+from cpcompose.attention.strategies.alltoall import ALLTOALL
+from cpcompose.attention.strategies.alltoall_ring import ALLTOALL_RING
+from cpcompose.attention.strategies.ring import RING
+from cpcompose.attention.strategies.strategy import Strategy
 
 __all__ = ["STRATEGIES", "STRATEGY_NAMES"]
 

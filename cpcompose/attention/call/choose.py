@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from cpcompose.attention.cost.calibration import Calibration, Topology
 from cpcompose.attention.cost.call import AttentionCall
 from cpcompose.attention.cost.model import StrategyCost, predict
-from cpcompose.attention.registry import STRATEGIES, STRATEGY_NAMES
+from cpcompose.attention.strategies.registry import STRATEGIES, STRATEGY_NAMES
 
 __all__ = ["CANDIDATE_STRATEGIES", "Choice", "candidates", "choose_strategy"]
 

@@ -12,7 +12,7 @@ import bisect
 import dataclasses
 import functools
 
-from cpcompose.attention.blocks import BlockTask, MaskSpec, needed_rows, plan, split_work
+from cpcompose.attention.local.blocks import BlockTask, MaskSpec, needed_rows, plan, split_work
 from cpcompose.layouts import Layout
 
 __all__ = [

@@ -19,7 +19,7 @@ the fewest kernel calls that cover exactly the visible pairs:
 Fully masked pairs are never computed: a fully masked row comes back from the CPU
 kernel with lse=0 instead of -inf and would poison the merge. Every strategy uses
 this planner, so the masks are written once. Running the blocks on a kernel is
-`cpcompose.attention.execute`.
+`cpcompose.attention.local.execute`.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Literal, Sequence
 import torch
 from torch import Tensor
 
-from cpcompose.attention.kernels import UNBOUNDED, Band
+from cpcompose.attention.local.kernels import UNBOUNDED, Band
 from cpcompose.layouts import Run
 
 __all__ = ["BAND_TILE", "NO_WINDOW", "BlockTask", "MaskSpec", "needed_rows", "one_kernel_call", "plan", "split_work"]
