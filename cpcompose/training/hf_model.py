@@ -35,6 +35,7 @@ from cpcompose.distributed import ParallelDims, apply_activation_checkpointing, 
 from cpcompose.layouts import PackedLayout
 from cpcompose.parallel import context_parallel, recompute_context
 from cpcompose.training.errors import TrainingError
+from cpcompose.training.units import human_count
 
 __all__ = ["HFModel", "build_hf_model", "check_hf_model", "describe_hf_model"]
 
@@ -115,11 +116,11 @@ def _prepare(config: JobConfig, *, weights: bool = True) -> _Prepared:
         raise ConfigError(f"model.path: transformers cannot build a causal LM ({type(e).__name__}) from "
                           f"{m.path}/config.json{' with the model.rope_* overrides' if m.rope_scaling else ''}: {e}") \
             from None
-    layers = getattr(getattr(model, getattr(model, "base_model_prefix", ""), None), "layers", None)
-    if not isinstance(layers, nn.ModuleList) or not len(layers):
+    layers = _decoder_layers(model)
+    if layers is None:
         raise ConfigError(f"model.path: {type(model).__name__} has no decoder layers at model.{model.base_model_prefix}"
-                          ".layers, which the trainer shards and checkpoints one by one (a multimodal model? give "
-                          "the text model's folder)")
+                          ".layers (or .blocks), which the trainer shards and checkpoints one by one (a multimodal "
+                          "model? give the text model's folder)")
     if t.tiled_mlp > 1 and any(_mlp(layer) is None for layer in layers):
         raise ConfigError(f"training.tiled_mlp: {type(layers[0]).__name__} has no .mlp or .feed_forward to tile; set "
                           "training.tiled_mlp = 1")
@@ -136,6 +137,28 @@ def _prepare(config: JobConfig, *, weights: bool = True) -> _Prepared:
     except ValueError as e:
         raise ConfigError(f"model.path: {e}") from None
     return _Prepared(hf_config, model, list(layers), plan)
+
+
+def _decoder_layers(model: nn.Module) -> nn.ModuleList | None:
+    """The base model's stack of layers: `.layers` (most families) or `.blocks` (RWKV, xLSTM); None if neither."""
+    base = getattr(model, getattr(model, "base_model_prefix", ""), None)
+    for name in ("layers", "blocks"):
+        layers = getattr(base, name, None)
+        if isinstance(layers, nn.ModuleList) and len(layers):
+            return layers
+    return None
+
+
+def _unshared(layers: list[nn.Module]) -> list[nn.Module]:
+    """The layers that share no parameter with another layer: FSDP's units. A block shared between layers
+    (Zamba's one attention block in every hybrid layer) cannot be in two units; those layers stay in the root's."""
+    seen: dict[int, int] = {}
+    for i, layer in enumerate(layers):
+        for p in layer.parameters():
+            seen.setdefault(id(p), i)
+    shared = {i for i, layer in enumerate(layers) for p in layer.parameters() if seen[id(p)] != i}
+    shared |= {seen[id(p)] for i in shared for p in layers[i].parameters()}
+    return [layer for i, layer in enumerate(layers) if i not in shared]
 
 
 def _mlp(layer: nn.Module) -> nn.Module | None:
@@ -164,10 +187,12 @@ def describe_hf_model(config: JobConfig) -> tuple[int, str]:
     prepared = _prepare(config, weights=False)
     c = prepared.config
     n = sum(p.numel() for p in {id(p): p for p in prepared.model.parameters()}.values())  # tied: once
-    heads = f"{getattr(c, 'num_attention_heads', '?')} heads, {getattr(c, 'num_key_value_heads', '?')} kv heads"
-    return n, (f"hf {type(prepared.model).__name__} from {config.model.path}, {n / 1e9:.3f} B parameters "
-               f"({len(prepared.layers)} layers, hidden {getattr(c, 'hidden_size', '?')}, {heads}, "
-               f"max_position_embeddings {getattr(c, 'max_position_embeddings', '?'):,})")
+    heads = (f", {c.num_attention_heads} heads, {getattr(c, 'num_key_value_heads', '?')} kv heads"
+             if isinstance(getattr(c, "num_attention_heads", None), int) else "")  # an SSM has none
+    limit = getattr(c, "max_position_embeddings", None)  # Mamba, Mamba2, RecurrentGemma have none
+    length = f", max_position_embeddings {limit:,}" if isinstance(limit, int) else ""
+    return n, (f"hf {type(prepared.model).__name__} from {config.model.path}, {human_count(n)} parameters "
+               f"({len(prepared.layers)} layers, hidden {getattr(c, 'hidden_size', '?')}{heads}{length})")
 
 
 class _TrainerForward:
@@ -231,7 +256,7 @@ def build_hf_model(config: JobConfig, *, dims: ParallelDims, mesh: DeviceMesh, d
         apply_activation_checkpointing(layers, offload=config.activation_checkpoint.offload,
                                        context_fn=recompute_context)
     if dims.dp_cp_size > 1:
-        apply_fsdp(model, layers, mesh=mesh, parallel_dims=dims)
+        apply_fsdp(model, _unshared(layers), mesh=mesh, parallel_dims=dims)
     model.to_empty(device=device)
     cphf.init_non_persistent_buffers(model)
     cphf.load_pretrained_weights(model, config.model.path, prepared.plan)

@@ -42,4 +42,4 @@ def test_the_qwen3_8b_128k_dry_run_needs_only_config_json(tmp_path: Path, capsys
     out = capsys.readouterr().out
     assert code == 0, out
     assert "cp=8" in out and "131,072 tokens per sequence" in out and "16,384 per CP rank" in out, out
-    assert "Qwen3ForCausalLM" in out and "8.191 B parameters" in out and "max_position_embeddings 131,072" in out
+    assert "Qwen3ForCausalLM" in out and "8.19B parameters" in out and "max_position_embeddings 131,072" in out
