@@ -78,8 +78,8 @@ def test_hybrid_trains_unpacked(pools, corpus, tmp_path, family: str) -> None:
 
 @pytest.mark.parametrize("family", ["mamba", "recurrent_gemma"])
 def test_the_plan_describes_a_model_without_max_position_embeddings(corpus, tmp_path, family: str) -> None:
-    """Mamba's and RecurrentGemma's configs have no max_position_embeddings (Mamba no attention heads): the banner and dry run say what it has,
-    the parameter count in human units."""
+    """Mamba's and RecurrentGemma's configs have no max_position_embeddings (Mamba no attention heads): the
+    banner and dry run say what they have, the parameter count in human units."""
     folder = make_hybrid_model(tmp_path / "model", family)
     n, line = describe_model(load_config(hf_args(folder, corpus, tmp_path / "dump")))
     assert 1_000 < n < 1_000_000 and f"{human_count(n)} parameters" in line and "k parameters" in line, line
