@@ -35,6 +35,7 @@ from cpcompose.distributed import ParallelDims, apply_activation_checkpointing, 
 from cpcompose.layouts import PackedLayout
 from cpcompose.parallel import context_parallel, recompute_context
 from cpcompose.training.errors import TrainingError
+from cpcompose.training.export import check_export_folder, export_folder
 from cpcompose.training.units import human_count
 
 __all__ = ["HFModel", "build_hf_model", "check_hf_model", "describe_hf_model"]
@@ -176,10 +177,11 @@ def check_hf_model(config: JobConfig) -> None:
         ConfigError: naming the key to change.
     """
     _prepare(config)
-    export = config.checkpoint.export_hf
-    if export is not None and Path(export).resolve() == Path(config.model.path).resolve():
+    export = export_folder(config)
+    if export is not None and export.resolve() == Path(config.model.path).resolve():
         raise ConfigError(f"checkpoint.export_hf: {export} is model.path itself, and the export would overwrite the "
                           "model it loads; choose another folder")
+    check_export_folder(config)
 
 
 def describe_hf_model(config: JobConfig) -> tuple[int, str]:

@@ -95,6 +95,8 @@ def _cases(llama: Path, tmp: Path) -> list[tuple[Path, list[str], str, str]]:
         (llama, ["--parallelism.pp=2"], "parallelism.pp", "pipeline"),
         (llama, ["--training.compile=true"], "training.compile", "fullgraph"),
         (llama, [f"--checkpoint.export_hf={llama}"], "checkpoint.export_hf", "overwrite"),
+        (llama, [f"--checkpoint.export_hf={_variant(llama, tmp / 'not-an-export')}"], "checkpoint.export_hf",
+         "holds files no cpcompose export wrote"),
         (_other_model(llama, tmp / "neox", hf.GPTNeoXConfig(**TINY)), [], "training.fused_loss",
          "--training.fused_loss=false"),
         (_without_tensor(_variant(llama, tmp / "partial"), "model.layers.1.mlp.down_proj.weight"), [], "model.path",
