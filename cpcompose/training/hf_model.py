@@ -46,7 +46,11 @@ def _hf() -> Any:
     try:
         import cpcompose.integrations.transformers as cphf
     except ImportError as e:
-        raise ConfigError(f"model.name: 'hf' needs transformers: pip install 'cpcompose[hf]' ({e})") from None
+        missing = any(isinstance(x, ModuleNotFoundError) and (x.name or "").split(".")[0] == "transformers"
+                      for x in (e, e.__cause__))
+        raise ConfigError("model.name: 'hf' needs the hf extra (transformers" + (", not installed" if missing else
+                          f": {e}") + '): pip install -e ".[hf]" in cpcompose\'s folder, or pip install '
+                          '"cpcompose[hf]"') from None
     return cphf
 
 
@@ -62,6 +66,7 @@ class _Prepared:
 
 def _hf_config(config: JobConfig) -> Any:
     """model.path's transformers config with model.rope_theta / rope_scaling / max_position_embeddings applied."""
+    _hf()  # without transformers, the one line that says so
     from transformers import AutoConfig
 
     m = config.model
@@ -87,9 +92,9 @@ def _prepare(config: JobConfig, *, weights: bool = True) -> _Prepared:
     Raises:
         ConfigError: naming the key to change.
     """
+    cphf, m, t = _hf(), config.model, config.training  # first: without transformers, the one line that says so
     from transformers import AutoModelForCausalLM
 
-    cphf, m, t = _hf(), config.model, config.training
     hf_config = _hf_config(config)
     model_type = getattr(hf_config, "model_type", None)
     if model_type in cphf.attention.OWN_ATTENTION:
