@@ -181,11 +181,18 @@ def check_hf_model(config: JobConfig) -> None:
     Raises:
         ConfigError: naming the key to change.
     """
-    _prepare(config)
+    prepared = _prepare(config)
     export = export_folder(config)
-    if export is not None and export.resolve() == Path(config.model.path).resolve():
+    if export is None:
+        return
+    if export.resolve() == Path(config.model.path).resolve():
         raise ConfigError(f"checkpoint.export_hf: {export} is model.path itself, and the export would overwrite the "
                           "model it loads; choose another folder")
+    integer = [k for k in prepared.plan.stored_names() if not prepared.plan.stored[k].dtype.is_floating_point]
+    if integer:  # torch's safetensors consolidation (torch.distributed.checkpoint) sizes every tensor with finfo
+        raise ConfigError(f"checkpoint.export_hf: the model stores integer tensors ({integer[0]}, ...), which torch's "
+                          "distributed safetensors writer cannot consolidate yet; unset checkpoint.export_hf and "
+                          "convert the DCP checkpoint (checkpoint.enable) instead")
     check_export_folder(config)
 
 

@@ -9,7 +9,10 @@ a Llama stored in bfloat16 (read into float32 shards, written back in bfloat16),
 `save_pretrained` folders transformers converts on loading: GraniteMoeHybrid and Kimi-Linear (renamings
 written as regexes, experts stacked), OLMo-Hybrid and Kimi-Linear (q/k/v short convs stored apart,
 concatenated along dim 0, each rank reading its own rows), Falcon-H1 (`mup_vector`, a buffer its
-`_init_weights` sets from the base model's branch).
+`_init_weights` sets from the base model's branch), LaraMini (one stored `in_proj` split into four
+projections), Bailing-Hybrid (renamings applied in turn, an anchored one). (Qwen4-Exp's n-gram tables,
+stored as numbered shards, load in tests/training/test_hf_hybrids.py; its integer buffers are beyond
+torch's safetensors consolidation, so its export is refused before launch.)
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ CONFIGS = {
         moe_intermediate_size=16, shared_expert_intermediate_size=16, decoder_sparse_step=1,
     ),
     "llama-bf16": lambda: hf.LlamaConfig(**_COMMON),
-    **{name: HYBRIDS[name].config for name in ("granitemoehybrid", "kimi_linear", "olmo_hybrid", "falcon_h1")},
+    **{name: HYBRIDS[name].config for name in ("granitemoehybrid", "kimi_linear", "olmo_hybrid", "falcon_h1",
+                                                "lara_mini", "bailing_hybrid")},
 }
 RECOMPUTED = ("inv_freq", "embed_scale", "mup_vector")  # the non-persistent buffers of these families
 

@@ -15,7 +15,8 @@ from cpcompose.training.export import MARKER, check_export_folder, export_folder
 
 
 def _config(dump: Path, export: str | None):
-    (dump.parent / "config.json").write_text('{"model_type": "llama", "vocab_size": 320}')  # model.path must look like a model folder; it is not read
+    # model.path must look like a model folder (it is not read here)
+    (dump.parent / "config.json").write_text('{"model_type": "llama", "vocab_size": 320}')
     args = ["--model.name=hf", f"--model.path={dump.parent}", f"--job.dump_folder={dump}"]
     return load_config(args + ([f"--checkpoint.export_hf={export}"] if export is not None else []))
 

@@ -44,7 +44,7 @@ try:
     from transformers import PretrainedConfig, PreTrainedModel
     from transformers import initialization as hf_init
     from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import Concatenate, MergeModulelist, WeightConverter, WeightRenaming
+    from transformers.core_model_loading import Concatenate, MergeModulelist, Split, WeightConverter, WeightRenaming
 except ImportError as e:  # an optional dependency: say which extra brings it
     raise ImportError(f"cpcompose.integrations.transformers needs transformers>=5 (pip install 'cpcompose[hf]'): {e}") \
         from e
@@ -109,21 +109,24 @@ class _Stacked:
 
 @dataclass(frozen=True)
 class _Concatenated:
-    """A model tensor made of stored tensors concatenated along dim 0."""
+    """A model tensor made of row ranges of stored tensors, concatenated along dim 0: several stored tensors
+    whole (transformers' Concatenate), or one range of one stored tensor (its Split)."""
 
     parts: tuple[str, ...]
     """The stored names, in order."""
+    starts: tuple[int, ...]
+    """The first row of each part that belongs to this tensor."""
     rows: tuple[int, ...]
-    """Each part's size along dim 0."""
+    """How many rows of each part."""
 
     def pieces(self, start: int, count: int) -> Iterator[tuple[str, int, int, int]]:
         """(stored name, first row in it, rows, first row in the model's range) covering model rows
         [start, start + count)."""
         offset = 0
-        for part, rows in zip(self.parts, self.rows):
+        for part, first, rows in zip(self.parts, self.starts, self.rows):
             lo, hi = max(start, offset), min(start + count, offset + rows)
             if lo < hi:
-                yield part, lo - offset, hi - lo, lo - start
+                yield part, first + lo - offset, hi - lo, lo - start
             offset += rows
 
 
@@ -148,7 +151,7 @@ class WeightPlan:
         for stack in self.stacked.values():
             names += [key for e in range(len(stack.parts[0])) for part in stack.parts for key in (part[e],)]
         for stack in self.concatenated.values():
-            names += list(stack.parts)
+            names += [p for p in stack.parts if p not in names]  # a split tensor's parts share one stored tensor
         return names
 
 
@@ -164,19 +167,21 @@ def _conversions(model: nn.Module) -> tuple[list[tuple[str, str]], list[WeightCo
 
 
 def _plain(pattern: str) -> str:
-    """A source pattern with its escaped dots unescaped (`block_sparse_moe\\.router` -> `block_sparse_moe.router`):
-    transformers writes some literal names as regexes."""
-    return pattern.replace("\\.", ".")
+    """A source pattern with its escaped dots unescaped and its start anchor dropped (`^model\\.word_embeddings`
+    -> `model.word_embeddings`): transformers writes some literal names as regexes."""
+    return pattern.removeprefix("^").replace("\\.", ".")
 
 
 def _stored_name(name: str, stored: dict[str, StoredTensor], renames: list[tuple[str, str]]) -> str | None:
-    """The name `name` is stored under: itself, or with transformers' renamings undone."""
-    if name in stored:
-        return name
-    for source, target in renames:
-        if target in name and (candidate := name.replace(target, source)) in stored:
-            return candidate
-    return None
+    """The name `name` is stored under: itself, or with transformers' renamings undone (several may apply in
+    turn: Bailing's `.attention.f_proj` -> `.self_attn.f_proj` -> `.self_attn.forget_gate.f_proj`)."""
+    candidates = [name]
+    for _ in range(3):  # the deepest chain transformers 5.24 writes is 2
+        for candidate in candidates:
+            if candidate in stored:
+                return candidate
+        candidates = [c.replace(target, source) for c in candidates for source, target in renames if target in c]
+    return next((c for c in candidates if c in stored), None)
 
 
 def _stacked(name: str, shape: tuple[int, ...], stored: dict[str, StoredTensor], renames: list[tuple[str, str]],
@@ -188,7 +193,7 @@ def _stacked(name: str, shape: tuple[int, ...], stored: dict[str, StoredTensor],
         if target is None or not name.endswith(target):
             continue
         sources = [_plain(p) for p in converter.source_patterns]
-        if ops == [(Concatenate, 0)] and all(_LITERAL.match(p) for p in sources):
+        if ops == [(Concatenate, 0)] and all(_LITERAL.match(p.replace("*", "0")) for p in sources):
             return _concatenated(name[: len(name) - len(target)], sources, shape, stored, renames)
         if ops not in ([(MergeModulelist, 0)], [(MergeModulelist, 0), (Concatenate, 1)]) or any(
                 p.count("*") != 1 or not _LITERAL.match(p.replace("*", "0")) for p in sources):
@@ -215,8 +220,19 @@ def _stacked(name: str, shape: tuple[int, ...], stored: dict[str, StoredTensor],
 
 def _concatenated(prefix: str, sources: list[str], shape: tuple[int, ...], stored: dict[str, StoredTensor],
                   renames: list[tuple[str, str]]) -> _Concatenated | str:
-    """A model tensor stored as parts concatenated along dim 0 (or why it cannot be read)."""
-    keys = [_stored_name(prefix + p, stored, renames) for p in sources]
+    """A model tensor stored as parts concatenated along dim 0 (or why it cannot be read). A part with `*`
+    (Qwen4-Exp's `ngram_embedding.shard_*.weight`) stands for shards 0, 1, ... as many as are stored."""
+    keys: list[str | None] = []
+    for pattern in sources:
+        if "*" not in pattern:
+            keys.append(_stored_name(prefix + pattern, stored, renames))
+            continue
+        shards = 0
+        while (key := _stored_name(prefix + pattern.replace("*", str(shards)), stored, renames)) is not None:
+            keys.append(key)
+            shards += 1
+        if not shards:
+            keys.append(None)
     if any(k is None for k in keys):
         return f"its parts ({', '.join(prefix + p for p in sources)}) are not all in the checkpoint"
     parts = tuple(k for k in keys if k is not None)
@@ -226,7 +242,32 @@ def _concatenated(prefix: str, sources: list[str], shape: tuple[int, ...], store
     rows = tuple(stored[p].shape[0] for p in parts)
     if sum(rows) != shape[0]:
         return f"its parts have {sum(rows)} rows in all, the model's tensor {shape[0]}"
-    return _Concatenated(parts, rows)
+    return _Concatenated(parts, (0,) * len(parts), rows)
+
+
+def _split(name: str, state: dict[str, Tensor], stored: dict[str, StoredTensor], renames: list[tuple[str, str]],
+           converters: list[WeightConverter]) -> _Concatenated | str | None:
+    """A model tensor that is one of the row ranges one stored tensor is split into along dim 0 (LaraMini's
+    `in_proj` -> `in_proj_qkv`, `in_proj_z`, ...: each sized like its model tensor), or None if no Split
+    converter targets it."""
+    for converter in converters:
+        ops = [(type(op), getattr(op, "dim", None)) for op in converter.operations]
+        targets = list(converter.target_patterns)
+        found = [t for t in targets if f"{t}." in name or name.endswith(t)]  # `in_proj_qkv` in `...in_proj_qkv.weight`
+        if ops != [(Split, 0)] or len(converter.source_patterns) != 1 or len(found) != 1:
+            continue
+        at = name.rindex(found[0])
+        prefix, suffix = name[:at], name[at + len(found[0]):]
+        source = prefix + _plain(converter.source_patterns[0]) + suffix
+        key = _stored_name(source, stored, renames)
+        if key is None or any(prefix + t + suffix not in state for t in targets):
+            return f"its stored tensor ({source}) is not in the checkpoint"
+        sizes = [state[prefix + t + suffix].shape[0] for t in targets]
+        if sum(sizes) != stored[key].shape[0] or stored[key].shape[1:] != state[name].shape[1:]:
+            return f"{key} has shape {stored[key].shape}, the {len(targets)} tensors split from it {sum(sizes)} rows"
+        i = targets.index(found[0])
+        return _Concatenated((key,), (sum(sizes[:i]),), (sizes[i],))
+    return None
 
 
 def weight_plan(model: nn.Module, folder: str | Path) -> WeightPlan:
@@ -259,7 +300,8 @@ def weight_plan(model: nn.Module, folder: str | Path) -> WeightPlan:
                 problems.append(f"{key}: stored with shape {stored[key].shape}, the model's is {shape}")
             plan.direct[name] = key
             continue
-        found = _stacked(name, shape, stored, renames, converters)
+        found = _split(name, state, stored, renames, converters) or _stacked(name, shape, stored, renames,
+                                                                                converters)
         if isinstance(found, _Concatenated):
             plan.concatenated[name] = found
         elif isinstance(found, _Stacked):
@@ -349,9 +391,13 @@ def save_pretrained_weights(model: nn.Module, folder: str | Path, plan: WeightPl
     state = model.state_dict()
     out: dict[str, Tensor] = {stored: state[name] for name, stored in plan.direct.items()}
     out.update(_expert_pieces(plan, state))
-    for name, concat in plan.concatenated.items():  # small tensors (short convs): gathered whole, in plan order
+    pieces: dict[str, list[tuple[int, Tensor]]] = {}  # stored name -> (first row, rows) from each model tensor
+    for name, concat in plan.concatenated.items():  # small tensors (convs, projections): gathered, in plan order
         tensor = state[name].full_tensor() if isinstance(state[name], DTensor) else state[name]
-        out.update(zip(concat.parts, tensor.split(list(concat.rows), dim=0)))
+        for part, start, rows in zip(concat.parts, concat.starts, tensor.split(list(concat.rows), dim=0)):
+            pieces.setdefault(part, []).append((start, rows))
+    out.update({part: torch.cat([rows for _, rows in sorted(found, key=lambda x: x[0])]) if len(found) > 1
+                else found[0][1] for part, found in pieces.items()})
     out = {k: v.detach().to(plan.stored[k].dtype) for k, v in out.items()}
     names = plan.stored_names()  # every rank's: the writer's coordinator maps all of them to files
     files = sorted({plan.stored[k].file for k in names})
