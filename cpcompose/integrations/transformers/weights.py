@@ -16,7 +16,10 @@ Most families' tensors are stored under their parameter names. What differs is p
   then optionally concatenated along dim 1, and plain renamings). FSDP shards the stacked tensor
   along its expert dim, so each rank reads and writes its own experts' tensors only;
 - a few fuse tensors stored apart into one (OLMo-Hybrid's and Kimi-Linear's q/k/v short convs,
-  concatenated along dim 0): each rank reads the rows of its shard from the stored parts;
+  Qwen4-Exp's numbered n-gram shards, concatenated along dim 0) or split one stored tensor into
+  several (LaraMini's `in_proj`): each rank reads the rows of its shard from the stored tensors;
+- renamings are undone in turn (Bailing's `.attention.` -> `.self_attn.` -> `.self_attn.forget_gate.`),
+  including those transformers writes as regexes (escaped dots, a `^` anchor);
 - anything else that is not stored under the model's name is an error naming the tensors.
 
 Non-persistent buffers (RoPE's `inv_freq`, Gemma's `embed_scale`) are in no checkpoint, and
