@@ -42,7 +42,7 @@ from cpcompose.training.oom import (  # noqa: E402
     out_of_memory_line,
     peak_bytes,
 )
-from cpcompose.training.resources import run_device_type  # noqa: E402
+from cpcompose.training.resources import oversubscription_warning, run_device_type, usable_cores  # noqa: E402
 from cpcompose.training.metrics import stamp  # noqa: E402
 from cpcompose.training.dry_run import describe_plan  # noqa: E402
 from cpcompose.training.preflight import check_choices, preflight  # noqa: E402
@@ -223,6 +223,9 @@ def main(argv: list[str] | None = None) -> int:
     if rank0:
         where = " ".join(argv if argv is not None else sys.argv[1:])
         print(f"{stamp()} cpcompose.train {where}\n{describe_plan(config, world)}\n{_outputs(config)}", flush=True)
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or world  # torchrun: the ranks on this host
+        if (warning := oversubscription_warning(config, local, usable_cores())) is not None:
+            print(f"{stamp()} {warning}", file=sys.stderr, flush=True)
     if "RANK" not in os.environ and not dist.is_initialized() and world > 1:
         return launch_local(run_rank, config, world)
     run_rank(config)

@@ -404,10 +404,12 @@ class Checkpoint:
     """With checkpoint.enable, resume from the newest intact checkpoint in folder (corrupt ones are skipped
     and renamed step-N.corrupt). false starts a new run, which the folder must not already hold checkpoints for."""
     export_hf: str | None = None
-    """model.name = "hf": when training ends, write the model to this folder as a Hugging Face model
+    """model.name = "hf": when training ends, write the model to this folder (a relative path: inside
+    job.dump_folder, as checkpoint.folder) as a Hugging Face model
     (from_pretrained loads it): the weights as model.path stores them (names, dtypes, files), config.json with the
     model.rope_* / max_position_embeddings overrides, and model.path's tokenizer files. On a run already at
-    training.steps it resumes the last checkpoint and only exports."""
+    training.steps it resumes the last checkpoint and only exports. A folder holding another run's export (or
+    files no export wrote) is refused before launch."""
 
     def __post_init__(self) -> None:
         _positive(self, "checkpoint", "interval")

@@ -134,4 +134,15 @@ def _keys(value: dict) -> str:
 
 
 def _kind(value: Any) -> str:
-    return "null" if value is None else f"a {type(value).__name__}"
+    """What a JSON value is, in JSON's words (`'text' is a number (3)`, never Python's "a int")."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return f"a boolean ({str(value).lower()})"
+    if isinstance(value, (int, float)):
+        return f"a number ({value!r})"
+    if isinstance(value, str):
+        return f"a string ({value[:20]!r}{'...' if len(value) > 20 else ''})"
+    if isinstance(value, list):
+        return "an empty list" if not value else "a list"
+    return "an object" if isinstance(value, dict) else f"a {type(value).__name__}"

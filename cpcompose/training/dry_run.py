@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from cpcompose.config import JobConfig
 from cpcompose.distributed import ParallelDims
+from cpcompose.training.data_summary import data_lines
 from cpcompose.training.families import describe_model
 from cpcompose.training.memory_budget import describe_memory
 
@@ -11,7 +12,7 @@ __all__ = ["describe_plan"]
 
 
 def describe_plan(config: JobConfig, world: int) -> str:
-    """A readable summary: degrees, model size, per-rank tokens, and the memory plan against the budget.
+    """A readable summary: degrees, model size, per-rank tokens, the data, and the memory plan against the budget.
 
     Raises:
         ValueError: the degrees do not fit ``world`` (``config.validate(world_size=world)`` reports it first).
@@ -33,7 +34,7 @@ def describe_plan(config: JobConfig, world: int) -> str:
         f"{t.steps} steps, precision {t.mixed_precision}, activation checkpointing "
         f"{config.activation_checkpoint.mode}",
     ]
-    return "\n".join(lines + describe_memory(config, world))
+    return "\n".join(lines + data_lines(config) + describe_memory(config, world))
 
 
 def _blocks(cp: int, alltoall_size: int | None) -> str:

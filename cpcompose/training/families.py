@@ -28,6 +28,7 @@ from cpcompose.models import get_model_spec, model_names
 from cpcompose.models.spec import MemoryProfile
 from cpcompose.parallel import ContextParallel, verify
 from cpcompose.training.errors import TrainingError
+from cpcompose.training.units import human_count
 
 __all__ = ["TrainedModel", "build_trained_model", "check_model", "describe_model", "family_names", "memory_profile"]
 
@@ -63,7 +64,7 @@ def describe_model(config: JobConfig) -> tuple[int, str]:
     with torch.device("meta"):
         model = get_model_spec(m.name).build(m, max_seq_len=config.max_seq_len())
         n = sum(x.numel() for x in model.parameters())
-    return n, (f"{m.name}, {n / 1e9:.3f} B parameters ({m.n_layers} layers, dim {m.dim}, {m.n_heads} heads, "
+    return n, (f"{m.name}, {human_count(n)} parameters ({m.n_layers} layers, dim {m.dim}, {m.n_heads} heads, "
                f"{m.n_kv_heads} kv heads)")
 
 

@@ -35,6 +35,8 @@ from cpcompose.distributed import ParallelDims, apply_activation_checkpointing, 
 from cpcompose.layouts import PackedLayout
 from cpcompose.parallel import context_parallel, recompute_context
 from cpcompose.training.errors import TrainingError
+from cpcompose.training.export import check_export_folder, export_folder
+from cpcompose.training.units import human_count
 
 __all__ = ["HFModel", "build_hf_model", "check_hf_model", "describe_hf_model"]
 
@@ -44,7 +46,11 @@ def _hf() -> Any:
     try:
         import cpcompose.integrations.transformers as cphf
     except ImportError as e:
-        raise ConfigError(f"model.name: 'hf' needs transformers: pip install 'cpcompose[hf]' ({e})") from None
+        missing = any(isinstance(x, ModuleNotFoundError) and (x.name or "").split(".")[0] == "transformers"
+                      for x in (e, e.__cause__))
+        raise ConfigError("model.name: 'hf' needs the hf extra (transformers" + (", not installed" if missing else
+                          f": {e}") + '): pip install -e ".[hf]" in cpcompose\'s folder, or pip install '
+                          '"cpcompose[hf]"') from None
     return cphf
 
 
@@ -60,6 +66,7 @@ class _Prepared:
 
 def _hf_config(config: JobConfig) -> Any:
     """model.path's transformers config with model.rope_theta / rope_scaling / max_position_embeddings applied."""
+    _hf()  # without transformers, the one line that says so
     from transformers import AutoConfig
 
     m = config.model
@@ -85,9 +92,9 @@ def _prepare(config: JobConfig, *, weights: bool = True) -> _Prepared:
     Raises:
         ConfigError: naming the key to change.
     """
+    cphf, m, t = _hf(), config.model, config.training  # first: without transformers, the one line that says so
     from transformers import AutoModelForCausalLM
 
-    cphf, m, t = _hf(), config.model, config.training
     hf_config = _hf_config(config)
     model_type = getattr(hf_config, "model_type", None)
     if model_type in cphf.attention.OWN_ATTENTION:
@@ -115,11 +122,11 @@ def _prepare(config: JobConfig, *, weights: bool = True) -> _Prepared:
         raise ConfigError(f"model.path: transformers cannot build a causal LM ({type(e).__name__}) from "
                           f"{m.path}/config.json{' with the model.rope_* overrides' if m.rope_scaling else ''}: {e}") \
             from None
-    layers = getattr(getattr(model, getattr(model, "base_model_prefix", ""), None), "layers", None)
-    if not isinstance(layers, nn.ModuleList) or not len(layers):
+    layers = _decoder_layers(model)
+    if layers is None:
         raise ConfigError(f"model.path: {type(model).__name__} has no decoder layers at model.{model.base_model_prefix}"
-                          ".layers, which the trainer shards and checkpoints one by one (a multimodal model? give "
-                          "the text model's folder)")
+                          ".layers (or .blocks), which the trainer shards and checkpoints one by one (a multimodal "
+                          "model? give the text model's folder)")
     if t.tiled_mlp > 1 and any(_mlp(layer) is None for layer in layers):
         raise ConfigError(f"training.tiled_mlp: {type(layers[0]).__name__} has no .mlp or .feed_forward to tile; set "
                           "training.tiled_mlp = 1")
@@ -138,6 +145,28 @@ def _prepare(config: JobConfig, *, weights: bool = True) -> _Prepared:
     return _Prepared(hf_config, model, list(layers), plan)
 
 
+def _decoder_layers(model: nn.Module) -> nn.ModuleList | None:
+    """The base model's stack of layers: `.layers` (most families) or `.blocks` (RWKV, xLSTM); None if neither."""
+    base = getattr(model, getattr(model, "base_model_prefix", ""), None)
+    for name in ("layers", "blocks"):
+        layers = getattr(base, name, None)
+        if isinstance(layers, nn.ModuleList) and len(layers):
+            return layers
+    return None
+
+
+def _unshared(layers: list[nn.Module]) -> list[nn.Module]:
+    """The layers that share no parameter with another layer: FSDP's units. A block shared between layers
+    (Zamba's one attention block in every hybrid layer) cannot be in two units; those layers stay in the root's."""
+    seen: dict[int, int] = {}
+    for i, layer in enumerate(layers):
+        for p in layer.parameters():
+            seen.setdefault(id(p), i)
+    shared = {i for i, layer in enumerate(layers) for p in layer.parameters() if seen[id(p)] != i}
+    shared |= {seen[id(p)] for i in shared for p in layers[i].parameters()}
+    return [layer for i, layer in enumerate(layers) if i not in shared]
+
+
 def _mlp(layer: nn.Module) -> nn.Module | None:
     """A decoder layer's feed-forward (`mlp`, or LFM2's `feed_forward`): token-wise, so it can be tiled."""
     for name in ("mlp", "feed_forward"):
@@ -152,11 +181,19 @@ def check_hf_model(config: JobConfig) -> None:
     Raises:
         ConfigError: naming the key to change.
     """
-    _prepare(config)
-    export = config.checkpoint.export_hf
-    if export is not None and Path(export).resolve() == Path(config.model.path).resolve():
+    prepared = _prepare(config)
+    export = export_folder(config)
+    if export is None:
+        return
+    if export.resolve() == Path(config.model.path).resolve():
         raise ConfigError(f"checkpoint.export_hf: {export} is model.path itself, and the export would overwrite the "
                           "model it loads; choose another folder")
+    integer = [k for k in prepared.plan.stored_names() if not prepared.plan.stored[k].dtype.is_floating_point]
+    if integer:  # torch's safetensors consolidation (torch.distributed.checkpoint) sizes every tensor with finfo
+        raise ConfigError(f"checkpoint.export_hf: the model stores integer tensors ({integer[0]}, ...), which torch's "
+                          "distributed safetensors writer cannot consolidate yet; unset checkpoint.export_hf and "
+                          "convert the DCP checkpoint (checkpoint.enable) instead")
+    check_export_folder(config)
 
 
 def describe_hf_model(config: JobConfig) -> tuple[int, str]:
@@ -164,10 +201,12 @@ def describe_hf_model(config: JobConfig) -> tuple[int, str]:
     prepared = _prepare(config, weights=False)
     c = prepared.config
     n = sum(p.numel() for p in {id(p): p for p in prepared.model.parameters()}.values())  # tied: once
-    heads = f"{getattr(c, 'num_attention_heads', '?')} heads, {getattr(c, 'num_key_value_heads', '?')} kv heads"
-    return n, (f"hf {type(prepared.model).__name__} from {config.model.path}, {n / 1e9:.3f} B parameters "
-               f"({len(prepared.layers)} layers, hidden {getattr(c, 'hidden_size', '?')}, {heads}, "
-               f"max_position_embeddings {getattr(c, 'max_position_embeddings', '?'):,})")
+    heads = (f", {c.num_attention_heads} heads, {getattr(c, 'num_key_value_heads', '?')} kv heads"
+             if isinstance(getattr(c, "num_attention_heads", None), int) else "")  # an SSM has none
+    limit = getattr(c, "max_position_embeddings", None)  # Mamba, Mamba2, RecurrentGemma have none
+    length = f", max_position_embeddings {limit:,}" if isinstance(limit, int) else ""
+    return n, (f"hf {type(prepared.model).__name__} from {config.model.path}, {human_count(n)} parameters "
+               f"({len(prepared.layers)} layers, hidden {getattr(c, 'hidden_size', '?')}{heads}{length})")
 
 
 class _TrainerForward:
@@ -231,7 +270,7 @@ def build_hf_model(config: JobConfig, *, dims: ParallelDims, mesh: DeviceMesh, d
         apply_activation_checkpointing(layers, offload=config.activation_checkpoint.offload,
                                        context_fn=recompute_context)
     if dims.dp_cp_size > 1:
-        apply_fsdp(model, layers, mesh=mesh, parallel_dims=dims)
+        apply_fsdp(model, _unshared(layers), mesh=mesh, parallel_dims=dims)
     model.to_empty(device=device)
     cphf.init_non_persistent_buffers(model)
     cphf.load_pretrained_weights(model, config.model.path, prepared.plan)

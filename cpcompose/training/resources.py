@@ -14,8 +14,8 @@ import torch
 from cpcompose.config import JobConfig
 
 __all__ = [
-    "CPU_ALLOCATOR_ENV", "host_memory", "peak_resident_bytes", "resident_bytes", "run_device_type",
-    "uses_tuned_allocator",
+    "CPU_ALLOCATOR_ENV", "host_memory", "oversubscription_warning", "peak_resident_bytes", "resident_bytes",
+    "run_device_type", "usable_cores", "uses_tuned_allocator",
 ]
 
 # A high mmap threshold keeps large tensors in the heap instead of mapping and unmapping
@@ -74,3 +74,24 @@ def host_memory() -> tuple[int, int]:
     with open("/proc/meminfo") as f:
         info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
     return info["MemTotal"], info["MemAvailable"]
+
+
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity: a container's or taskset's limit, not the host's)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # no affinity on this platform
+        return os.cpu_count() or 1
+
+
+def oversubscription_warning(config: JobConfig, local_ranks: int, cores: int) -> str | None:
+    """The banner's warning when more CPU ranks run on this host than it has cores, else None.
+
+    Each rank then gets a fraction of a core, and ranks that wait for each other in every collective
+    wait for the slowest: the run is correct, only slower than fewer ranks would be.
+    """
+    if run_device_type(config) != "cpu" or local_ranks <= cores:
+        return None
+    return (f"warning: {local_ranks} ranks on {cores} CPU core{'s' if cores > 1 else ''}: each rank gets "
+            f"{cores / local_ranks:.2g} of a core and every collective waits for the slowest; the results are the "
+            f"same, only slower: use at most {cores} ranks on this machine (fewer parallelism.cp / dp_shard)")

@@ -32,6 +32,7 @@ from cpcompose.sharding.packed import pack_documents
 from cpcompose.parallel import cp_cross_entropy, cp_linear_cross_entropy
 from cpcompose.training.checkpoint import CheckpointManager
 from cpcompose.training.errors import TrainingError
+from cpcompose.training.export import export_folder, mark_export
 from cpcompose.training.families import build_trained_model
 from cpcompose.training.faults import Fault, Progress, describe_comm_failure, is_comm_failure
 from cpcompose.training.grad_norm import clip_grad_norm
@@ -315,8 +316,8 @@ class Trainer:
                 f"nothing to train: the checkpoint is already at step {self.step} of training.steps = "
                 f"{c.training.steps}; raise --training.steps, or start fresh in another --job.dump_folder"
             )
-        if c.checkpoint.export_hf is not None:
-            self._export_hf(Path(c.checkpoint.export_hf))
+        if (folder := export_folder(c)) is not None:
+            self._export_hf(folder)
         self.logger.close(title=f"{c.job.name}: loss", checkpoint=saved.path if saved else None)
         return losses
 
@@ -328,6 +329,8 @@ class Trainer:
         assert self.trained.export_hf is not None  # the config allows export_hf only for families that export
         start = time.perf_counter()
         self.trained.export_hf(folder)
+        if dist.get_rank() == 0:
+            mark_export(folder, self.config)
         self.logger.note(f"exported the model at step {self.step} to {folder} (Hugging Face format: "
                          f"from_pretrained loads it; {time.perf_counter() - start:.1f} s)")
 

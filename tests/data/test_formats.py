@@ -191,8 +191,10 @@ ANSWER = {"role": "assistant", "content": "yo"}
 
 
 @pytest.mark.parametrize("fmt,record,message", [
-    ("text", {"text": 3}, r"^data.path: {f}:2: 'text' is a int, expected a string"),
+    ("text", {"text": 3}, r"^data.path: {f}:2: 'text' is a number \(3\), expected a string"),
     ("text", {"text": None}, r"^data.path: {f}:2: 'text' is null, expected a string"),
+    ("text", {"text": True}, r"^data.path: {f}:2: 'text' is a boolean \(true\), expected a string"),
+    ("text", {"text": {"a": 1}}, r"^data.path: {f}:2: 'text' is an object, expected a string"),
     ("text", {"prompt": "p", "completion": "c"},
      r"^data.text_key: {f}:2 has no 'text' field \(it has 'prompt', 'completion'\) \(it looks like data.format = "
      r"'completion', not 'text'\); fix the record or set data.text_key"),
@@ -202,9 +204,9 @@ ANSWER = {"role": "assistant", "content": "yo"}
     ("completion", {"prompt": ["p"], "completion": "c"}, r"^data.path: {f}:2: 'prompt' is a list, expected a string"),
     ("completion", {"text": "t"}, r"^data.prompt_key: .*looks like data.format = 'text', not 'completion'"),
     ("chat", {"text": "t"}, r"^data.messages_key: {f}:2 has no 'messages' field .*looks like data.format = 'text'"),
-    ("chat", {"messages": "hi"}, r"^data.path: {f}:2: 'messages' is a str, expected a non-empty list"),
-    ("chat", {"messages": []}, r"^data.path: {f}:2: 'messages' is a list, expected a non-empty list"),
-    ("chat", {"messages": ["hi"]}, r"^data.path: {f}:2: messages\[0\] is a str, expected an object"),
+    ("chat", {"messages": "hi"}, r"^data.path: {f}:2: 'messages' is a string \('hi'\), expected a non-empty list"),
+    ("chat", {"messages": []}, r"^data.path: {f}:2: 'messages' is an empty list, expected a non-empty list"),
+    ("chat", {"messages": ["hi"]}, r"^data.path: {f}:2: messages\[0\] is a string \('hi'\), expected an object"),
     ("chat", {"messages": [USER, {"role": "bot", "content": "x"}]},
      r"^data.path: {f}:2: messages\[1\].role is 'bot', expected one of system, user, assistant, tool"),
     ("chat", {"messages": [{"content": "x"}, ANSWER]}, r"^data.path: {f}:2: messages\[0\].role is None"),

@@ -2,7 +2,9 @@
 
 Loss and every gradient equal transformers' own single-process run, at P = 2 and 4, under
 each attention strategy, on a zigzag-split batch and on a packed row of documents
-(`pack_batch`), at the tolerance each family's kernels allow (`hybrid_cases`).
+(`pack_batch`), at the tolerance each family's kernels allow (`hybrid_cases`). With transformers'
+activation checkpointing at its defaults (non-reentrant, no `context_fn`) the recomputation runs in
+the forward's CP region (`cphf.checkpointing`), so it is exact too, reentrant included.
 """
 
 from __future__ import annotations
@@ -27,6 +29,24 @@ def test_hybrid_is_exact(pools, name: str, world: int) -> None:
 def test_hybrid_packed_documents_are_exact(pools, name: str, world: int) -> None:
     want, state = cases.reference_packed(name)
     cases.assert_matches(want, pools.get(world).run(cases.cp_packed, name, state), name, f"P={world} packed")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_checkpointing_with_transformers_defaults_is_exact(pools, name: str) -> None:
+    """`activation_checkpointing_enable()` (= the deprecated `gradient_checkpointing_enable()`) as transformers
+    sets it up: before, a layer ending in a routed mixer (Mamba2, Mamba, LFM2, RecurrentGemma, xLSTM, MiniMax)
+    recomputed outside the region and failed in torch ("a different number of tensors was saved")."""
+    want, state = cases.reference_plain(name)
+    got = pools.get(2).run(cases.cp_plain, name, state, ("alltoall",), {})
+    cases.assert_matches(want, got, name, "P=2 checkpointed")
+
+
+@pytest.mark.parametrize("name", ["mamba2", "lfm2"])
+def test_reentrant_checkpointing_is_exact(pools, name: str) -> None:
+    """`use_reentrant=True` recomputes with no error to see: it would have been silently single-process."""
+    want, state = cases.reference_plain(name)
+    got = pools.get(2).run(cases.cp_plain, name, state, ("alltoall",), {"use_reentrant": True})
+    cases.assert_matches(want, got, name, "P=2 reentrant checkpointed")
 
 
 @pytest.mark.parametrize("name", [n for n in NAMES if cases.HYBRIDS[n].attention])

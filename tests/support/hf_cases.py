@@ -17,6 +17,7 @@ import transformers as hf
 from transformers import masking_utils
 
 import cpcompose.integrations.transformers as cphf
+from cpcompose.distributed import apply_activation_checkpointing
 from cpcompose.layouts import ZigzagLayout
 from cpcompose.parallel import recompute_context
 from cpcompose import CommMeter, allreduce_gradients, context_parallel, cp_cross_entropy, cp_unshard
@@ -351,11 +352,16 @@ def llama_with_kv_heads(kv_heads: int) -> torch.nn.Module:
     return hf.AutoModelForCausalLM.from_config(config, attn_implementation="cpcompose", dtype=torch.float64)
 
 
-def checkpointed_step(mesh, state: dict, context_fn: bool = True) -> dict:
-    """transformers' activation checkpointing, the recomputation re-entering the CP region (`recompute_context`)."""
+def checkpointed_step(mesh, state: dict, context_fn: bool = True, by_torch: bool = False) -> dict:
+    """transformers' activation checkpointing, the recomputation re-entering the CP region (`recompute_context`,
+    or with `context_fn=False` cphf's wrapper of transformers' checkpoint function). `by_torch`: torch's
+    checkpoint put on each layer directly, bypassing transformers (and its wrapper)."""
     model = build("llama", "cpcompose", state)
     kwargs = {"use_reentrant": False, **({"context_fn": recompute_context} if context_fn else {})}
-    model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    if by_torch:
+        apply_activation_checkpointing(model.model.layers, context_fn=recompute_context if context_fn else None)
+    else:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     model.train()
     ids, targets = plain_batch("llama")
     positions = torch.arange(SEQ)[None].clone()
@@ -368,9 +374,9 @@ def checkpointed_step(mesh, state: dict, context_fn: bool = True) -> dict:
 
 
 def checkpoint_without_context(mesh, state: dict) -> str:
-    """Checkpointing without `recompute_context`: every rank refuses the recomputation outside the region."""
+    """torch's checkpointing without `recompute_context`: every rank refuses the recomputation outside the region."""
     try:
-        checkpointed_step(mesh, state, context_fn=False)
+        checkpointed_step(mesh, state, context_fn=False, by_torch=True)
     except ValueError as e:
         return str(e)
     return "no error"

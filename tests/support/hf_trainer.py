@@ -37,6 +37,22 @@ def make_model(folder: Path, family: str) -> Path:
     return tiny_model_script().make_tiny_model(folder, family, seed=0)
 
 
+def make_hybrid_model(folder: Path, family: str) -> Path:
+    """`tests.support.hybrid_families.HYBRIDS[family]`'s tiny model, float32, written by transformers' own
+    `save_pretrained` with the tiny tokenizer (its vocabulary and special ids), into `folder`."""
+    from tests.support.hybrid_families import HYBRIDS
+
+    script = tiny_model_script()
+    tokenizer = script.make_tokenizer(folder)
+    config = HYBRIDS[family].config()
+    config.vocab_size = len(tokenizer)
+    for key, token in (("pad_token_id", "<|pad|>"), ("bos_token_id", "<|bos|>"), ("eos_token_id", "<|eos|>")):
+        setattr(config, key, tokenizer.convert_tokens_to_ids(token))
+    torch.manual_seed(0)
+    HYBRIDS[family].auto.from_config(config, dtype=torch.float32).save_pretrained(folder)
+    return folder
+
+
 def text_corpus(folder: Path, documents: int = 60) -> Path:
     """Documents of very different lengths (1 to 40 words), one JSON line each."""
     g = torch.Generator().manual_seed(0)
@@ -81,10 +97,11 @@ def train(pools, world: int, args: list[str], weights: bool = False) -> dict:
     return results[0]
 
 
-def reference_first_loss(args: list[str], hf_config=None) -> float:
+def reference_first_loss(args: list[str], hf_config=None, attention: str | None = "sdpa") -> float:
     """Step 1's loss computed by transformers alone: each packed document run by itself through
     `from_pretrained`'s model (sdpa, one process, no cpcompose; with `hf_config` in place of the
-    folder's config when given), its token losses summed, divided by the batch's valid labels.
+    folder's config when given; `attention=None` for a family without attention layers, which refuses an
+    attention implementation), its token losses summed, divided by the batch's valid labels.
     What the trainer's packed first step must equal, at any cp."""
     from transformers import AutoModelForCausalLM
 
@@ -92,13 +109,14 @@ def reference_first_loss(args: list[str], hf_config=None) -> float:
 
     config = load_config(args)
     batch = next(build_data_source(config, dp_rank=0, dp_size=1))
-    extra = {} if hf_config is None else {"config": hf_config}
-    model = AutoModelForCausalLM.from_pretrained(config.model.path, dtype=torch.float32, attn_implementation="sdpa",
-                                                 **extra)
+    extra = ({} if hf_config is None else {"config": hf_config}) | (
+        {} if attention is None else {"attn_implementation": attention})
+    model = AutoModelForCausalLM.from_pretrained(config.model.path, dtype=torch.float32, **extra)
     total, count = torch.zeros((), dtype=torch.float64), 0
     with torch.no_grad():
         for row in range(batch.input_ids.shape[0]):
-            cu = batch.cu_seqlens[row].tolist()
+            width = batch.input_ids.shape[1]  # unpacked: each row is one window of the concatenated documents
+            cu = batch.cu_seqlens[row].tolist() if batch.cu_seqlens is not None else [0, width]
             for start, end in zip(cu[:-1], cu[1:]):
                 ids, labels = batch.input_ids[row, start:end], batch.labels[row, start:end]
                 logits = model(input_ids=ids[None], use_cache=False).logits[0]

@@ -84,9 +84,15 @@ def _strategies(name: str) -> tuple[str, ...]:
     return STRATEGIES if HYBRIDS[name].attention else STRATEGIES[:1]
 
 
-def cp_plain(mesh, name: str, state: dict, strategies: tuple[str, ...] | None = None) -> dict:
-    """Each strategy on the zigzag split of the plain batch: loss summed over ranks, gradients all-reduced."""
+def cp_plain(mesh, name: str, state: dict, strategies: tuple[str, ...] | None = None,
+             checkpointing: dict | None = None) -> dict:
+    """Each strategy on the zigzag split of the plain batch: loss summed over ranks, gradients all-reduced.
+
+    `checkpointing`: transformers' activation checkpointing is enabled with these kwargs ({}: its defaults)."""
     model = build(name, state)
+    if checkpointing is not None:
+        model.train()
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=checkpointing or None)
     out = {}
     for strategy in strategies or _strategies(name):
         model.zero_grad(set_to_none=True)

@@ -19,6 +19,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from cpcompose.training.export import MARKER
 from tests.support.hf_trainer import hf_args, make_model, reference_first_loss, text_corpus, train
 
 CKPT = ["--checkpoint.enable=true", "--checkpoint.interval=2", "--checkpoint.keep_latest_k=0"]
@@ -99,8 +100,9 @@ def test_export_of_a_finished_run_resumes_and_only_exports(pools, corpus, tmp_pa
     """`--checkpoint.export_hf` on a run already at training.steps: no step is trained, the model is written."""
     source = make_model(tmp_path / "llama", "llama")
     first = train(pools, 1, hf_args(source, corpus, tmp_path / "run", *CKPT, steps=2), weights=True)
-    out = tmp_path / "exported"
-    again = train(pools, 1, hf_args(source, corpus, tmp_path / "run", *CKPT, f"--checkpoint.export_hf={out}",
+    out = tmp_path / "run" / "hf"  # a relative export_hf lies inside job.dump_folder
+    again = train(pools, 1, hf_args(source, corpus, tmp_path / "run", *CKPT, "--checkpoint.export_hf=hf",
                                     steps=2), weights=True)
     assert again["losses"] == [] and again["error"] is None, again
     _same_logits(first["weights"], source, out)
+    assert json.loads((out / MARKER).read_text())["dump_folder"] == str((tmp_path / "run").resolve())

@@ -8,6 +8,7 @@ weights.
 
 from __future__ import annotations
 
+import tomllib
 from pathlib import Path
 
 import transformers as hf
@@ -20,13 +21,19 @@ CONFIGS = ROOT / "train_configs"
 
 def test_the_tiny_cpu_config_trains_and_exports(pools, tmp_path: Path) -> None:
     folder = make_model(tmp_path / "tiny-llama", "llama")
-    out = tmp_path / "hf"
-    args = ["--config", str(CONFIGS / "hf_tiny_cpu.toml"), f"--model.path={folder}", "--training.steps=3", "--lr_scheduler.warmup_steps=1",
-            f"--job.dump_folder={tmp_path / 'run'}", f"--checkpoint.export_hf={out}", "--metrics.plot_loss=false"]
+    out = tmp_path / "run" / "hf"  # the config's export_hf is relative: inside this run's dump folder
+    args = ["--config", str(CONFIGS / "hf_tiny_cpu.toml"), f"--model.path={folder}", "--training.steps=3",
+            "--lr_scheduler.warmup_steps=1", f"--job.dump_folder={tmp_path / 'run'}", "--metrics.plot_loss=false"]
     got = train(pools, 2, args)
     assert got["error"] is None and len(got["losses"]) == 3, got
     back = hf.AutoModelForCausalLM.from_pretrained(out)
     assert type(back).__name__ == "LlamaForCausalLM"
+    assert any((tmp_path / "run" / "tb").glob("events.out.tfevents.*")), "the example writes TensorBoard"
+
+
+def test_every_example_config_writes_tensorboard() -> None:
+    for path in sorted(CONFIGS.glob("*.toml")):
+        assert tomllib.loads(path.read_text()).get("metrics", {}).get("enable_tensorboard") is True, path.name
 
 
 def test_the_qwen3_8b_128k_dry_run_needs_only_config_json(tmp_path: Path, capsys, monkeypatch) -> None:
@@ -42,4 +49,4 @@ def test_the_qwen3_8b_128k_dry_run_needs_only_config_json(tmp_path: Path, capsys
     out = capsys.readouterr().out
     assert code == 0, out
     assert "cp=8" in out and "131,072 tokens per sequence" in out and "16,384 per CP rank" in out, out
-    assert "Qwen3ForCausalLM" in out and "8.191 B parameters" in out and "max_position_embeddings 131,072" in out
+    assert "Qwen3ForCausalLM" in out and "8.19B parameters" in out and "max_position_embeddings 131,072" in out

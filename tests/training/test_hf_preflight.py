@@ -9,7 +9,10 @@ the same message.
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,7 +23,7 @@ from safetensors.torch import load_file, save_file
 from cpcompose.config import load_config
 from cpcompose.train import main
 from cpcompose.training.preflight import preflight
-from tests.support.hf_trainer import hf_args, make_model, text_corpus, train
+from tests.support.hf_trainer import ROOT, hf_args, make_model, text_corpus, train
 
 
 @pytest.fixture(scope="module")
@@ -95,6 +98,8 @@ def _cases(llama: Path, tmp: Path) -> list[tuple[Path, list[str], str, str]]:
         (llama, ["--parallelism.pp=2"], "parallelism.pp", "pipeline"),
         (llama, ["--training.compile=true"], "training.compile", "fullgraph"),
         (llama, [f"--checkpoint.export_hf={llama}"], "checkpoint.export_hf", "overwrite"),
+        (llama, [f"--checkpoint.export_hf={_variant(llama, tmp / 'not-an-export')}"], "checkpoint.export_hf",
+         "holds files no cpcompose export wrote"),
         (_other_model(llama, tmp / "neox", hf.GPTNeoXConfig(**TINY)), [], "training.fused_loss",
          "--training.fused_loss=false"),
         (_without_tensor(_variant(llama, tmp / "partial"), "model.layers.1.mlp.down_proj.weight"), [], "model.path",
@@ -137,3 +142,18 @@ def test_reached_inside_the_ranks_every_rank_says_the_same(pools, llama, corpus,
     partial = _without_tensor(_variant(llama, tmp_path / "partial"), "model.norm.weight")
     got = train(pools, 2, hf_args(partial, corpus, tmp_path / "out", "--parallelism.cp=2"))  # asserts ranks agree
     assert got["losses"] is None and got["error"].startswith("model.path:") and "model.norm.weight" in got["error"]
+
+
+def test_without_transformers_the_hf_extra_is_named_in_one_line(llama, corpus, tmp_path: Path) -> None:
+    """A fresh environment without the hf extra: `config error: ... pip install -e ".[hf]"`, exit 2, no traceback
+    (the launch and the dry run alike). transformers' absence is simulated in one child interpreter."""
+    args = hf_args(llama, corpus, tmp_path / "run")
+    code = ("import sys\nsys.modules['transformers'] = None\nfrom cpcompose.train import main\n"
+            f"codes = [main({args!r}), main({[*args, '--job.dry_run']!r})]\nprint(codes)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.stdout.strip() == "[2, 2]", (done.stdout, done.stderr)
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 2 and lines[0] == lines[1], done.stderr
+    assert lines[0].startswith("config error: model.name") and 'pip install -e ".[hf]"' in lines[0], lines[0]
+    assert "not installed" in lines[0], lines[0]

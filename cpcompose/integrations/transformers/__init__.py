@@ -7,7 +7,8 @@ documents for CP; `verify` (`probe.py`) checks a model is exact under CP, and ru
 itself on a model's first forward in a CP region; `causal_lm_head` (`head.py`) cuts a causal LM at
 its output layer for a loss that never builds the logits; `weights.py` loads a checkpoint folder
 straight into a sharded model and writes one back; `extend_context` (`context_length.py`) changes
-the RoPE settings for a longer context. A user's whole change to a training step:
+the RoPE settings for a longer context; transformers' activation checkpointing recomputes in the CP
+region its forward ran in (`checkpointing.py`). A user's whole change to a training step:
 
     import cpcompose.integrations.transformers as cphf
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="cpcompose")
@@ -31,6 +32,7 @@ from cpcompose.integrations.transformers.batch import (
     pack_batch,
     shift_labels,
 )
+from cpcompose.integrations.transformers.checkpointing import install_checkpointing_in_region
 from cpcompose.integrations.transformers.context_length import SCALED_ROPE_TYPES, extend_context
 from cpcompose.integrations.transformers.head import HEADS, CausalLMHead, causal_lm_head
 from cpcompose.integrations.transformers.indexer import INDEXERS, install_indexers, routed_indexers
@@ -50,6 +52,7 @@ from cpcompose.integrations.transformers.weights import (
 install()
 install_indexers()
 install_first_use_probe()
+install_checkpointing_in_region()
 
 __all__ = [
     "ATTN_IMPLEMENTATION",

@@ -49,12 +49,44 @@ def _logits_scaling(model: Any) -> tuple[float | None, float | None]:
     return None, 1.0 / float(model.config.logits_scaling)
 
 
+def _lm_head_multiplier(model: Any) -> tuple[float | None, float | None]:
+    return None, float(model.config.lm_head_multiplier)
+
+
+def _logits_soft_cap(model: Any) -> tuple[float | None, float | None]:
+    return float(model.config.logits_soft_cap), None
+
+
+def _output_logit_soft_cap(model: Any) -> tuple[float | None, float | None]:
+    cap = model.config.output_logit_soft_cap
+    return (None if cap is None else float(cap)), None
+
+
+def _plain_without_z_loss(model: Any) -> tuple[float | None, float | None]:
+    """Bamba: plain logits, but its own loss adds `z_loss_coefficient * logsumexp^2` when set, which the fused
+    (language-model) loss would leave out."""
+    coefficient = float(getattr(model.config, "z_loss_coefficient", 0.0) or 0.0)
+    if coefficient > 0:
+        raise ValueError(f"{type(model).__name__}: config.z_loss_coefficient = {coefficient} adds a z-loss to the "
+                         "model's loss, which the language-model loss leaves out; set it to 0 in config.json")
+    return None, None
+
+
 HEADS: Mapping[str, _Head] = MappingProxyType({
     **dict.fromkeys(
         ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "qwen3_next", "gemma",
-         "deepseek_v3", "lfm2", "phi3", "olmo2"),
+         "deepseek_v3", "lfm2", "phi3", "olmo2",
+         # hybrids: `lm_head(hidden)` and nothing after it (Mamba's, Mamba2's, Nemotron-H's `.float()` is a cast)
+         "mamba", "mamba2", "falcon_mamba", "jamba", "zamba", "zamba2", "nemotron_h", "lfm2_moe", "lfm3", "gpt_oss",
+         "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid", "kimi_linear", "lara_mini", "bailing_hybrid",
+         "qwen4_exp_text", "minimax", "rwkv"),
         _plain,
     ),
+    "bamba": _plain_without_z_loss,
+    "falcon_h1": _lm_head_multiplier,  # logits * lm_head_multiplier (muP)
+    "granitemoehybrid": _logits_scaling,
+    "recurrent_gemma": _logits_soft_cap,  # logits = cap * tanh(logits / cap), always
+    "xlstm": _output_logit_soft_cap,  # the same in training (inference chunks it, same values)
     "gemma2": _softcapped,  # logits = cap * tanh(logits / cap) when final_logit_softcapping is set
     "gemma3_text": _softcapped,
     "cohere": _logit_scale,  # logits * logit_scale
@@ -128,7 +160,7 @@ def causal_lm_head(model: nn.Module) -> CausalLMHead:
             f"the logits after lm_head (softcapping, scaling, ...), so it cannot fuse its loss; families it knows: "
             f"{', '.join(sorted(HEADS))}. Compute the loss from the model's own logits instead"
         )
-    lm_head = getattr(model, "lm_head", None)
+    lm_head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None  # RWKV: `head`
     prefix = getattr(model, "base_model_prefix", None)
     body = getattr(model, prefix, None) if isinstance(prefix, str) else None
     if not isinstance(lm_head, nn.Linear) or not isinstance(body, nn.Module) or body is model:

@@ -15,6 +15,11 @@ Most families' tensors are stored under their parameter names. What differs is p
   transformers' own conversion mapping for the layouts it can invert (experts merged along dim 0,
   then optionally concatenated along dim 1, and plain renamings). FSDP shards the stacked tensor
   along its expert dim, so each rank reads and writes its own experts' tensors only;
+- a few fuse tensors stored apart into one (OLMo-Hybrid's and Kimi-Linear's q/k/v short convs,
+  Qwen4-Exp's numbered n-gram shards, concatenated along dim 0) or split one stored tensor into
+  several (LaraMini's `in_proj`): each rank reads the rows of its shard from the stored tensors;
+- renamings are undone in turn (Bailing's `.attention.` -> `.self_attn.` -> `.self_attn.forget_gate.`),
+  including those transformers writes as regexes (escaped dots, a `^` anchor);
 - anything else that is not stored under the model's name is an error naming the tensors.
 
 Non-persistent buffers (RoPE's `inv_freq`, Gemma's `embed_scale`) are in no checkpoint, and
@@ -42,7 +47,7 @@ try:
     from transformers import PretrainedConfig, PreTrainedModel
     from transformers import initialization as hf_init
     from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import Concatenate, MergeModulelist, WeightConverter, WeightRenaming
+    from transformers.core_model_loading import Concatenate, MergeModulelist, Split, WeightConverter, WeightRenaming
 except ImportError as e:  # an optional dependency: say which extra brings it
     raise ImportError(f"cpcompose.integrations.transformers needs transformers>=5 (pip install 'cpcompose[hf]'): {e}") \
         from e
@@ -106,6 +111,29 @@ class _Stacked:
 
 
 @dataclass(frozen=True)
+class _Concatenated:
+    """A model tensor made of row ranges of stored tensors, concatenated along dim 0: several stored tensors
+    whole (transformers' Concatenate), or one range of one stored tensor (its Split)."""
+
+    parts: tuple[str, ...]
+    """The stored names, in order."""
+    starts: tuple[int, ...]
+    """The first row of each part that belongs to this tensor."""
+    rows: tuple[int, ...]
+    """How many rows of each part."""
+
+    def pieces(self, start: int, count: int) -> Iterator[tuple[str, int, int, int]]:
+        """(stored name, first row in it, rows, first row in the model's range) covering model rows
+        [start, start + count)."""
+        offset = 0
+        for part, first, rows in zip(self.parts, self.starts, self.rows):
+            lo, hi = max(start, offset), min(start + count, offset + rows)
+            if lo < hi:
+                yield part, first + lo - offset, hi - lo, lo - start
+            offset += rows
+
+
+@dataclass(frozen=True)
 class WeightPlan:
     """Where each of a model's state tensors is stored in a checkpoint folder."""
 
@@ -115,6 +143,8 @@ class WeightPlan:
     """model name -> its per-expert stored tensors."""
     tied: dict[str, str] = field(default_factory=dict)
     """model name -> the model name it shares its tensor with (loaded and saved through that one)."""
+    concatenated: dict[str, _Concatenated] = field(default_factory=dict)
+    """model name -> the stored tensors it is the concatenation of along dim 0."""
     stored: dict[str, StoredTensor] = field(default_factory=dict)
     """What the folder holds (the headers)."""
 
@@ -123,6 +153,8 @@ class WeightPlan:
         names = list(self.direct.values())
         for stack in self.stacked.values():
             names += [key for e in range(len(stack.parts[0])) for part in stack.parts for key in (part[e],)]
+        for stack in self.concatenated.values():
+            names += [p for p in stack.parts if p not in names]  # a split tensor's parts share one stored tensor
         return names
 
 
@@ -131,37 +163,48 @@ def _conversions(model: nn.Module) -> tuple[list[tuple[str, str]], list[WeightCo
     if not isinstance(model, PreTrainedModel):
         return [], []
     transforms = get_model_conversion_mapping(model, add_legacy=False)
-    renames = [(t.source_patterns[0], t.target_patterns[0]) for t in transforms if isinstance(t, WeightRenaming)
-               and len(t.source_patterns) == 1 and _LITERAL.match(t.source_patterns[0])
-               and _LITERAL.match(t.target_patterns[0])]
+    renames = [(_plain(t.source_patterns[0]), t.target_patterns[0]) for t in transforms
+               if isinstance(t, WeightRenaming) and len(t.source_patterns) == 1
+               and _LITERAL.match(_plain(t.source_patterns[0])) and _LITERAL.match(t.target_patterns[0])]
     return renames, [t for t in transforms if isinstance(t, WeightConverter)]
 
 
+def _plain(pattern: str) -> str:
+    """A source pattern with its escaped dots unescaped and its start anchor dropped (`^model\\.word_embeddings`
+    -> `model.word_embeddings`): transformers writes some literal names as regexes."""
+    return pattern.removeprefix("^").replace("\\.", ".")
+
+
 def _stored_name(name: str, stored: dict[str, StoredTensor], renames: list[tuple[str, str]]) -> str | None:
-    """The name `name` is stored under: itself, or with transformers' renamings undone."""
-    if name in stored:
-        return name
-    for source, target in renames:
-        if target in name and (candidate := name.replace(target, source)) in stored:
-            return candidate
-    return None
+    """The name `name` is stored under: itself, or with transformers' renamings undone (several may apply in
+    turn: Bailing's `.attention.f_proj` -> `.self_attn.f_proj` -> `.self_attn.forget_gate.f_proj`)."""
+    candidates = [name]
+    for _ in range(3):  # the deepest chain transformers 5.24 writes is 2
+        for candidate in candidates:
+            if candidate in stored:
+                return candidate
+        candidates = [c.replace(target, source) for c in candidates for source, target in renames if target in c]
+    return next((c for c in candidates if c in stored), None)
 
 
 def _stacked(name: str, shape: tuple[int, ...], stored: dict[str, StoredTensor], renames: list[tuple[str, str]],
-             converters: list[WeightConverter]) -> _Stacked | str | None:
+             converters: list[WeightConverter]) -> _Stacked | _Concatenated | str | None:
     """How a stacked-experts tensor is stored (or why it cannot be read), or None if no converter targets it."""
     for converter in converters:
         ops = [(type(op), getattr(op, "dim", None)) for op in converter.operations]
         target = converter.target_patterns[0] if len(converter.target_patterns) == 1 else None
         if target is None or not name.endswith(target):
             continue
+        sources = [_plain(p) for p in converter.source_patterns]
+        if ops == [(Concatenate, 0)] and all(_LITERAL.match(p.replace("*", "0")) for p in sources):
+            return _concatenated(name[: len(name) - len(target)], sources, shape, stored, renames)
         if ops not in ([(MergeModulelist, 0)], [(MergeModulelist, 0), (Concatenate, 1)]) or any(
-                p.count("*") != 1 or not _LITERAL.match(p.replace("*", "0")) for p in converter.source_patterns):
+                p.count("*") != 1 or not _LITERAL.match(p.replace("*", "0")) for p in sources):
             return (f"transformers converts its stored tensors with {[op.__name__ for op, _ in ops]} "
                     "(cpcompose reads experts stacked along dim 0, optionally concatenated along dim 1)")
         prefix = name[: len(name) - len(target)]
         parts = []
-        for pattern in converter.source_patterns:
+        for pattern in sources:
             keys = [_stored_name(prefix + pattern.replace("*", str(e)), stored, renames) for e in range(shape[0])]
             if any(k is None for k in keys):
                 return f"its experts' tensors ({prefix + pattern}) are not all in the checkpoint"
@@ -175,6 +218,58 @@ def _stacked(name: str, shape: tuple[int, ...], stored: dict[str, StoredTensor],
         if sum(rows) != expected[0]:
             return f"its parts have {sum(rows)} rows in all, the model's tensor {expected[0]}"
         return _Stacked(tuple(parts), rows)
+    return None
+
+
+def _concatenated(prefix: str, sources: list[str], shape: tuple[int, ...], stored: dict[str, StoredTensor],
+                  renames: list[tuple[str, str]]) -> _Concatenated | str:
+    """A model tensor stored as parts concatenated along dim 0 (or why it cannot be read). A part with `*`
+    (Qwen4-Exp's `ngram_embedding.shard_*.weight`) stands for shards 0, 1, ... as many as are stored."""
+    keys: list[str | None] = []
+    for pattern in sources:
+        if "*" not in pattern:
+            keys.append(_stored_name(prefix + pattern, stored, renames))
+            continue
+        shards = 0
+        while (key := _stored_name(prefix + pattern.replace("*", str(shards)), stored, renames)) is not None:
+            keys.append(key)
+            shards += 1
+        if not shards:
+            keys.append(None)
+    if any(k is None for k in keys):
+        return f"its parts ({', '.join(prefix + p for p in sources)}) are not all in the checkpoint"
+    parts = tuple(k for k in keys if k is not None)
+    bad = [p for p in parts if stored[p].shape[1:] != shape[1:]]
+    if bad:
+        return f"{bad[0]} has shape {stored[bad[0]].shape}, expected (rows, {', '.join(map(str, shape[1:]))})"
+    rows = tuple(stored[p].shape[0] for p in parts)
+    if sum(rows) != shape[0]:
+        return f"its parts have {sum(rows)} rows in all, the model's tensor {shape[0]}"
+    return _Concatenated(parts, (0,) * len(parts), rows)
+
+
+def _split(name: str, state: dict[str, Tensor], stored: dict[str, StoredTensor], renames: list[tuple[str, str]],
+           converters: list[WeightConverter]) -> _Concatenated | str | None:
+    """A model tensor that is one of the row ranges one stored tensor is split into along dim 0 (LaraMini's
+    `in_proj` -> `in_proj_qkv`, `in_proj_z`, ...: each sized like its model tensor), or None if no Split
+    converter targets it."""
+    for converter in converters:
+        ops = [(type(op), getattr(op, "dim", None)) for op in converter.operations]
+        targets = list(converter.target_patterns)
+        found = [t for t in targets if f"{t}." in name or name.endswith(t)]  # `in_proj_qkv` in `...in_proj_qkv.weight`
+        if ops != [(Split, 0)] or len(converter.source_patterns) != 1 or len(found) != 1:
+            continue
+        at = name.rindex(found[0])
+        prefix, suffix = name[:at], name[at + len(found[0]):]
+        source = prefix + _plain(converter.source_patterns[0]) + suffix
+        key = _stored_name(source, stored, renames)
+        if key is None or any(prefix + t + suffix not in state for t in targets):
+            return f"its stored tensor ({source}) is not in the checkpoint"
+        sizes = [state[prefix + t + suffix].shape[0] for t in targets]
+        if sum(sizes) != stored[key].shape[0] or stored[key].shape[1:] != state[name].shape[1:]:
+            return f"{key} has shape {stored[key].shape}, the {len(targets)} tensors split from it {sum(sizes)} rows"
+        i = targets.index(found[0])
+        return _Concatenated((key,), (sum(sizes[:i]),), (sizes[i],))
     return None
 
 
@@ -208,8 +303,11 @@ def weight_plan(model: nn.Module, folder: str | Path) -> WeightPlan:
                 problems.append(f"{key}: stored with shape {stored[key].shape}, the model's is {shape}")
             plan.direct[name] = key
             continue
-        found = _stacked(name, shape, stored, renames, converters)
-        if isinstance(found, _Stacked):
+        found = _split(name, state, stored, renames, converters) or _stacked(name, shape, stored, renames,
+                                                                                converters)
+        if isinstance(found, _Concatenated):
+            plan.concatenated[name] = found
+        elif isinstance(found, _Stacked):
             plan.stacked[name] = found
         else:
             problems.append(f"{name}: " + (found or "not in the checkpoint"))
@@ -261,7 +359,18 @@ def load_pretrained_weights(model: nn.Module, folder: str | Path, plan: WeightPl
     wanted: dict[str, Tensor] = {stored: state[name] for name, stored in plan.direct.items()}
     wanted.update(_expert_pieces(plan, state))
     dcp.load(wanted, storage_reader=dcp.HuggingFaceStorageReader(str(folder)))
+    _load_concatenated(plan, state, Path(folder))
     return plan
+
+
+def _load_concatenated(plan: WeightPlan, state: dict[str, Tensor], folder: Path) -> None:
+    """Each concatenated tensor's local rows, read from the slices of its stored parts they cover (no collective)."""
+    for name, concat in plan.concatenated.items():
+        first, local = _expert_rows(state[name])
+        with torch.no_grad():
+            for key, row, rows, at in concat.pieces(first, local.shape[0]):
+                with safe_open(str(folder / plan.stored[key].file), framework="pt") as f:
+                    local.narrow(0, at, rows).copy_(f.get_slice(key)[row:row + rows])
 
 
 def _retie(model: nn.Module, plan: WeightPlan) -> None:
@@ -285,6 +394,13 @@ def save_pretrained_weights(model: nn.Module, folder: str | Path, plan: WeightPl
     state = model.state_dict()
     out: dict[str, Tensor] = {stored: state[name] for name, stored in plan.direct.items()}
     out.update(_expert_pieces(plan, state))
+    pieces: dict[str, list[tuple[int, Tensor]]] = {}  # stored name -> (first row, rows) from each model tensor
+    for name, concat in plan.concatenated.items():  # small tensors (convs, projections): gathered, in plan order
+        tensor = state[name].full_tensor() if isinstance(state[name], DTensor) else state[name]
+        for part, start, rows in zip(concat.parts, concat.starts, tensor.split(list(concat.rows), dim=0)):
+            pieces.setdefault(part, []).append((start, rows))
+    out.update({part: torch.cat([rows for _, rows in sorted(found, key=lambda x: x[0])]) if len(found) > 1
+                else found[0][1] for part, found in pieces.items()})
     out = {k: v.detach().to(plan.stored[k].dtype) for k, v in out.items()}
     names = plan.stored_names()  # every rank's: the writer's coordinator maps all of them to files
     files = sorted({plan.stored[k].file for k in names})
@@ -316,7 +432,8 @@ def init_non_persistent_buffers(model: nn.Module) -> list[str]:
     for outer in model.modules():
         if isinstance(outer, PreTrainedModel):
             owners.update({m: outer for m in outer.modules()})  # the innermost model wins (visited later)
-    names = []
+    names: list[str] = []
+    unset: list[tuple[str, Tensor, nn.Module]] = []
     for prefix, module in model.named_modules():
         buffers = [(n, b) for n, b in module.named_buffers(recurse=False)
                    if n in module._non_persistent_buffers_set and b is not None]
@@ -325,22 +442,41 @@ def init_non_persistent_buffers(model: nn.Module) -> list[str]:
         for _, buffer in buffers:
             if buffer.is_floating_point():
                 buffer.fill_(float("nan"))
-        params = list(module.parameters(recurse=False))
-        for p in params:
-            p._is_hf_initialized = True  # transformers' init functions skip these: only the buffers are written
-        try:
-            with torch.no_grad(), hf_init.guard_torch_init_functions():
-                owners[module]._init_weights(module)
-        finally:
-            for p in params:
-                del p._is_hf_initialized
+        _init_buffers_of(owners[module], module, recurse=False)
         for name, buffer in buffers:
             full = f"{prefix}.{name}" if prefix else name
             if buffer.is_floating_point() and bool(torch.isnan(buffer).any()):
-                raise ValueError(f"the buffer {full} of {type(module).__name__} is in no checkpoint and its model's "
-                                 "_init_weights does not set it, so it cannot be recomputed after loading")
-            names.append(full)
+                unset.append((full, buffer, module))
+            else:
+                names.append(full)
+    for full, buffer, module in unset:
+        # Some models set a layer's buffer from an ancestor's branch of `_init_weights` (Falcon-H1's `mup_vector`,
+        # set when it is called on the FalconH1Model): try the ancestors, nearest first.
+        parts = full.split(".")[:-1]
+        for depth in range(len(parts) - 1, -1, -1):
+            ancestor = model.get_submodule(".".join(parts[:depth]))
+            if ancestor in owners:
+                _init_buffers_of(owners[ancestor], ancestor, recurse=True)
+            if not bool(torch.isnan(buffer).any()):
+                break
+        if bool(torch.isnan(buffer).any()):
+            raise ValueError(f"the buffer {full} of {type(module).__name__} is in no checkpoint and its model's "
+                             "_init_weights does not set it, so it cannot be recomputed after loading")
+        names.append(full)
     return names
+
+
+def _init_buffers_of(owner: PreTrainedModel, module: nn.Module, *, recurse: bool) -> None:
+    """`owner._init_weights(module)` with `module`'s parameters marked as initialised, so only buffers are written."""
+    params = list(module.parameters(recurse=recurse))
+    for p in params:
+        p._is_hf_initialized = True  # transformers' init functions skip these: only the buffers are written
+    try:
+        with torch.no_grad(), hf_init.guard_torch_init_functions():
+            owner._init_weights(module)
+    finally:
+        for p in params:
+            del p._is_hf_initialized
 
 
 def copy_model_files(source: str | Path, folder: str | Path) -> list[str]:

@@ -1,0 +1,90 @@
+"""What a run trains on, in the banner and the dry run: source, files, format, tokenizer, documents, tokens, epochs.
+
+`describe_data` takes a `DataSummary`, whoever fills it: `summarize_data` reads the files here (every
+record of a corpus up to the pre-launch scan's size, `FULL_SCAN_BYTES`; a larger one is not counted
+here and says so); a token store that knows its counts can hand its own summary to `describe_data`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from cpcompose.config import ConfigError, JobConfig
+from cpcompose.data import config_tokenizer, data_files, iter_documents, tokenizer_choice
+from cpcompose.data.corpus import FULL_SCAN_BYTES
+
+__all__ = ["DataSummary", "data_lines", "describe_data", "summarize_data"]
+
+
+@dataclass(frozen=True)
+class DataSummary:
+    """A dataset as the banner shows it."""
+
+    source: str
+    """What it is: "synthetic copy task", "text files", ..."""
+    files: tuple[str, ...] = ()
+    format: str | None = None
+    """data.format (text, completion, chat), or None for generated data."""
+    tokenizer: str | None = None
+    """Where the tokenizer comes from (a folder, a file, "byte-level"), or None for generated ids."""
+    documents: int | None = None
+    """None: not counted (say why in `note`)."""
+    tokens: int | None = None
+    note: str | None = None
+
+
+def summarize_data(config: JobConfig) -> DataSummary:
+    """The configured data, its documents and tokens counted when the corpus is small enough to read here.
+
+    Raises:
+        ConfigError: a tokenizer or a file that does not load (what the pre-launch data check raises).
+    """
+    d = config.data
+    if d.source == "synthetic":
+        what = f"synthetic {d.task} task ({d.num_symbols} symbols, generated on the fly: no files, no epochs)"
+        return DataSummary(source=what)
+    files = data_files(d.path or "")
+    choice = tokenizer_choice(config)
+    tokenizer = f"{choice.path} ({choice.key})" if choice.path else "byte-level"
+    size = sum(f.stat().st_size for f in files)
+    base = DataSummary(source=f"{d.source} files at {d.path}", files=tuple(f.name for f in files), format=d.format,
+                       tokenizer=tokenizer)
+    if size > FULL_SCAN_BYTES:
+        return replace(base, note=f"{size / 2**20:.0f} MiB: documents and tokens are counted by the ranks, not here")
+    documents = tokens = 0
+    for doc in iter_documents(config, config_tokenizer(config)):
+        documents += 1
+        tokens += len(doc.ids)
+    return replace(base, documents=documents, tokens=tokens)
+
+
+def describe_data(summary: DataSummary, config: JobConfig) -> list[str]:
+    """The banner's and the dry run's data lines."""
+    t = config.training
+    parts = [summary.source]
+    if summary.files:
+        shown = ", ".join(summary.files[:3]) + (f" and {len(summary.files) - 3} more" if len(summary.files) > 3 else "")
+        parts.append(f"{len(summary.files)} file{'s' if len(summary.files) > 1 else ''} ({shown})")
+    if summary.format is not None:
+        packed = ", packed" if config.data.pack else ""
+        parts.append(f"format {summary.format}{packed}")
+    if summary.tokenizer is not None:
+        parts.append(f"tokenizer {summary.tokenizer}")
+    lines = ["  data: " + "; ".join(parts)]
+    if summary.documents is not None and summary.tokens is not None:
+        trained = t.steps * t.batch_size * t.seq_len
+        epochs = f"{trained / summary.tokens:.2f}" if summary.tokens else "-"
+        lines.append(f"  data: {summary.documents:,} documents, {summary.tokens:,} tokens; {t.steps} steps x "
+                     f"{t.batch_size} x {t.seq_len:,} tokens = {epochs} epochs at this length")
+    if summary.note:
+        lines.append(f"  data: {summary.note}")
+    return lines
+
+
+def data_lines(config: JobConfig) -> list[str]:
+    """`describe_data(summarize_data(config))`, or the reason the data cannot be read here (a dry run before the
+    data is in place)."""
+    try:
+        return describe_data(summarize_data(config), config)
+    except ConfigError as e:
+        return [f"  data: not read here ({e})"]

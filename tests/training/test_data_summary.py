@@ -1,0 +1,27 @@
+"""The banner's and the dry run's data lines: source, files, format, tokenizer, documents, tokens, epochs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from cpcompose.config import load_config
+from cpcompose.training.data_summary import DataSummary, data_lines, describe_data, summarize_data
+from tests.support.hf_trainer import hf_args, make_model, text_corpus
+
+
+def test_a_summary_is_shown_with_its_epochs_at_this_length() -> None:
+    """The hook a token store fills: 3 steps x 2 rows x 64 tokens = 384 tokens over a 1,000-token corpus."""
+    config = load_config(["--training.seq_len=64", "--training.batch_size=2", "--training.steps=3"])
+    lines = describe_data(DataSummary(source="text files at data/", files=("a.jsonl", "b.jsonl"), format="text",
+                                      tokenizer="byte-level", documents=12, tokens=1000), config)
+    assert lines[0] == "  data: text files at data/; 2 files (a.jsonl, b.jsonl); format text; tokenizer byte-level"
+    assert lines[1] == "  data: 12 documents, 1,000 tokens; 3 steps x 2 x 64 tokens = 0.38 epochs at this length"
+
+
+def test_the_files_are_counted_and_synthetic_data_says_so(tmp_path: Path) -> None:
+    model, corpus = make_model(tmp_path / "llama", "llama"), text_corpus(tmp_path, documents=60)
+    summary = summarize_data(load_config(hf_args(model, corpus, tmp_path / "run")))
+    assert summary.documents == 60 and summary.files == ("corpus.jsonl",), summary
+    assert summary.tokens is not None and summary.tokens > 60 and summary.tokenizer == f"{model} (model.path)"
+    (line,) = data_lines(load_config([]))
+    assert line.startswith("  data: synthetic copy task") and "no files" in line, line
