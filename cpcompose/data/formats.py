@@ -69,7 +69,7 @@ class RecordReader:
         if record.file.suffix == ".txt":
             if self.format != "text":
                 raise ConfigError(f"data.format: {record.where} is a .txt file (plain text), but data.format = "
-                                  f"{self.format!r} reads records from .jsonl or .parquet files")
+                                  f"{self.format!r} reads records from .jsonl, .parquet or .arrow files")
             return [value]
         names = {"text": ["text_key"], "completion": ["prompt_key", "completion_key"], "chat": []}[self.format]
         return [self._string(record, name) for name in names]
