@@ -70,7 +70,8 @@ def write_store(dest: Path, documents: Iterable[tuple[Record, Document]], manife
     tmp.mkdir(parents=True)
     try:
         counts = _write_arrays(tmp, documents, files, dtype, progress, opener or _open)
-        manifest = {**manifest, **counts, "dtype": dtype.name, "built_unix": time.time()}
+        manifest = {**manifest, **counts, "dtype": dtype.name, "built_unix": time.time(),
+                    "build_seconds": time.monotonic() - progress.start}
         with (opener or _open)(tmp / MANIFEST) as f:
             f.write(json.dumps(manifest, indent=1).encode())
             _sync(f)

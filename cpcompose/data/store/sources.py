@@ -17,6 +17,7 @@ from cpcompose.data.store.manifest import is_store
 from cpcompose.data.store.index import PackPlan, row_index
 from cpcompose.data.store.mixture import MixtureSource, source_seed
 from cpcompose.data.store.packed import PackedSource
+from cpcompose.data.store.summary import save_length_histogram, summary_lines
 from cpcompose.data.store.tokens import TokenStore
 from cpcompose.data.text import TextSource
 from cpcompose.data.tokenizer import Tokenizer
@@ -59,6 +60,14 @@ class StoreMixture(MixtureSource):
                          "tokens": store.num_tokens, "samples_per_epoch": self.sizes[s], "share": share,
                          "epochs": None if num_samples is None else num_samples * share / self.sizes[s]})
         return rows
+
+    def report(self, num_samples: int | None, png: Path | None) -> list[str]:
+        """The banner's lines about the data; with ``png``, the length histogram drawn there (named last)."""
+        lines = summary_lines(self.summary(num_samples))
+        if png is not None:
+            save_length_histogram(self.stores, [t["path"] for t in self.tables], png)
+            lines.append(f"data lengths: {png}")
+        return lines
 
 
 def store_mixture(config: JobConfig, tokenizer: Tokenizer, *, emit: Callable[[str], None] | None = _stderr,

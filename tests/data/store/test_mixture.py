@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from cpcompose.config import ConfigError, load_config
 from cpcompose.data import TokenBatcher, build_data_source
@@ -39,6 +40,12 @@ def test_each_source_gets_its_weight_over_an_epoch_within_one_sample(tmp_path: P
     summary = source.summary(num_samples=3 * n)
     assert [round(row["share"], 2) for row in summary] == weights
     assert all(row["epochs"] == pytest.approx(3 * row["share"] * n / row["samples_per_epoch"]) for row in summary)
+    lines = source.report(3 * n, tmp_path / "lengths.png")
+    assert len(lines) == 4 and lines[0].startswith(f"data {tmp_path / 'src0'}: 20 documents, ")
+    assert f"{100 * summary[0]['share']:.1f}% of the mixture" in lines[0]
+    assert lines[-1] == f"data lengths: {tmp_path / 'lengths.png'}"
+    with Image.open(tmp_path / "lengths.png") as png:
+        assert png.format == "PNG" and png.size[0] == 800
 
 
 def test_apportion_and_schedule_are_exact_and_interleaved() -> None:
