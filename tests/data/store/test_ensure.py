@@ -3,6 +3,7 @@ built by one process while the others wait, and a prebuilt store used as it is."
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 import time
 from pathlib import Path
@@ -12,7 +13,7 @@ import pytest
 
 from cpcompose.config import ConfigError
 from cpcompose.data import ByteTokenizer, build_data_source, check_data, config_tokenizer, iter_documents
-from cpcompose.data.store import TokenStore, cached_store_folder, source_store
+from cpcompose.data.store import TokenStore, cached_store_folder, source_store, store_mixture
 from cpcompose.data.store.build import token_dtype
 from cpcompose.data.store.lock import build_lock
 from tests.support.hf_data import chat_records, tiny_tokenizer_folder, write_jsonl
@@ -91,3 +92,26 @@ def test_a_process_waits_for_the_builder_and_gives_up_after_the_timeout(tmp_path
         with pytest.raises(ConfigError, match=r"^data.store_wait_s: waited 0.3 s for another process to build"):
             source_store(str(data), cfg.data, ByteTokenizer(), store_dir=tmp_path / "s", wait_s=0.3)
     assert source_store(str(data), cfg.data, ByteTokenizer(), store_dir=tmp_path / "s", wait_s=0.3).num_docs == 1
+
+
+def _build_in_child(cfg, barrier) -> tuple[float, int]:
+    barrier.wait(timeout=60)
+    mixture = store_mixture(cfg, config_tokenizer(cfg), emit=None)
+    return mixture.stores[0].manifest["built_unix"], mixture.epoch_length
+
+
+def test_processes_starting_together_build_the_store_once(tmp_path: Path) -> None:
+    data = write_documents(tmp_path / "d" / "a.jsonl", [200] * 2000)  # long enough that the starts overlap
+    cfg = store_config(data, tmp_path / "s", "--data.pack=true")
+    ctx = mp.get_context("fork")
+    barrier = ctx.Manager().Barrier(3)
+    with ctx.Pool(3) as pool:
+        pending = [pool.apply_async(_build_in_child, (cfg, barrier)) for _ in range(3)]
+        results = [p.get(timeout=120) for p in pending]
+    assert len(set(results)) == 1  # one build (a second would have replaced it, with a later time)
+    assert leftovers(tmp_path / "s") == sorted([cached_store_folder(data, cfg.data, tmp_path / "s").name,
+                                                next(p.name for p in (tmp_path / "s").glob("index-*") if p.is_dir())])
+
+
+def leftovers(store_dir: Path) -> list[str]:
+    return sorted(p.name for p in store_dir.iterdir() if not p.name.endswith(".lock"))
