@@ -268,7 +268,8 @@ class Training:
 
 _TEXT_ONLY = {"path": None, "tokenizer": None, "eos_token": None, "format": "text", "text_key": "text",
               "prompt_key": "prompt", "completion_key": "completion", "messages_key": "messages",
-              "chat_mask": "generation", "truncate": False, "store_dir": None, "sources": []}
+              "chat_mask": "generation", "truncate": False, "store_dir": None, "sources": [],
+              "store_wait_s": 3600.0}
 """Data fields that only data.source = "text" reads, with their defaults: setting one for synthetic data is an error."""
 
 _FORMAT_ONLY = {"text_key": ("text",), "prompt_key": ("completion",), "completion_key": ("completion",),

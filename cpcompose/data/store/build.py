@@ -59,14 +59,15 @@ class Progress:
 
 def write_store(dest: Path, documents: Iterable[tuple[Record, Document]], manifest: dict[str, Any], *,
                 files: list[Path], dtype: np.dtype, progress: Progress, opener: Opener | None = None) -> None:
-    """Write ``documents`` as the store ``dest`` (which must not exist yet).
+    """Write ``documents`` as the store ``dest`` (which must not exist yet); the caller holds its build lock.
 
     Raises:
         ConfigError: writing failed (naming the folder and the OS's reason), or a record's error from
             ``documents``; either way nothing is left at ``dest`` or in the temporary folder.
     """
     tmp = dest.with_name(f".{dest.name}.building-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
+    for stale in dest.parent.glob(f".{dest.name}.building-*"):  # of a killed build (the caller holds the lock)
+        shutil.rmtree(stale, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
         counts = _write_arrays(tmp, documents, files, dtype, progress, opener or _open)

@@ -104,7 +104,8 @@ def _trained_targets(store: TokenStore, lengths: np.ndarray) -> np.ndarray:
 
 def _write(folder: Path, pieces: np.ndarray, row_starts: np.ndarray) -> None:
     tmp = folder.with_name(f".{folder.name}.building-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
+    for stale in folder.parent.glob(f".{folder.name}.building-*"):  # of a killed build (this process holds the lock)
+        shutil.rmtree(stale, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
         for name, array in (("pieces.npy", pieces), ("row_starts.npy", row_starts)):

@@ -14,7 +14,7 @@ import pytest
 
 from cpcompose.config import ConfigError
 from cpcompose.data import build_data_source, check_data
-from cpcompose.data.store import cached_store_folder
+from cpcompose.data.store import TokenStore, cached_store_folder
 from cpcompose.data.store.sources import store_mixture
 from cpcompose.data import config_tokenizer
 from tests.support.hf_data import tiny_tokenizer_folder
@@ -128,3 +128,15 @@ def test_a_record_too_long_for_a_row_names_its_line(tmp_path: Path) -> None:
     cfg = store_config(data, tmp_path / "s", "--data.format=completion")
     refused(cfg, rf"^training.seq_len: {data}:3: the record has 87 tokens, more than training.seq_len = 32")
     check_data(store_config(data, tmp_path / "s", "--data.format=completion", "--data.truncate=true"))
+
+
+def test_a_killed_builds_temporary_folder_is_never_read_and_is_cleared(tmp_path: Path) -> None:
+    data = write_documents(tmp_path / "d" / "a.jsonl", [40, 50])
+    cfg = store_config(data.parent, tmp_path / "s")
+    folder = cached_store_folder(data.parent, cfg.data, tmp_path / "s")
+    half = folder.with_name(f".{folder.name}.building-999999")  # what a SIGKILLed builder leaves
+    half.mkdir(parents=True)
+    (half / "tokens.bin").write_bytes(b"\0" * 10)
+    (half / "manifest.json").write_text("{}")
+    check_data(cfg)
+    assert leftovers(tmp_path / "s") == [folder.name] and TokenStore(folder).num_docs == 2
