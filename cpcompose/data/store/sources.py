@@ -29,7 +29,8 @@ def uses_store(config: JobConfig) -> bool:
     """Whether the text data is read through token stores: data.store_dir or [[data.sources]] set, or data.path
     naming a store."""
     d = config.data
-    return d.source == "text" and (d.store_dir is not None or bool(d.sources) or is_store(Path(d.path or "")))
+    return d.source == "text" and (d.store_dir is not None or bool(d.sources)
+                                   or (d.path is not None and is_store(Path(d.path))))
 
 
 def source_tables(config: JobConfig) -> list[dict[str, Any]]:
