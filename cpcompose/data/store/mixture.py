@@ -5,7 +5,8 @@ A mixture epoch is ``N`` samples, the sources' rows (or windows) summed. Source 
 weight's share of ``N`` rounded by largest remainder (so the shares are exact to one sample per epoch), spread
 evenly through the epoch: its ``k``-th sample sits at the ideal position ``(k + 1/2) N / n_s``. Within a source
 its samples run on through its own epochs and shuffles: a source smaller than its share repeats, a larger one
-is seen partly in each mixture epoch.
+is seen partly in each mixture epoch. The schedule costs each rank a few bytes a row (a uint16 source and the
+smallest integer type for ``k``); a single source needs none.
 """
 
 from __future__ import annotations
@@ -64,17 +65,25 @@ class MixtureSource:
         """
         if not (len(sources) == len(sizes) == len(weights)) or len({s.seq_len for s in sources}) != 1:
             raise ValueError("need one size and weight per source, and sources of one seq_len")
+        if len(sources) > 1 << 16:
+            raise ValueError(f"at most {1 << 16} sources, got {len(sources)}")
         self.sources, self.sizes, self.seq_len = list(sources), list(sizes), sources[0].seq_len
         self.epoch_length = int(sum(sizes))
         self.counts = apportion(weights, self.epoch_length)
-        self.which, self.nth = schedule(self.counts)
+        self.which: np.ndarray | None = None
+        self.nth: np.ndarray | None = None
+        if len(self.sources) > 1:  # one source is its own stream: no per-row arrays at all
+            which, nth = schedule(self.counts)
+            self.which, self.nth = which.astype(np.uint16), nth.astype(np.min_scalar_type(int(self.counts.max())))
 
     def sample(self, index: int) -> Sample:
         """The sample at global position ``index``."""
+        if self.which is None or self.nth is None:
+            return self.sources[0].sample(index)
         epoch, pos = divmod(index, self.epoch_length)
         s = int(self.which[pos])
         return self.sources[s].sample(epoch * int(self.counts[s]) + int(self.nth[pos]))
 
     def source_of(self, index: int) -> int:
         """Which source global sample ``index`` comes from."""
-        return int(self.which[index % self.epoch_length])
+        return 0 if self.which is None else int(self.which[index % self.epoch_length])
