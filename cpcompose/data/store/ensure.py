@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -61,9 +62,12 @@ def source_store(path: str, data: Data, tokenizer: Tokenizer, *, store_dir: Path
     if store_dir is None:
         raise ConfigError(f"data.store_dir: needed to keep the token store of {source}")
     folder = cached_store_folder(source, data, store_dir)
-    if is_store(folder) and stale_reason(read_manifest(folder), fingerprint=fingerprint, options=options,
-                                         files=files) is None:
-        return TokenStore(folder)
+    try:  # the common case, without waiting for the lock
+        if is_store(folder) and stale_reason(read_manifest(folder), fingerprint=fingerprint, options=options,
+                                             files=files) is None:
+            return TokenStore(folder)
+    except ConfigError:  # perhaps replaced while read: decided again under the lock, which raises what persists
+        pass
     with build_lock(folder, timeout_s=wait_s):
         reason = "it is not built yet"
         if is_store(folder):  # built (or changed again) while this process waited
@@ -72,7 +76,9 @@ def source_store(path: str, data: Data, tokenizer: Tokenizer, *, store_dir: Path
                 return TokenStore(folder)
             if emit is not None:
                 emit(f"token store {folder}: rebuilding, {reason}")
-            shutil.rmtree(folder)
+            aside = folder.with_name(f".{folder.name}.stale-{os.getpid()}")
+            os.replace(folder, aside)  # gone from its name at once: no reader sees it half deleted
+            shutil.rmtree(aside)
         _build(folder, source, files, data, tokenizer, fingerprint, options, emit, opener)
     return TokenStore(folder)
 
