@@ -15,6 +15,7 @@ from cpcompose.data.encoding import encoded_documents
 from cpcompose.data.formats import RecordReader
 from cpcompose.data.records import data_files, iter_records
 from cpcompose.data.store.build import Opener, Progress, token_dtype, write_store
+from cpcompose.data.store.index import index_prefix
 from cpcompose.data.store.lock import build_lock
 from cpcompose.data.store.manifest import (
     file_stamps,
@@ -79,6 +80,9 @@ def source_store(path: str, data: Data, tokenizer: Tokenizer, *, store_dir: Path
             aside = folder.with_name(f".{folder.name}.stale-{os.getpid()}")
             os.replace(folder, aside)  # gone from its name at once: no reader sees it half deleted
             shutil.rmtree(aside)
+            for index in folder.parent.glob(f"{index_prefix(folder)}*"):  # the old store's rows (not their locks)
+                if index.is_dir():
+                    shutil.rmtree(index, ignore_errors=True)
         _build(folder, source, files, data, tokenizer, fingerprint, options, emit, opener)
     return TokenStore(folder)
 

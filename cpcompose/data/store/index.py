@@ -23,7 +23,7 @@ from cpcompose.data.store.lock import build_lock
 from cpcompose.data.store.packing import best_fit_rows, pieces_of
 from cpcompose.data.store.tokens import TokenStore
 
-__all__ = ["PackPlan", "RowIndex", "row_index"]
+__all__ = ["PackPlan", "RowIndex", "index_prefix", "row_index"]
 
 
 @dataclass(frozen=True)
@@ -36,9 +36,15 @@ class PackPlan:
     long_doc_repeat: int = 1
 
     def key(self, store: TokenStore) -> str:
-        """The index folder's name: this plan for this build of the store."""
+        """The index folder's name: the store's, then a digest of this plan and this build of the store (a rebuilt
+        store's old indexes are found by the name and removed)."""
         text = json.dumps([self.__dict__, store.manifest["built_unix"], store.manifest["tokenizer"]], sort_keys=True)
-        return "index-" + hashlib.sha256(text.encode()).hexdigest()[:16]
+        return f"{index_prefix(store.folder)}{hashlib.sha256(text.encode()).hexdigest()[:16]}"
+
+
+def index_prefix(store_folder: Path) -> str:
+    """How the names of a store's sample indexes start."""
+    return f"{store_folder.name}.index-"
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,9 @@ def test_a_store_is_built_once_reused_and_rebuilt_when_a_source_changes(tmp_path
     docs = [d.ids for d in iter_documents(cfg, ByteTokenizer())]  # what the in-memory corpus reads
     assert [first.tokens[a:b].tolist() for a, b in zip(first.offsets[:-1], first.offsets[1:])] == docs
     built = first.manifest["built_unix"]
+    packed = store_config(data.parent, tmp_path / "s", "--data.pack=true")
+    store_mixture(packed, config_tokenizer(packed), emit=None)  # a sample index of this build
+    assert len([p for p in (tmp_path / "s").glob("*.index-*") if p.is_dir()]) == 1
     assert _open(cfg, lines).manifest["built_unix"] == built and not any("rebuilding" in x for x in lines)
     write_documents(data, [10, 20, 31])
     os.utime(data, ns=(time.time_ns(), time.time_ns() + 10**9))  # a later mtime even on a coarse clock
@@ -41,7 +44,7 @@ def test_a_store_is_built_once_reused_and_rebuilt_when_a_source_changes(tmp_path
     assert again.lengths().tolist() == [12, 22, 33] and again.manifest["built_unix"] != built
     assert any(f"rebuilding, {data.resolve()} changed" in x for x in lines)
     assert sorted(p.name for p in (tmp_path / "s").iterdir() if not p.name.endswith(".lock")) == [
-        cached_store_folder(data.parent, cfg.data, tmp_path / "s").name]  # the old one replaced, no leftovers
+        cached_store_folder(data.parent, cfg.data, tmp_path / "s").name]  # the old one and its index gone
 
 
 def test_another_tokenizer_rebuilds_the_cached_store_and_says_so(tmp_path: Path) -> None:
@@ -110,7 +113,7 @@ def test_processes_starting_together_build_the_store_once(tmp_path: Path) -> Non
         results = [p.get(timeout=120) for p in pending]
     assert len(set(results)) == 1  # one build (a second would have replaced it, with a later time)
     assert leftovers(tmp_path / "s") == sorted([cached_store_folder(data, cfg.data, tmp_path / "s").name,
-                                                next(p.name for p in (tmp_path / "s").glob("index-*") if p.is_dir())])
+                                                next(p.name for p in (tmp_path / "s").glob("*.index-*") if p.is_dir())])
 
 
 def leftovers(store_dir: Path) -> list[str]:
