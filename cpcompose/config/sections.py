@@ -296,7 +296,8 @@ def _source_table(index: int, entry: object) -> dict:
     long, repeat = table["long_doc_tokens"], table["long_doc_repeat"]
     require(long is None or (isinstance(long, int) and long >= 1), f"{key}.long_doc_tokens",
             f"must be a positive integer, got {long!r}")
-    require(isinstance(repeat, int) and repeat >= 1, f"{key}.long_doc_repeat", f"must be an integer >= 1, got {repeat!r}")
+    require(isinstance(repeat, int) and repeat >= 1, f"{key}.long_doc_repeat",
+            f"must be an integer >= 1, got {repeat!r}")
     require(repeat == 1 or long is not None, f"{key}.long_doc_repeat", "needs long_doc_tokens (which documents)")
     return {**table, "weight": float(weight)}
 

@@ -4,9 +4,9 @@ A .txt file is one record (its whole text; one above TXT_PART_BYTES is read in p
 at line breaks, each a record), a .jsonl file one record per non-blank line (a JSON object), a .parquet file
 one record per row (a dict of its columns; needs pyarrow), an .arrow file (what `datasets`' save_to_disk
 writes) one record per row too, a folder the files under it, recursively, in sorted order so every rank reads
-the same corpus. Every file is read streaming: memory does not grow with its size. Problems are ConfigErrors naming the file
-(and line or row): an empty file, a file that is not UTF-8, a line that is not a JSON object, a parquet file
-that cannot be read.
+the same corpus. Every file is read streaming: memory does not grow with its size. Problems are ConfigErrors
+naming the file (and line or row): an empty file, a file that is not UTF-8, a line that is not a JSON object, a
+parquet or arrow file that cannot be read.
 """
 
 from __future__ import annotations

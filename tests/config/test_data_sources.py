@@ -27,8 +27,8 @@ def test_sources_on_the_command_line_are_json() -> None:
 
 
 @pytest.mark.parametrize(("argv", "message"), [
-    (["--data.path=x", '--data.sources=[{"path": "a"}]'], r"^data.path: required when data.source = 'text', "
-                                                          r"unless \[\[data.sources\]\] lists the sources \(not both\)"),
+    (["--data.path=x", '--data.sources=[{"path": "a"}]'],
+     r"^data.path: required when data.source = 'text', unless \[\[data.sources\]\] lists the sources \(not both\)"),
     (["--data.source=text", '--data.sources=[{"path": "a"}]'], r"^data.sources: a mixture is read from token stores"),
     (['--data.sources=[{"path": "a", "wieght": 2}]'], r"^data.sources\[0\]: unknown key\(s\) wieght"),
     (['--data.sources=[{"path": "a"}, {"path": "b", "weight": 0}]'], r"^data.sources\[1\].weight: must be a positive"),

@@ -72,7 +72,8 @@ def read_manifest(folder: Path) -> dict[str, Any]:
                           "(scripts/build_token_store.py)") from None
     if not isinstance(manifest, dict) or manifest.get("kind") != _KIND:
         raise ConfigError(f"data.path: {folder} is not a cpcompose token store ({path} was written by something "
-                          "else); point data.path at the data files or at a store built by scripts/build_token_store.py")
+                          "else); point data.path at the data files or at a store built by "
+                          "scripts/build_token_store.py")
     if manifest.get("version") != VERSION:
         raise ConfigError(f"data.path: the token store {folder} has version {manifest.get('version')}, this "
                           f"cpcompose reads version {VERSION}; rebuild it (scripts/build_token_store.py)")

@@ -28,7 +28,8 @@ def test_the_script_builds_the_stores_and_a_bad_path_exits_2(tmp_path: Path, cap
             "--training.seq_len=32"]
     assert run_script([*argv, "--histogram", str(tmp_path / "h.png")]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0].startswith(f"data {data}: 3 documents, 126 tokens") and out[1] == f"data lengths: {tmp_path / 'h.png'}"
+    assert out[0].startswith(f"data {data}: 3 documents, 126 tokens")
+    assert out[1] == f"data lengths: {tmp_path / 'h.png'}"
     folder = Path(out[2].split()[1].rstrip(":"))
     assert TokenStore(folder).num_tokens == 126 and (tmp_path / "h.png").is_file()
     assert run_script(["--data.source=text", f"--data.path={tmp_path / 'none'}", f"--data.store_dir={tmp_path}"]) == 2

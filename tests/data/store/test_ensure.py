@@ -118,3 +118,17 @@ def test_processes_starting_together_build_the_store_once(tmp_path: Path) -> Non
 
 def leftovers(store_dir: Path) -> list[str]:
     return sorted(p.name for p in store_dir.iterdir() if not p.name.endswith(".lock"))
+
+
+def test_the_progress_line_gives_text_read_tokens_per_second_and_time_left() -> None:
+    from cpcompose.data.store.build import Progress
+
+    lines: list[str] = []
+    progress = Progress("data/web", 4 << 20, lines.append, every_s=0.0)
+    progress.update(1 << 20, 300_000)
+    progress.update(4 << 20, 1_200_000, final=True)
+    assert lines[0].startswith("token store data/web: 1.0 of 4.0 MiB of text, 300,000 tokens, ")
+    assert " tokens/s, about " in lines[0] and lines[0].endswith(" s left")
+    assert lines[1].startswith("token store data/web: 4.0 of 4.0 MiB of text, 1,200,000 tokens, ")
+    assert " done in " in lines[1]
+    Progress("quiet", 1, None).update(1, 1, final=True)  # no emitter: nothing printed, nothing raised
