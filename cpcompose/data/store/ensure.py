@@ -65,14 +65,15 @@ def source_store(path: str, data: Data, tokenizer: Tokenizer, *, store_dir: Path
     folder = cached_store_folder(source, data, store_dir)
     try:  # the common case, without waiting for the lock
         if is_store(folder) and stale_reason(read_manifest(folder), fingerprint=fingerprint, options=options,
-                                             files=files) is None:
+                                             files=files, store=folder) is None:
             return TokenStore(folder)
     except ConfigError:  # perhaps replaced while read: decided again under the lock, which raises what persists
         pass
     with build_lock(folder, timeout_s=wait_s):
         reason = "it is not built yet"
         if is_store(folder):  # built (or changed again) while this process waited
-            reason = stale_reason(read_manifest(folder), fingerprint=fingerprint, options=options, files=files)
+            reason = stale_reason(read_manifest(folder), fingerprint=fingerprint, options=options, files=files,
+                                  store=folder)
             if reason is None:
                 return TokenStore(folder)
             if emit is not None:

@@ -15,8 +15,8 @@ from typing import Any
 from cpcompose.config import ConfigError, Data
 from cpcompose.data.tokenizer import Tokenizer
 
-__all__ = ["MANIFEST", "VERSION", "file_stamps", "format_options", "is_store", "read_manifest", "stale_reason",
-           "tokenizer_fingerprint"]
+__all__ = ["MANIFEST", "VERSION", "file_stamps", "format_options", "is_store", "new_manifest", "read_manifest",
+           "stale_reason", "tokenizer_fingerprint"]
 
 MANIFEST = "manifest.json"
 VERSION = 1
@@ -90,7 +90,7 @@ def new_manifest(*, source: str, stamps: list[dict[str, Any]], fingerprint: str,
 
 
 def stale_reason(manifest: dict[str, Any], *, fingerprint: str, options: dict[str, Any],
-                 files: list[Path] | None) -> str | None:
+                 files: list[Path] | None, store: Path) -> str | None:
     """Why a store no longer matches its sources, tokenizer or options (a rebuild fixes it), or None.
 
     ``files`` None skips the source check (a prebuilt store whose sources stayed on another machine).
@@ -106,9 +106,9 @@ def stale_reason(manifest: dict[str, Any], *, fingerprint: str, options: dict[st
         return None
     for stamp in manifest["files"]:
         if not Path(stamp["path"]).exists():
-            raise ConfigError(f"data.path: {stamp['path']} was deleted after the token store "
-                              f"{manifest['source']} was built from it; restore it, or point data.path at the files "
-                              "you have (the store is rebuilt)")
+            raise ConfigError(f"data.path: {stamp['path']} was deleted after the token store of "
+                              f"{manifest['source']} was built from it; restore it, or delete {store} to rebuild "
+                              "it from the files there now")
     now = file_stamps(files)
     if now != manifest["files"]:
         before = {s["path"]: s for s in manifest["files"]}

@@ -68,7 +68,10 @@ def test_a_source_deleted_after_the_build_is_named(tmp_path: Path) -> None:
     cfg = store_config(data.parent, tmp_path / "s")
     check_data(cfg)
     data.unlink()
-    refused(cfg, rf"^data.path: {data.resolve()} was deleted after the token store {data.parent} was built")
+    folder = cached_store_folder(data.parent, cfg.data, tmp_path / "s")
+    refused(cfg, rf"^data.path: {data.resolve()} was deleted after the token store of {data.parent} was built from "
+                 rf"it; restore it, or delete {folder} to rebuild it from the files there now$")
+    assert TokenStore(folder).num_docs == 3  # the store itself is left as it was
 
 
 class FullDisk:
