@@ -93,7 +93,7 @@ def _convert(key: str, value: Any, tp: Any, *, from_text: bool = True) -> Any:
         require(isinstance(items, (list, tuple)) and len(items) == len(args), key,
                  f"expected {len(args)} comma-separated values, got {value!r}")
         return tuple(_convert(key, v, a, from_text=isinstance(value, str)) for v, a in zip(items, args))
-    if tp is dict and isinstance(value, str) and from_text:  # a table on the command line: JSON
+    if tp in (dict, list) and isinstance(value, str) and from_text:  # a table or array on the command line: JSON
         try:
             value = json.loads(value)
         except ValueError as e:

@@ -8,7 +8,7 @@ starts with the key to change.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -268,12 +268,38 @@ class Training:
 
 _TEXT_ONLY = {"path": None, "tokenizer": None, "eos_token": None, "format": "text", "text_key": "text",
               "prompt_key": "prompt", "completion_key": "completion", "messages_key": "messages",
-              "chat_mask": "generation", "truncate": False}
+              "chat_mask": "generation", "truncate": False, "store_dir": None, "sources": [],
+              "store_wait_s": 3600.0}
 """Data fields that only data.source = "text" reads, with their defaults: setting one for synthetic data is an error."""
 
 _FORMAT_ONLY = {"text_key": ("text",), "prompt_key": ("completion",), "completion_key": ("completion",),
                 "messages_key": ("chat",), "chat_mask": ("chat",), "truncate": ("completion", "chat")}
 """Data fields that only some data.format values read."""
+
+
+_SOURCE_KEYS = {"path": None, "weight": 1.0, "long_doc_tokens": None, "long_doc_repeat": 1}
+"""The keys of one [[data.sources]] table, with their defaults (path is required)."""
+
+
+def _source_table(index: int, entry: object) -> dict:
+    """One [[data.sources]] table, checked and completed with the defaults."""
+    key = f"data.sources[{index}]"
+    require(isinstance(entry, dict), key, f"must be a table such as {{path = \"a/\", weight = 1}}, got {entry!r}")
+    assert isinstance(entry, dict)
+    unknown = sorted(set(entry) - set(_SOURCE_KEYS))
+    require(not unknown, key, f"unknown key(s) {', '.join(unknown)}; a source has {', '.join(_SOURCE_KEYS)}")
+    table = {**_SOURCE_KEYS, **entry}
+    require(isinstance(table["path"], str) and table["path"] != "", f"{key}.path", "required: a file or folder")
+    weight = table["weight"]
+    require(isinstance(weight, (int, float)) and not isinstance(weight, bool) and 0 < weight < float("inf"),
+            f"{key}.weight", f"must be a positive number, got {weight!r}")
+    long, repeat = table["long_doc_tokens"], table["long_doc_repeat"]
+    require(long is None or (isinstance(long, int) and long >= 1), f"{key}.long_doc_tokens",
+            f"must be a positive integer, got {long!r}")
+    require(isinstance(repeat, int) and repeat >= 1, f"{key}.long_doc_repeat",
+            f"must be an integer >= 1, got {repeat!r}")
+    require(repeat == 1 or long is not None, f"{key}.long_doc_repeat", "needs long_doc_tokens (which documents)")
+    return {**table, "weight": float(weight)}
 
 
 @dataclass
@@ -287,7 +313,8 @@ class Data:
     (key/value pairs queried at the end; harder). Both need attention across CP shards to be solved."""
     path: str | None = None
     """A .txt file (one document), a .jsonl file (one JSON object per line), a .parquet file (one record per row;
-    needs pyarrow) or a folder of them (read recursively in sorted order)."""
+    needs pyarrow) or a folder of them (read recursively in sorted order; also the .arrow shards of a dataset
+    saved with `datasets`' save_to_disk), or a token store built by scripts/build_token_store.py."""
     format: Literal["text", "completion", "chat"] = "text"
     """text: documents for continued pretraining, loss on every token; completion: {prompt, completion} records,
     loss on the completion and its EOS; chat: {messages: [{role, content}, ...]} records rendered with the
@@ -328,9 +355,26 @@ class Data:
     """Synthetic recall: fraction of the sequence that holds the pairs; 0.5 puts keys on every zigzag cp rank."""
     filler: Literal["random", "constant"] = "random"
     """Synthetic recall: tokens between pairs; constant makes the task easier to learn."""
+    store_dir: str | None = None
+    """Folder of token stores: each source is tokenized once into a memory-mapped store there (rebuilt when a
+    source file or the tokenizer changes) and every rank reads only its samples; packed rows are filled by best
+    fit. Unset: the corpus is tokenized in memory on every rank at every start (modest corpora only)."""
+    sources: list = field(default_factory=list)
+    """A mixture, instead of data.path: [[data.sources]] tables with path (files, a folder, or a token store
+    built by scripts/build_token_store.py), weight (share of the samples, default 1; normalized), and for packed
+    data long_doc_tokens / long_doc_repeat (documents at least that long are packed repeat times: the
+    long-context upsampling recipe). Needs data.store_dir. On the command line, JSON:
+    --data.sources='[{"path": "a/", "weight": 0.7}, {"path": "b/", "weight": 0.3}]'."""
+    store_wait_s: float = 3600.0
+    """How long a process waits for another one's build of the same token store before giving up."""
 
     def __post_init__(self) -> None:
-        require(self.source != "text" or self.path is not None, "data.path", "required when data.source = 'text'")
+        require(self.source != "text" or (self.path is None) != (not self.sources), "data.path",
+                "required when data.source = 'text', unless [[data.sources]] lists the sources (not both)")
+        require(not self.sources or self.store_dir is not None, "data.sources",
+                "a mixture is read from token stores: set data.store_dir (a folder for them)")
+        self.sources = [_source_table(i, entry) for i, entry in enumerate(self.sources)]
+        require(self.store_wait_s > 0, "data.store_wait_s", f"must be > 0, got {self.store_wait_s}")
         require(not self.pack or self.source == "text", "data.pack", "only applies to data.source = 'text'")
         for name, default in _TEXT_ONLY.items():  # ignored by synthetic data: say so rather than drop it
             require(self.source == "text" or getattr(self, name) == default, f"data.{name}",

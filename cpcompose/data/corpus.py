@@ -11,8 +11,10 @@ from dataclasses import replace
 
 from cpcompose.config import ConfigError, JobConfig
 from cpcompose.data.batch import SampleSource
-from cpcompose.data.formats import Document, RecordReader
-from cpcompose.data.records import Record, data_files, iter_records
+from cpcompose.data.encoding import encoded_documents
+from cpcompose.data.formats import Document, RecordReader, record_too_long
+from cpcompose.data.records import data_files, iter_records
+from cpcompose.data.store.sources import store_mixture, uses_store
 from cpcompose.data.supervised import SupervisedSource
 from cpcompose.data.text import TextSource, short_corpus_error
 from cpcompose.data.tokenizer import Tokenizer
@@ -25,8 +27,6 @@ BPE tokenizer or a chat template managed on two shared CPU cores (measured; more
 SAMPLE_RECORDS = 1000
 """Above it, the pre-launch scan checks this many records of each file; the ranks check the rest as they load."""
 
-_ENCODE_BATCH = 256  # texts per tokenizer call
-
 
 def iter_documents(config: JobConfig, tokenizer: Tokenizer, *, limit_per_file: int | None = None) -> Iterator[Document]:
     """The documents of ``config.data`` in order, each checked against its format and, for records, against
@@ -36,35 +36,19 @@ def iter_documents(config: JobConfig, tokenizer: Tokenizer, *, limit_per_file: i
         ConfigError: naming the file, the line or row, and the key to change.
     """
     reader = RecordReader(config.data, tokenizer)
-    pending: list[tuple[Record, list[str]]] = []
-    for record in iter_records(data_files(config.data.path or ""), limit_per_file=limit_per_file):
-        pending.append((record, reader.texts(record)))
-        if len(pending) == _ENCODE_BATCH:
-            yield from _encoded(reader, pending, config)
-            pending = []
-    yield from _encoded(reader, pending, config)
-
-
-def _encoded(reader: RecordReader, pending: list[tuple[Record, list[str]]], config: JobConfig) -> Iterator[Document]:
-    flat = [t for _, texts in pending for t in texts]
-    encoded = reader.tokenizer.encode_batch(flat) if flat else []
-    at = 0
-    for record, texts in pending:
-        doc = reader.document(record, encoded[at : at + len(texts)])
-        at += len(texts)
-        if doc.trained is None or (doc := _fit(doc, config)) is not None:
+    records = iter_records(data_files(config.data.path or ""), limit_per_file=limit_per_file)
+    for _, doc in encoded_documents(reader, records):
+        if doc.trained is None or (doc := fit_record(doc, config)) is not None:
             yield doc
 
 
-def _fit(doc: Document, config: JobConfig) -> Document | None:
+def fit_record(doc: Document, config: JobConfig) -> Document | None:
     """A record as long as a row at most: the policy of data.truncate."""
     seq_len = config.training.seq_len
     assert doc.trained is not None
     if len(doc.ids) > seq_len:
         if not config.data.truncate:
-            raise ConfigError(f"training.seq_len: {doc.where}: the record has {len(doc.ids)} tokens, more than "
-                              f"training.seq_len = {seq_len}; raise training.seq_len, shorten the record, or set "
-                              "data.truncate = true (keeps its first training.seq_len tokens)")
+            raise record_too_long(doc.where, len(doc.ids), seq_len)
         doc = replace(doc, ids=doc.ids[:seq_len], trained=doc.trained[:seq_len])
     return doc if any(doc.trained[1:]) else None  # the first id is predicted by nothing in its document
 
@@ -76,6 +60,8 @@ def build_corpus_source(config: JobConfig, tokenizer: Tokenizer) -> SampleSource
         ConfigError: a bad file or record, a corpus shorter than one window, or no record to train on.
     """
     d, t = config.data, config.training
+    if uses_store(config):
+        return store_mixture(config, tokenizer)
     docs = iter_documents(config, tokenizer)
     if d.format == "text":
         return TextSource.from_documents((doc.ids for doc in docs), seq_len=t.seq_len, seed=config.job.seed,
@@ -96,6 +82,9 @@ def check_corpus(config: JobConfig, tokenizer: Tokenizer) -> None:
         ConfigError: what :func:`build_corpus_source` would raise (for the records scanned).
     """
     d, seq_len = config.data, config.training.seq_len
+    if uses_store(config):  # builds every store and sample index here, once, before any rank starts
+        store_mixture(config, tokenizer)
+        return
     size = sum(f.stat().st_size for f in data_files(d.path or ""))
     limit = None if size <= FULL_SCAN_BYTES else SAMPLE_RECORDS
     count = sum(len(doc.ids) for doc in iter_documents(config, tokenizer, limit_per_file=limit))

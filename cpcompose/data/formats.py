@@ -15,7 +15,7 @@ from cpcompose.data.pretrained import PretrainedTokenizer
 from cpcompose.data.records import Record
 from cpcompose.data.tokenizer import Tokenizer
 
-__all__ = ["CHAT_ROLES", "Document", "Format", "RecordReader"]
+__all__ = ["CHAT_ROLES", "Document", "Format", "RecordReader", "record_too_long"]
 
 Format = Literal["text", "completion", "chat"]
 
@@ -32,6 +32,13 @@ class Document:
     """Per id, whether it is a target (predicted from the id before it); None: every id is (plain text)."""
     where: str
     """The record's file and line/row, for errors raised after tokenizing (too long, nothing to train)."""
+
+
+def record_too_long(where: str, tokens: int, seq_len: int) -> ConfigError:
+    """The error for a completion/chat record longer than a row without data.truncate."""
+    return ConfigError(f"training.seq_len: {where}: the record has {tokens} tokens, more than training.seq_len = "
+                       f"{seq_len}; raise training.seq_len, shorten the record, or set data.truncate = true (keeps "
+                       "its first training.seq_len tokens)")
 
 
 class RecordReader:
@@ -62,7 +69,7 @@ class RecordReader:
         if record.file.suffix == ".txt":
             if self.format != "text":
                 raise ConfigError(f"data.format: {record.where} is a .txt file (plain text), but data.format = "
-                                  f"{self.format!r} reads records from .jsonl or .parquet files")
+                                  f"{self.format!r} reads records from .jsonl, .parquet or .arrow files")
             return [value]
         names = {"text": ["text_key"], "completion": ["prompt_key", "completion_key"], "chat": []}[self.format]
         return [self._string(record, name) for name in names]

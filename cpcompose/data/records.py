@@ -1,10 +1,12 @@
 """Data files read record by record, each record knowing where it came from.
 
-A .txt file is one record (its whole text), a .jsonl file one record per non-blank line (a JSON object), a
-.parquet file one record per row (a dict of its columns; needs pyarrow), a folder the files under it,
-recursively, in sorted order so every rank reads the same corpus. Problems are ConfigErrors naming the file
-(and line or row): an empty file, a file that is not UTF-8, a line that is not a JSON object, a parquet file
-that cannot be read.
+A .txt file is one record (its whole text; one above TXT_PART_BYTES is read in parts of about that size, cut
+at line breaks, each a record), a .jsonl file one record per non-blank line (a JSON object), a .parquet file
+one record per row (a dict of its columns; needs pyarrow), an .arrow file (what `datasets`' save_to_disk
+writes) one record per row too, a folder the files under it, recursively, in sorted order so every rank reads
+the same corpus. Every file is read streaming: memory does not grow with its size. Problems are ConfigErrors
+naming the file (and line or row): an empty file, a file that is not UTF-8, a line that is not a JSON object, a
+parquet or arrow file that cannot be read.
 """
 
 from __future__ import annotations
@@ -19,7 +21,10 @@ from cpcompose.config import ConfigError
 
 __all__ = ["SUFFIXES", "Record", "data_files", "iter_records"]
 
-SUFFIXES = (".txt", ".jsonl", ".parquet")
+SUFFIXES = (".txt", ".jsonl", ".parquet", ".arrow")
+
+TXT_PART_BYTES = 64 << 20
+"""A .txt file larger than this is read as parts of about this size (cut after a line break), each a document."""
 
 _PARQUET_BATCH = 1024  # rows converted to Python at a time
 
@@ -30,7 +35,7 @@ class Record:
 
     file: Path
     number: int
-    """1-based line of a .jsonl file or row of a .parquet file; 1 for a .txt file."""
+    """1-based line of a .jsonl file, row of a .parquet/.arrow file, or part of a .txt file (1 for most)."""
     value: Any
     """A .txt file's text; a JSON value (an object, unless the file is malformed); a parquet row as a dict."""
 
@@ -39,7 +44,9 @@ class Record:
         """``file`` (txt), ``file:line`` (jsonl) or ``file row n`` (parquet), for error messages."""
         if self.file.suffix == ".jsonl":
             return f"{self.file}:{self.number}"
-        return f"{self.file} row {self.number}" if self.file.suffix == ".parquet" else str(self.file)
+        if self.file.suffix == ".txt":
+            return str(self.file) if self.number == 1 else f"{self.file} part {self.number}"
+        return f"{self.file} row {self.number}"
 
 
 def data_files(path: str | Path) -> list[Path]:
@@ -50,14 +57,19 @@ def data_files(path: str | Path) -> list[Path]:
     """
     path = Path(path)
     if path.is_dir():
+        if (path / "dataset_dict.json").is_file():
+            raise ConfigError(f"data.path: {path} holds several splits (a DatasetDict saved with save_to_disk); point "
+                              f"data.path at one of them, e.g. {path / 'train'}")
         files = sorted(p for p in path.rglob("*") if p.suffix in SUFFIXES and p.is_file())
         if not files:
-            raise ConfigError(f"data.path: no {', '.join(SUFFIXES)} files under {path}")
+            raise ConfigError(f"data.path: no {', '.join(SUFFIXES[:-1])} files under {path} (nor {SUFFIXES[-1]} "
+                              "shards of a dataset saved with `datasets`' save_to_disk)")
         return files
     if not path.is_file():
         raise ConfigError(f"data.path: {path} does not exist")
     if path.suffix not in SUFFIXES:
-        raise ConfigError(f"data.path: {path} is not a {', '.join(SUFFIXES)} file (or a folder of them)")
+        raise ConfigError(f"data.path: {path} is not a {', '.join(SUFFIXES[:-1])} file (nor a {SUFFIXES[-1]} shard of "
+                          "`datasets`' save_to_disk), or a folder of them")
     return [path]
 
 
@@ -68,7 +80,7 @@ def iter_records(files: list[Path], *, limit_per_file: int | None = None) -> Ite
         ConfigError: naming data.path and the file (and line or row).
     """
     for file in files:
-        read = {".txt": _txt, ".jsonl": _jsonl, ".parquet": _parquet}[file.suffix]
+        read = {".txt": _txt, ".jsonl": _jsonl, ".parquet": _parquet, ".arrow": _arrow}[file.suffix]
         for count, record in enumerate(read(file), 1):
             yield record
             if limit_per_file is not None and count >= limit_per_file:
@@ -76,15 +88,23 @@ def iter_records(files: list[Path], *, limit_per_file: int | None = None) -> Ite
 
 
 def _txt(file: Path) -> Iterator[Record]:
-    raw = file.read_bytes()
-    if not raw.strip():
+    with file.open("rb") as f:
+        part, start = 0, 0
+        while raw := f.read(TXT_PART_BYTES):
+            if len(raw) == TXT_PART_BYTES:
+                raw += f.readline()  # end at a line break: never inside a UTF-8 character
+            part += 1
+            if part == 1 and len(raw) < TXT_PART_BYTES and not raw.strip():
+                raise ConfigError(f"data.path: {file} is empty; delete it or give it text")
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ConfigError(f"data.path: {file} is not UTF-8 text (byte {start + e.start}); cpcompose reads "
+                                  "UTF-8 .txt/.jsonl files and .parquet/.arrow files") from None
+            start += len(raw)
+            yield Record(file, part, text)
+    if part == 0:
         raise ConfigError(f"data.path: {file} is empty; delete it or give it text")
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"data.path: {file} is not UTF-8 text (byte {e.start}); cpcompose reads UTF-8 .txt/.jsonl "
-                          "files and .parquet files") from None
-    yield Record(file, 1, text)
 
 
 def _jsonl(file: Path) -> Iterator[Record]:
@@ -129,3 +149,22 @@ def _parquet(file: Path) -> Iterator[Record]:
                 yield Record(file, row, value)
     except (ArrowException, OSError) as e:
         raise ConfigError(f"data.path: {file} row {row + 1} cannot be read ({e})") from None
+
+
+def _arrow(file: Path) -> Iterator[Record]:
+    """An Arrow stream file, as `datasets`' save_to_disk writes its shards."""
+    try:
+        import pyarrow as pa
+    except ImportError:
+        raise ConfigError(f"data.path: {file} is an .arrow file, which needs pyarrow: pip install pyarrow") from None
+    row = 0
+    try:
+        with pa.memory_map(str(file)) as source:
+            for batch in pa.ipc.open_stream(source):
+                for value in batch.to_pylist():
+                    row += 1
+                    yield Record(file, row, value)
+    except (pa.ArrowException, OSError) as e:
+        raise ConfigError(f"data.path: {file} row {row + 1} cannot be read as an Arrow stream ({e})") from None
+    if row == 0:
+        raise ConfigError(f"data.path: {file} holds no records (0 rows); delete it or fill it")

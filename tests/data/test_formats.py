@@ -225,7 +225,7 @@ def test_a_record_that_does_not_fit_the_format_names_file_line_and_key(tmp_path:
 def test_a_txt_file_is_plain_text_only(tmp_path: Path) -> None:
     (tmp_path / "a.txt").write_text("some text")
     with pytest.raises(ConfigError, match=r"^data.format: .*a.txt is a .txt file \(plain text\), but data.format = "
-                                          r"'chat' reads records from .jsonl or .parquet files"):
+                                          r"'chat' reads records from .jsonl, .parquet or .arrow files"):
         check_data(config(tmp_path / "a.txt", "--data.format=chat"))
 
 

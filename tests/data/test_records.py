@@ -1,4 +1,4 @@
-"""cpcompose.data.records: .txt, .jsonl, .parquet and folders read record by record, every problem named."""
+"""cpcompose.data.records: .txt, .jsonl, .parquet, .arrow (datasets' save_to_disk) and folders read record by record, every problem named."""
 
 from __future__ import annotations
 
@@ -71,3 +71,26 @@ def test_parquet_without_pyarrow_says_how_to_install_it(tmp_path: Path, monkeypa
     with pytest.raises(ConfigError, match=r"^data.path: .*t.parquet is a .parquet file, which needs pyarrow: "
                                           r"pip install pyarrow"):
         read(tmp_path / "t.parquet")
+
+
+def test_a_dataset_saved_with_save_to_disk_is_read_row_by_row(tmp_path: Path) -> None:
+    import datasets  # the test extra has it; the reader itself needs only pyarrow
+    rows = [{"text": "first"}, {"text": "second"}, {"text": "third"}]
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
+    records = read(tmp_path / "saved")
+    assert [r.value for r in records] == rows and records[1].where.endswith(".arrow row 2")
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows)}).save_to_disk(str(tmp_path / "splits"))
+    with pytest.raises(ConfigError, match=r"^data.path: .*splits holds several splits .* e.g. .*splits/train$"):
+        read(tmp_path / "splits")
+
+
+def test_a_large_txt_file_is_read_in_parts_cut_at_line_breaks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import cpcompose.data.records as records
+
+    monkeypatch.setattr(records, "TXT_PART_BYTES", 10)
+    text = "ab\ncdefghijkl\nmnopé\nqrstuvwxyz0123\n"
+    (tmp_path / "big.txt").write_text(text)
+    parts = read(tmp_path / "big.txt")
+    assert "".join(p.value for p in parts) == text and all(p.value.endswith("\n") for p in parts)
+    assert [p.number for p in parts] == list(range(1, len(parts) + 1)) and len(parts) > 1
+    assert parts[1].where == f"{tmp_path / 'big.txt'} part 2"

@@ -1,0 +1,50 @@
+"""Build the token stores and sample indexes a run's config names, ahead of time.
+
+The trainer builds them on first use too (in the launching process, before any rank starts); this command is
+for a cluster: build once on one machine, copy the printed store folders, and on the cluster point data.path
+(or each [[data.sources]] path) at the copied folders, with the same tokenizer and data.format. A copied store
+is read as it is: its sources need not be there.
+
+    python scripts/build_token_store.py --config my_run.toml [--section.key=value ...] [--histogram lengths.png]
+
+Exit status 2 with a one-line message for a bad file, record or option (as the trainer's pre-launch check).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+from cpcompose.config import ConfigError, load_config
+from cpcompose.data import check_data, config_tokenizer
+from cpcompose.data.store import store_mixture, uses_store
+
+
+def main(argv: list[str]) -> int:
+    png = None
+    if "--histogram" in argv:
+        at = argv.index("--histogram")
+        png, argv = Path(argv[at + 1]), argv[:at] + argv[at + 2 :]
+    try:
+        config = load_config(argv)
+        if not uses_store(config):
+            raise ConfigError("data.store_dir: set it (a folder for the stores), with data.source = 'text'")
+        start = time.perf_counter()
+        check_data(config)  # the vocabulary, then every store and sample index, built where missing or stale
+        mixture = store_mixture(config, config_tokenizer(config))
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    samples = config.training.steps * config.training.batch_size
+    for line in mixture.report(samples, png):
+        print(line)
+    for store in mixture.stores:
+        print(f"store {store.folder}: {store.num_tokens:,} tokens ({store.manifest['dtype']}), built in "
+              f"{store.manifest.get('build_seconds', float('nan')):.1f} s")
+    print(f"ready in {time.perf_counter() - start:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
