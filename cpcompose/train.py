@@ -22,6 +22,7 @@ import os
 import sys
 import tempfile
 import time
+from pathlib import Path
 from datetime import timedelta
 
 import torch
@@ -31,6 +32,7 @@ if __package__ in (None, ""):  # run as a file by torchrun: make the package imp
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from cpcompose.config import ConfigError, JobConfig, load_config  # noqa: E402
+from cpcompose.data.store import uses_store  # noqa: E402
 from cpcompose.training.errors import ErrorKind, TrainingError  # noqa: E402
 from cpcompose.training.faults import is_comm_failure  # noqa: E402
 from cpcompose.training.launch import Report, launch_local, planned_world_size  # noqa: E402
@@ -180,6 +182,15 @@ def _use_cuda(config: JobConfig) -> bool:
     return device == "cuda" or (device == "auto" and torch.cuda.is_available())
 
 
+def _lengths_png(config: JobConfig) -> Path | None:
+    """Where the banner draws the token stores' document lengths: beside the loss plot (None without a store)."""
+    if not uses_store(config):
+        return None
+    folder = Path(config.job.dump_folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder / "data_lengths.png"
+
+
 def _outputs(config: JobConfig) -> str:
     dump = config.job.dump_folder
     parts = [f"checkpoints {dump}/{config.checkpoint.folder}" if config.checkpoint.enable else "no checkpoints"]
@@ -222,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if rank0:
         where = " ".join(argv if argv is not None else sys.argv[1:])
-        print(f"{stamp()} cpcompose.train {where}\n{describe_plan(config, world)}\n{_outputs(config)}", flush=True)
+        plan = describe_plan(config, world, _lengths_png(config))
+        print(f"{stamp()} cpcompose.train {where}\n{plan}\n{_outputs(config)}", flush=True)
         local = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or world  # torchrun: the ranks on this host
         if (warning := oversubscription_warning(config, local, usable_cores())) is not None:
             print(f"{stamp()} {warning}", file=sys.stderr, flush=True)

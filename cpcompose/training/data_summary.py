@@ -8,10 +8,13 @@ here and says so); a token store that knows its counts can hand its own summary 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from cpcompose.config import ConfigError, JobConfig
 from cpcompose.data import config_tokenizer, data_files, iter_documents, tokenizer_choice
 from cpcompose.data.corpus import FULL_SCAN_BYTES
+from cpcompose.data.store import cached_store_folder, source_tables, store_mixture, uses_store
+from cpcompose.data.store.manifest import is_store
 
 __all__ = ["DataSummary", "data_lines", "describe_data", "summarize_data"]
 
@@ -81,10 +84,28 @@ def describe_data(summary: DataSummary, config: JobConfig) -> list[str]:
     return lines
 
 
-def data_lines(config: JobConfig) -> list[str]:
+def data_lines(config: JobConfig, lengths_png: Path | None = None) -> list[str]:
     """`describe_data(summarize_data(config))`, or the reason the data cannot be read here (a dry run before the
-    data is in place)."""
+    data is in place). Token stores report themselves: per source its documents, tokens, share of the mixture and
+    epochs in this run (and, given ``lengths_png``, the length histogram drawn there); read from the stores, which
+    the pre-launch check has built, never by tokenizing again."""
     try:
+        if uses_store(config):
+            return _store_lines(config, lengths_png)
         return describe_data(summarize_data(config), config)
     except ConfigError as e:
         return [f"  data: not read here ({e})"]
+
+
+def _store_lines(config: JobConfig, lengths_png: Path | None) -> list[str]:
+    d, t = config.data, config.training
+    for table in source_tables(config):
+        path = Path(table["path"])
+        built = is_store(path) or (d.store_dir is not None and is_store(cached_store_folder(path, d,
+                                                                                            Path(d.store_dir))))
+        if not built:  # a dry run before the first launch: building is the launch's work (or the build script's)
+            return [f"  data: the token store of {path} is not built yet: the launch builds it before any rank "
+                    "starts (or build it ahead: python scripts/build_token_store.py)"]
+    mixture = store_mixture(config, config_tokenizer(config), emit=None)
+    samples = t.steps * t.batch_size  # batch_size counts every dp rank and micro-step
+    return [f"  {line}" for line in mixture.report(samples, lengths_png)]

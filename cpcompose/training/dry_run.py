@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from cpcompose.config import JobConfig
 from cpcompose.distributed import ParallelDims
 from cpcompose.training.data_summary import data_lines
@@ -11,8 +13,10 @@ from cpcompose.training.memory_budget import describe_memory
 __all__ = ["describe_plan"]
 
 
-def describe_plan(config: JobConfig, world: int) -> str:
+def describe_plan(config: JobConfig, world: int, lengths_png: Path | None = None) -> str:
     """A readable summary: degrees, model size, per-rank tokens, the data, and the memory plan against the budget.
+
+    ``lengths_png``: where token stores draw their documents' length histogram (the banner: beside the loss plot).
 
     Raises:
         ValueError: the degrees do not fit ``world`` (``config.validate(world_size=world)`` reports it first).
@@ -34,7 +38,7 @@ def describe_plan(config: JobConfig, world: int) -> str:
         f"{t.steps} steps, precision {t.mixed_precision}, activation checkpointing "
         f"{config.activation_checkpoint.mode}",
     ]
-    return "\n".join(lines + data_lines(config) + describe_memory(config, world))
+    return "\n".join(lines + data_lines(config, lengths_png) + describe_memory(config, world))
 
 
 def _blocks(cp: int, alltoall_size: int | None) -> str:

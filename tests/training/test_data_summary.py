@@ -5,8 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from cpcompose.config import load_config
+from cpcompose.data import config_tokenizer
+from cpcompose.data.store import store_mixture
 from cpcompose.training.data_summary import DataSummary, data_lines, describe_data, summarize_data
 from tests.support.hf_trainer import hf_args, make_model, text_corpus
+from tests.support.token_stores import random_lengths, store_config, write_documents
 
 
 def test_a_summary_is_shown_with_its_epochs_at_this_length() -> None:
@@ -25,3 +28,18 @@ def test_the_files_are_counted_and_synthetic_data_says_so(tmp_path: Path) -> Non
     assert summary.tokens is not None and summary.tokens > 60 and summary.tokenizer == f"{model} (model.path)"
     (line,) = data_lines(load_config([]))
     assert line.startswith("  data: synthetic copy task") and "no files" in line, line
+
+
+def test_token_stores_report_themselves_once_built_and_say_so_before(tmp_path: Path) -> None:
+    """A dry run before the first launch does not build (it says the launch will); once built, the lines are the
+    store's own counts (20 documents of 10-39 byte-level tokens), its share and epochs, and the length histogram."""
+    lengths = random_lengths(20, 10, 40, seed=3)
+    corpus = write_documents(tmp_path / "web" / "a.jsonl", lengths)
+    config = store_config(corpus.parent, tmp_path / "stores", "--training.steps=2")
+    (line,) = data_lines(config)
+    assert "not built yet" in line and "build_token_store.py" in line, line
+    assert not (tmp_path / "stores").exists() or not any((tmp_path / "stores").iterdir())
+    store_mixture(config, config_tokenizer(config), emit=None)  # what the pre-launch check does
+    lines = data_lines(config, tmp_path / "lengths.png")
+    assert "20 documents" in lines[0] and "100.0% of the mixture" in lines[0] and "epochs of it in this run" in lines[0], lines
+    assert lines[-1].endswith("lengths.png") and (tmp_path / "lengths.png").stat().st_size > 0
