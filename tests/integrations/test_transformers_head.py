@@ -25,6 +25,9 @@ from tests.support.hybrid_families import HYBRIDS
 TINY = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             intermediate_size=64, pad_token_id=0, bos_token_id=1, eos_token_id=1)
 _EXPERTS = dict(num_experts_per_tok=1, moe_intermediate_size=16)
+_DSA = dict(num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=8,
+            v_head_dim=8, n_shared_experts=1, n_routed_experts=2, n_group=1, topk_group=1, index_topk=6,
+            index_head_dim=8, index_n_heads=2, **_EXPERTS)  # indexer-selected attention (DSA)
 EXTRA = {
     "gemma": dict(head_dim=8),
     "gemma2": dict(head_dim=8, final_logit_softcapping=0.05),  # logits of ~0.4: the cap bends them
@@ -43,6 +46,8 @@ EXTRA = {
     "deepseek_v3": dict(num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=8,
                         v_head_dim=6, first_k_dense_replace=1, n_routed_experts=2, n_group=1, topk_group=1, **_EXPERTS),
     "lfm2": dict(layer_types=["conv", "full_attention"]),
+    **{dsa: dict(_DSA, first_k_dense_replace=1) if dsa in ("deepseek_v32", "glm_moe_dsa") else _DSA
+       for dsa in ("deepseek_v32", "glm_moe_dsa", "axk2", "dots3_note_text")},
 }
 # The hybrids: their own tiny float64 configs (tests/support/hybrid_families.py), by model_type, with values
 # that make a change of the logits matter.

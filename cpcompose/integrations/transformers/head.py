@@ -79,7 +79,9 @@ HEADS: Mapping[str, _Head] = MappingProxyType({
          # hybrids: `lm_head(hidden)` and nothing after it (Mamba's, Mamba2's, Nemotron-H's `.float()` is a cast)
          "mamba", "mamba2", "falcon_mamba", "jamba", "zamba", "zamba2", "nemotron_h", "lfm2_moe", "lfm3", "gpt_oss",
          "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid", "kimi_linear", "lara_mini", "bailing_hybrid",
-         "qwen4_exp_text", "minimax", "rwkv"),
+         "qwen4_exp_text", "minimax", "rwkv",
+         # indexer-selected (DSA) attention: plain logits
+         "deepseek_v32", "glm_moe_dsa", "axk2", "dots3_note_text"),
         _plain,
     ),
     "bamba": _plain_without_z_loss,
