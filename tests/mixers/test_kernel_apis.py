@@ -29,7 +29,7 @@ import torch
 from transformers.models.mamba2.modeling_mamba2 import mamba2_chunk_scan
 from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
 
-from cpcompose.layouts import Layout
+from cpcompose.layouts import Layout, Run
 from cpcompose.mixers import MixerOptions, MixerRegion
 from cpcompose.mixers.fla import cp_chunk_gated_delta_rule
 from cpcompose.mixers.mamba_ssm import cp_mamba2_chunk_scan
@@ -224,3 +224,11 @@ def test_phased_stretches_defer_what_the_first_gather_settles() -> None:
     assert three[2] == [(slice(0, 4), (0,), True, True, False), (slice(4, 8), (1,), True, True, True)]
     assert [s[4] for s in three[0] + three[1]] == [False] * 4
     assert not any(s[4] for spans in phased("contiguous", 3, 24) for s in spans)
+    # By hand: document 0 over [0, 16) on ranks 0, 1, 2 (rank 2 holds [8, 16) as two runs), document 1 on rank 1.
+    # Rank 1's [4, 8) follows rank 0's first stretch only: settled. Rank 2's [12, 16) also follows [4, 8), which is
+    # no rank's first stretch: splitting rank 2's pair would defer nothing, so it stays one call.
+    every = [[Run(0, 0, 4, 0)], [Run(0, 16, 4, 1), Run(4, 4, 4, 0)], [Run(0, 8, 4, 0), Run(4, 12, 4, 0)]]
+    hand = phased_stretches(every, {0: 0, 1: 16}, continued_runs(every))
+    assert [(s.rows, s.runs, s.continues, s.continued, s.deferred) for s in hand[1]] == [
+        (slice(0, 4), (0,), False, False, False), (slice(4, 8), (1,), True, True, True)]
+    assert [(s.rows, s.runs, s.deferred) for s in hand[2]] == [(slice(0, 8), (0, 1), False)]
