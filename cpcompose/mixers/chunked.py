@@ -18,6 +18,12 @@ and its final state is affine in its initial one: `final = T(init) + final_0`. S
    one product per token, no second pass), else by a rerun from its true state (a stretch
    no later run continues skips its zero-state pass then: it runs once, from the true state).
 
+With `defer` (a kernel whose correction costs more than a plain pass: the delta rule's),
+the summaries travel in two gathers: first those of every rank's first stretch, then the
+rest; a stretch whose true initial state the first settles waits for it and runs once,
+plainly, from that state (`stretch_plan.phased_stretches`). Every rank makes both gathers,
+in that order (a gather no rank has a row for is skipped by all: the layout says so).
+
 Exact by construction, whatever the kernel (transformers' torch reference, or mamba-ssm /
 flash-linear-attention when installed). Gradients flow back through step 3, the composition
 and the all-gather to every rank's summaries. `plan` tells the caller which stretches
@@ -37,15 +43,16 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from cpcompose.agreement import Field
 from cpcompose.comm import CommMeter, CPGroup
-from cpcompose.layouts import LayoutSpec, Run
+from cpcompose.layouts import Layout, LayoutSpec
 from cpcompose.mixers._checks import agree, layout_fields, local_layout
-from cpcompose.mixers.states import Kind, continued_runs, post_summaries, tie
+from cpcompose.mixers.states import Kind, compose_posted, continued_runs, post_summaries, tie
+from cpcompose.mixers.stretch_plan import Stretch, phased_stretches, stretches
 
 __all__ = ["Correction", "RunKernel", "Stretch", "cp_chunked_recurrence", "stretches"]
 
 RunKernel = Callable[[slice, Tensor | None], tuple[Tensor, Tensor | None]]
 """`(local rows of one stretch, its initial state or None for zero) -> (its outputs, its final state)`; the final
-state may be None (and the initial state is always None) when the caller gives a `Correction`."""
+state may be None (and the initial state is None, but for a `deferred` stretch) when the caller gives a `Correction`."""
 
 
 @dataclass(frozen=True)
@@ -56,31 +63,6 @@ class Correction:
     """A stretch's final state from a zero state (asked only of the stretches a later run continues)."""
     apply: Callable[[slice, Tensor, Tensor], Tensor]
     """`(rows, the stretch's outputs from a zero state, its true initial state) -> its exact outputs`."""
-
-
-@dataclass(frozen=True)
-class Stretch:
-    """Consecutive runs of one document that this rank holds in order: one kernel call."""
-
-    rows: slice  # its local rows
-    runs: tuple[int, ...]  # its runs' indices in `layout.runs(rank)`
-    continues: bool  # it does not start its document: its initial state comes from earlier runs
-    continued: bool  # a later run of its document (on any rank) starts from its final state
-
-
-def stretches(runs: Sequence[Run], starts: dict[int, int], continued: set[int]) -> list[Stretch]:
-    """`runs` (one rank's, in local order) merged where a run follows the previous one in its document and rows."""
-    groups: list[list[int]] = []
-    for i, run in enumerate(runs):
-        prev = runs[groups[-1][-1]] if groups else None
-        adjacent = prev is not None and prev.doc == run.doc and prev.pos + prev.length == run.pos \
-            and prev.row + prev.length == run.row
-        if adjacent:
-            groups[-1].append(i)
-        else:
-            groups.append([i])
-    return [Stretch(slice(runs[g[0]].row, runs[g[-1]].row + runs[g[-1]].length), tuple(g),
-                    runs[g[0]].pos != starts[runs[g[0]].doc], g[-1] in continued) for g in groups]
 
 
 def _identity(template: Tensor, kind: Kind) -> Tensor:
@@ -108,6 +90,7 @@ def cp_chunked_recurrence(
     meter: CommMeter | None = None,
     correction: Correction | None = None,
     plan: Callable[[Sequence[Stretch]], None] | None = None,
+    defer: bool = False,
 ) -> Tensor:
     """The recurrence's outputs over this rank's shard, exact over the global sequence.
 
@@ -126,6 +109,11 @@ def cp_chunked_recurrence(
         correction: where the outputs are affine in the initial state (or the kernel takes
             none): the final states and exact outputs come from here, not from a rerun.
         plan: called once with this rank's stretches, before any kernel call.
+        defer: run the stretches that one gather of the ranks' first stretches settles
+            plainly from their true initial state, after it, and gather the rest's summaries
+            in a second gather (`stretch_plan.phased_stretches`): for a kernel whose
+            correction costs more than a plain pass. `kernel` is then given those
+            stretches' true initial states, and returns their true final states.
 
     Raises:
         ValueError: on every rank, before any state moves, if any rank's input is invalid
@@ -138,41 +126,40 @@ def cp_chunked_recurrence(
     assert split is not None
     seq_len = seq_local * cp.world
     every = [split.runs(r, seq_len) for r in range(cp.world)]
-    sent = continued_runs(every)[cp.rank]
-    spans = stretches(every[cp.rank], {run.doc: run.pos for run in split.global_runs(seq_len)}, set(sent))
+    sent_all = continued_runs(every)
+    sent = sent_all[cp.rank]
+    starts = {run.doc: run.pos for run in split.global_runs(seq_len)}
+    spans = stretches(every[cp.rank], starts, set(sent))
+    phased = phased_stretches(every, starts, sent_all) if defer and any(sent_all) else None
+    if phased is not None and not any(s.deferred for ranks in phased for s in ranks):
+        phased = None  # nothing would wait for a first gather (every rank knows): one gather
+    spans = phased[cp.rank] if phased is not None else spans
     if plan is not None:
         plan(spans)
     outputs: dict[int, Tensor] = {}
     finals: dict[int, Tensor] = {}
 
-    def zero_pass(k: int, summarize: bool) -> None:
-        out, end = kernel(spans[k].rows, None)
+    def run_stretch(k: int, summarize: bool, init: Tensor | None = None) -> None:
+        out, end = kernel(spans[k].rows, init)
         outputs[k] = out
         if summarize:
             finals[k] = correction.final(spans[k].rows) if correction is not None else end
             assert finals[k] is not None, "a kernel without a Correction must return its final state"
 
-    if not any(continued_runs(every)):  # every run is a whole document (every rank knows): nothing moves
+    if not any(sent_all):  # every run is a whole document (every rank knows): nothing moves
         for k in range(len(spans)):
-            zero_pass(k, False)
+            run_stretch(k, False)
         return torch.cat([outputs[k] for k in range(len(spans))], dim=out_dim)
-    for k, span in enumerate(spans):  # 1. the summaries first: every rank waits for them
-        if span.continued:
-            zero_pass(k, True)
-    if not finals:  # this rank sends placeholders only: their shapes are a final state's
-        zero_pass(0, True)
-    posted = post_summaries(*_summaries(spans, sent, finals, transition, kind, grad), cp=cp, layout=split,
-                            seq_len=seq_len, meter=meter)
-    for k, span in enumerate(spans):  # 2. what needs no initial state, while the summaries travel
-        if k not in outputs and (correction is not None or not span.continues):
-            zero_pass(k, False)
-    inits = posted.states(kind)
-    if meter is not None:
-        meter.note_wait("all_gather", posted.waited_s)
+    if phased is not None:
+        inits = _two_phases(spans, phased, run_stretch, sent_all, finals, transition, kind, grad, cp=cp,
+                            layout=split, seq_len=seq_len, meter=meter, rerun=correction is None)
+    else:
+        inits = _one_phase(spans, sent, run_stretch, finals, transition, kind, grad, cp=cp, layout=split,
+                           seq_len=seq_len, meter=meter, rerun=correction is None)
     exact = []
     for k, span in enumerate(spans):  # 3. the true initial state's contribution
         init = inits[span.runs[0]]
-        if not span.continues:
+        if not span.continues or span.deferred:
             exact.append(outputs[k])
         elif correction is not None:
             exact.append(correction.apply(span.rows, outputs[k], init))
@@ -181,18 +168,73 @@ def cp_chunked_recurrence(
     return tie(torch.cat(exact, dim=out_dim), inits)
 
 
+def _one_phase(
+    spans: Sequence[Stretch], sent: Sequence[int], run_stretch: Callable[..., None], finals: dict[int, Tensor],
+    transition: Callable[[slice], Tensor], kind: Kind, grad: bool, *, cp: CPGroup, layout: Layout, seq_len: int,
+    meter: CommMeter | None, rerun: bool,
+) -> Tensor:
+    """One gather: the continued stretches first, their summaries posted, the rest while they travel."""
+    for k, span in enumerate(spans):  # 1. the summaries first: every rank waits for them
+        if span.continued:
+            run_stretch(k, True)
+    if not finals:  # this rank sends placeholders only: their shapes are a final state's
+        run_stretch(0, True)
+    posted = post_summaries(*_summaries(spans, sent, finals, transition, kind, grad), cp=cp, layout=layout,
+                            seq_len=seq_len, meter=meter)
+    for k, span in enumerate(spans):  # 2. what needs no initial state, while the summaries travel
+        if k not in finals and (not rerun or not span.continues):
+            run_stretch(k, False)
+    inits = posted.states(kind)
+    if meter is not None:
+        meter.note_wait("all_gather", posted.waited_s)
+    return inits
+
+
+def _two_phases(
+    spans: Sequence[Stretch], phased: Sequence[Sequence[Stretch]], run_stretch: Callable[..., None],
+    sent_all: Sequence[Sequence[int]], finals: dict[int, Tensor], transition: Callable[[slice], Tensor], kind: Kind,
+    grad: bool, *, cp: CPGroup, layout: Layout, seq_len: int, meter: CommMeter | None, rerun: bool,
+) -> Tensor:
+    """Two gathers (`stretch_plan.phased_stretches`): the first stretch's summaries, then the deferred stretches
+    from their true states and every other summary. Every rank makes both, in this order."""
+    carried = [[[i for i in sent if (i in ranks[0].runs) == first] for sent, ranks in zip(sent_all, phased)]
+               for first in (True, False)]
+    sent = sent_all[cp.rank]
+    run_stretch(0, True)  # phase 1 (its final state also gives the placeholders' shapes)
+    first = post_summaries(*_summaries(spans, sent, finals, transition, kind, grad, {0}), cp=cp, layout=layout,
+                           seq_len=seq_len, meter=meter, carried=carried[0])
+    for k, span in enumerate(spans[1:], 1):  # what needs no initial state, while the first gather travels
+        if not span.deferred and (span.continued or not rerun or not span.continues):
+            run_stretch(k, span.continued)
+    early = first.states(kind)
+    for k, span in enumerate(spans):  # settled by the first gather: from the true state, once
+        if span.deferred:
+            run_stretch(k, span.continued, early[span.runs[0]])
+    ends, trans = _summaries(spans, sent, finals, transition, kind, grad, set(range(1, len(spans))))
+    table = first.arrived()  # in the backward, the second gather's reduce-scatter comes first on every rank
+    second = post_summaries(ends if table is None else tie(ends, table), trans, cp=cp, layout=layout,
+                            seq_len=seq_len, meter=meter, carried=carried[1])
+    inits = compose_posted([first, second], kind)
+    if meter is not None:
+        meter.note_wait("all_gather", first.waited_s + second.waited_s)
+    return inits
+
+
 def _summaries(
     spans: Sequence[Stretch], sent: Sequence[int], finals: dict[int, Tensor], transition: Callable[[slice], Tensor],
-    kind: Kind, grad: bool,
+    kind: Kind, grad: bool, carried: set[int] | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Per run of this rank, `(final_0, T)` rows for the all-gather (only the continued runs' are read).
+    """Per run of this rank, `(final_0, T)` rows for an all-gather (only the continued runs' are read, and of
+    those only the runs of the stretches `carried` names, all by default).
 
     A stretch's summary goes on its last run; its other runs get the identity and a zero
     state (the composition then carries the stretch's initial state to its last run
     unchanged). A stretch that starts its document needs no transition (its initial state
     is zero): a zero placeholder, which needs a gradient when a backward runs, as every
-    placeholder does (a rank must join the summaries' reduce-scatter in its backward).
+    placeholder does (a rank must join the summaries' reduce-scatter in its backward). So
+    does a deferred stretch: its final state is already its true one.
     """
+    carried = set(range(len(spans))) if carried is None else carried
     k0 = next(iter(finals))
     final_t = finals[k0]
     if kind == "matrix":  # (..., d, dv) -> (..., d, d): every rank's rows alike, whether it has a T or not
@@ -203,12 +245,15 @@ def _summaries(
     identity = _identity(trans_t, kind).requires_grad_(grad)
     rows: dict[int, tuple[Tensor, Tensor]] = {}
     for k, span in enumerate(spans):
+        if k not in carried:
+            continue
         for i in span.runs[:-1]:
             rows[i] = (zero_f, identity)
         if span.continued:
-            rows[span.runs[-1]] = (finals[k], transition(span.rows).expand_as(trans_t) if span.continues else zero_t)
+            mapped = span.continues and not span.deferred
+            rows[span.runs[-1]] = (finals[k], transition(span.rows).expand_as(trans_t) if mapped else zero_t)
     count = sum(len(span.runs) for span in spans)
-    read = set(sent)  # the others are never read: placeholders
+    read = set(sent) & set(rows)  # the others are never read: placeholders
     ends = torch.stack([rows[i][0] if i in read else zero_f for i in range(count)])
     trans = torch.stack([rows[i][1] if i in read else zero_t for i in range(count)])
     return ends, trans

@@ -27,8 +27,8 @@ from cpcompose.mixers._checks import agree, float_tensors_error, layout_fields, 
 from cpcompose.precision import accumulation_dtype
 
 __all__ = [
-    "KINDS", "Kind", "PostedSummaries", "continued_runs", "cp_initial_states", "initial_states", "post_summaries",
-    "tie",
+    "KINDS", "Kind", "PostedSummaries", "compose_posted", "continued_runs", "cp_initial_states", "initial_states",
+    "post_summaries", "tie",
 ]
 
 Kind = Literal["diagonal", "matrix"]
@@ -161,15 +161,16 @@ class PostedSummaries:
     """
 
     def __init__(self, final: Tensor, transition: Tensor, cp: CPGroup, layout: Layout, seq_len: int,
-                 meter: CommMeter | None) -> None:
+                 meter: CommMeter | None, carried: list[list[int]] | None = None) -> None:
         self.final, self.transition, self.cp, self.meter = final, transition, cp, meter
         self.every = [layout.runs(r, seq_len) for r in range(cp.world)]
-        self.sent = continued_runs(self.every)
+        self.sent = continued_runs(self.every) if carried is None else carried
         self.most = max(map(len, self.sent))
         self.summary: Tensor | None = None
+        self.table: Tensor | None = None
         self.pending = None
         self.waited_s = 0.0  # how long `states` blocked on the all-gather (the part of it not hidden)
-        if self.most == 0:  # every run is a whole document (every rank knows): all start from zero, nothing moves
+        if self.most == 0:  # no rank sends a row (every rank knows): nothing moves
             return
         mine = torch.tensor(self.sent[cp.rank], dtype=torch.long, device=final.device)
         summary = torch.cat([transition.reshape(final.shape[0], -1), final.reshape(final.shape[0], -1)], dim=1)
@@ -177,30 +178,53 @@ class PostedSummaries:
         self.summary = F.pad(summary[mine], (0, 0, 0, self.most - len(mine))).contiguous()
         self.pending = start_all_gather(self.summary.detach(), cp, meter)
 
+    def arrived(self) -> Tensor | None:
+        """Every rank's rows (`world x most`), in autograd once (blocks until they have arrived); None if none."""
+        if self.pending is not None and self.table is None:
+            start = time.perf_counter()
+            arrived = self.pending.wait()
+            self.waited_s = time.perf_counter() - start
+            self.table = _Gathered.apply(self.summary, arrived, self.cp, self.meter)
+        return self.table
+
     def states(self, kind: Kind) -> Tensor:
         """The state entering each of this rank's runs (blocks until the summaries have arrived)."""
-        final, transition = self.final, self.transition
-        if self.pending is None or self.summary is None:
-            return final.new_zeros(final.shape)
-        start = time.perf_counter()
-        arrived = self.pending.wait()
-        self.waited_s = time.perf_counter() - start
-        table = _Gathered.apply(self.summary, arrived, self.cp, self.meter)
-        width, most, world = transition[0].numel(), self.most, self.cp.world
-        acc = accumulation_dtype(final.dtype)
-        trans = table[..., :width].to(acc).reshape(world * most, *transition.shape[1:])
-        ends = table[..., width:].to(acc).reshape(world * most, *final.shape[1:])
-        rows = {(r, i): r * most + k for r, runs in enumerate(self.sent) for k, i in enumerate(runs)}
-        inits = _compose(trans, ends, rows, self.every, self.cp.rank, kind)
-        return _Tie.apply(inits.to(final.dtype), table)
+        return compose_posted([self], kind)
+
+
+def compose_posted(parts: list[PostedSummaries], kind: Kind) -> Tensor:
+    """The state entering each of this rank's runs from the summaries of one or more gathers (each run's
+    summary in one of them; a run no gather carries is never read). Blocks until all have arrived."""
+    first = parts[0]
+    final, transition, world = first.final, first.transition, first.cp.world
+    tables = [(p, t) for p in parts if (t := p.arrived()) is not None]
+    if not tables:
+        return final.new_zeros(final.shape)
+    width, acc = transition[0].numel(), accumulation_dtype(final.dtype)
+    table = torch.cat([t.reshape(world * p.most, -1) for p, t in tables])
+    trans = table[..., :width].to(acc).reshape(len(table), *transition.shape[1:])
+    ends = table[..., width:].to(acc).reshape(len(table), *final.shape[1:])
+    rows: dict[tuple[int, int], int] = {}
+    offset = 0
+    for p, _ in tables:
+        rows.update({(r, i): offset + r * p.most + k for r, runs in enumerate(p.sent) for k, i in enumerate(runs)})
+        offset += world * p.most
+    inits = _compose(trans, ends, rows, first.every, first.cp.rank, kind)
+    return _Tie.apply(inits.to(final.dtype), table)
 
 
 def post_summaries(
     final: Tensor, transition: Tensor, *, cp: CPGroup, layout: Layout, seq_len: int, meter: CommMeter | None = None,
+    carried: list[list[int]] | None = None,
 ) -> PostedSummaries:
     """Start the all-gather of this rank's summaries (`final`, `transition`: one row per run, as
-    `cp_initial_states` takes them); `.states(kind)` later waits and composes."""
-    return PostedSummaries(final, transition, cp, layout, seq_len, meter)
+    `cp_initial_states` takes them); `.states(kind)` later waits and composes.
+
+    `carried`: per rank, the runs whose summaries this gather carries (the same list on every
+    rank; default: every run a later run continues). Two gathers that split those runs between
+    them are composed together by `compose_posted`.
+    """
+    return PostedSummaries(final, transition, cp, layout, seq_len, meter, carried)
 
 
 def continued_runs(every: list[list[Run]]) -> list[list[int]]:

@@ -29,11 +29,12 @@ import torch
 from transformers.models.mamba2.modeling_mamba2 import mamba2_chunk_scan
 from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
 
-from cpcompose.layouts import Layout
+from cpcompose.layouts import Layout, Run
 from cpcompose.mixers import MixerOptions, MixerRegion
-from cpcompose.mixers.chunked import stretches
 from cpcompose.mixers.fla import cp_chunk_gated_delta_rule
 from cpcompose.mixers.mamba_ssm import cp_mamba2_chunk_scan
+from cpcompose.mixers.states import continued_runs
+from cpcompose.mixers.stretch_plan import phased_stretches, stretches
 from tests.support.mixer_cases import make_layout, randn, value_errors
 
 SPECS = ("zigzag", "packed")
@@ -57,13 +58,16 @@ def _prepared(api: str, seq: int, dim: int, device: str) -> dict[str, torch.Tens
 
 
 class Counted:
-    """A kernel that counts the tokens it is given (dim 1 of its first argument), call by call."""
+    """A kernel that counts the tokens it is given (dim 1 of its first argument), call by call, and of those the
+    tokens it ran widened (values wider than `value_dim`: the delta rule's correction pass)."""
 
-    def __init__(self, kernel: Callable[..., Any]) -> None:
-        self.kernel, self.tokens = kernel, 0
+    def __init__(self, kernel: Callable[..., Any], value_dim: int | None = None) -> None:
+        self.kernel, self.value_dim, self.tokens, self.widened = kernel, value_dim, 0, 0
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.tokens += args[0].shape[1]
+        if self.value_dim is not None and args[2].shape[-1] > self.value_dim:
+            self.widened += args[0].shape[1]
         return self.kernel(*args, **kwargs)
 
 
@@ -93,11 +97,12 @@ def api_cases(mesh, device: str) -> dict:
         for api in ("fla", "mamba_ssm"):
             full = _prepared(api, world * s_local, dim, device)
             local = {k: layout.shard(v, 1, rank).requires_grad_() for k, v in full.items()}
-            counted = Counted(torch_chunk_gated_delta_rule if api == "fla" else mamba2_chunk_scan)
+            counted = Counted(torch_chunk_gated_delta_rule, local["v"].shape[-1]) if api == "fla" \
+                else Counted(mamba2_chunk_scan)
             out = _call(api, local, region, chunk, counted)
             out.sum().backward()
             results[spec, api] = {"out": out.detach().cpu(), "grads": {k: v.grad.cpu() for k, v in local.items()},
-                                  "tokens": counted.tokens}
+                                  "tokens": counted.tokens, "widened": counted.widened}
     return results
 
 
@@ -130,6 +135,9 @@ def test_kernel_apis_through_cpcompose_directly(pools, device: str) -> None:
                 got = results[rank][spec, api]
                 assert got["tokens"] == s_local, f"{spec} {api} rank {rank}: the kernel saw {got['tokens']} tokens " \
                     f"for a shard of {s_local}: one pass per token, no rerun"
+                if spec == "zigzag" and api == "fla":  # chunk 0 plain + 3 widened; 1 widened + 2 plain from its state
+                    assert got["widened"] == s_local // 2, f"rank {rank} widened {got['widened']} of {s_local} " \
+                        "tokens: the middle rank's second chunk should run plainly after the first gather"
                 scale = want.abs().max().item()
                 torch.testing.assert_close(got["out"], layout.shard(want, 1, rank), rtol=tol, atol=tol * scale,
                                            msg=lambda m, at=(spec, api, rank): f"{at} outputs: {m}")
@@ -198,3 +206,29 @@ def test_direct_calls_refuse_on_every_rank(pools) -> None:
         assert messages[0] is not None and needle in messages[0], messages
         assert all(m == messages[0] for m in messages), f"{name}: ranks disagree: {messages}"
     assert all(r["shape"] == results[0]["shape"] for r in results)
+
+
+def test_phased_stretches_defer_what_the_first_gather_settles() -> None:
+    """Zigzag's middle pair splits (its second chunk waits for the first gather); nothing else changes."""
+    def phased(spec: str, world: int, seq: int) -> list[list[tuple]]:
+        layout = make_layout(spec, world, seq // world)
+        every = [layout.runs(r, seq) for r in range(world)]
+        starts = {run.doc: run.pos for run in layout.global_runs(seq)}
+        return [[(s.rows, s.runs, s.continues, s.continued, s.deferred) for s in spans]
+                for spans in phased_stretches(every, starts, continued_runs(every))]
+
+    two = phased("zigzag", 2, 16)  # chunks of 4: rank 0 holds 0 and 3, rank 1 holds 1 and 2
+    assert two[0] == [(slice(0, 4), (0,), False, True, False), (slice(4, 8), (1,), True, False, False)]
+    assert two[1] == [(slice(0, 4), (0,), True, True, False), (slice(4, 8), (1,), True, True, True)]
+    three = phased("zigzag", 3, 24)  # rank 2 holds 2 and 3; chunk 4 (rank 1) follows chunk 3: not settled
+    assert three[2] == [(slice(0, 4), (0,), True, True, False), (slice(4, 8), (1,), True, True, True)]
+    assert [s[4] for s in three[0] + three[1]] == [False] * 4
+    assert not any(s[4] for spans in phased("contiguous", 3, 24) for s in spans)
+    # By hand: document 0 over [0, 16) on ranks 0, 1, 2 (rank 2 holds [8, 16) as two runs), document 1 on rank 1.
+    # Rank 1's [4, 8) follows rank 0's first stretch only: settled. Rank 2's [12, 16) also follows [4, 8), which is
+    # no rank's first stretch: splitting rank 2's pair would defer nothing, so it stays one call.
+    every = [[Run(0, 0, 4, 0)], [Run(0, 16, 4, 1), Run(4, 4, 4, 0)], [Run(0, 8, 4, 0), Run(4, 12, 4, 0)]]
+    hand = phased_stretches(every, {0: 0, 1: 16}, continued_runs(every))
+    assert [(s.rows, s.runs, s.continues, s.continued, s.deferred) for s in hand[1]] == [
+        (slice(0, 4), (0,), False, False, False), (slice(4, 8), (1,), True, True, True)]
+    assert [(s.rows, s.runs, s.deferred) for s in hand[2]] == [(slice(0, 8), (0, 1), False)]

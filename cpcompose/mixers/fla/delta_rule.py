@@ -26,6 +26,11 @@ key products and the triangular solve for the keys are shared), and only on the 
 documents that cross a rank boundary: a stretch that starts its document runs as one process
 would. (flash-linear-attention's KCP spends a state-only pass and then a real pass from the
 true state instead: two passes, and the second waits for the states.)
+
+A stretch whose true initial state one gather of the ranks' first stretches already settles
+is not widened at all: it waits for that gather and runs plainly from its true state (two
+gathers, `cpcompose.mixers.stretch_plan.phased_stretches`). Under zigzag that is the middle
+rank's second chunk, so at P = 2 each rank runs one plain and one widened chunk.
 Used by Qwen3-Next, Qwen3.5 (dense and MoE), OLMo-Hybrid, LaraMini and Qwen4-Exp
 (GDN), Kimi Linear, BailingHybrid and GLM-5.3 (KDA).
 """
@@ -73,13 +78,13 @@ def _cp_delta_rule(
     error = error or _shape_error(what, query, key, value, g, beta, per_channel)
 
     dv = value.shape[-1]
-    continuing: set[int] = set()  # the first rows of the stretches that continue a document
+    continuing: set[int] = set()  # the first rows of the stretches that continue a document and are widened
     readouts: dict[int, Tensor] = {}  # per such stretch: A_t^T q_t (batch, run, v_heads, dk)
     transitions: dict[int, Tensor] = {}  # ... and its T (batch, v_heads, dk, dk)
     finals: dict[int, Tensor] = {}
 
     def plan(spans: Sequence[Stretch]) -> None:
-        continuing.update(span.rows.start for span in spans if span.continues)
+        continuing.update(span.rows.start for span in spans if span.continues and not span.deferred)
 
     def run(rows: slice, v: Tensor, init: Tensor | None) -> tuple[Tensor, Tensor]:
         return original(query[:, rows], key[:, rows], v, g=g[:, rows], beta=beta[:, rows], chunk_size=chunk_size,
@@ -110,7 +115,7 @@ def _cp_delta_rule(
         signature=[*tensor_fields("query", query), *tensor_fields("value", value), *tensor_fields("g", g),
                    ("chunk_size", int(chunk_size)), ("use_qk_l2norm_in_kernel", int(bool(use_qk_l2norm_in_kernel)))],
         caller_error=error, meter=region.options.meter,
-        correction=Correction(final=lambda rows: finals[rows.start], apply=correct), plan=plan,
+        correction=Correction(final=lambda rows: finals[rows.start], apply=correct), plan=plan, defer=True,
     )
     return out, None
 
