@@ -35,6 +35,7 @@ from cpcompose.parallel.reference import FACTOR, allowed_error, castable, in_flo
 
 __all__ = ["Difference", "relative_error", "verify"]
 
+
 @dataclass(frozen=True)
 class Difference:
     """The first module whose CP output differs from the full run's."""
@@ -131,7 +132,9 @@ def _compare(got: list[tuple[str, Tensor]], want: list[tuple[str, Tensor]],
         error = relative_error(mine, part if part64 is None else part64)
         allowed = allowed_error(part, part64)
         if error > allowed:
-            return error, allowed, path + ("" if part64 is not None else " (no float64 run: one rounding allowed)")
+            against = (" against a float64 run" if part64 is not None else
+                       " against one process of the same dtype (no float64 run: its error taken as one rounding)")
+            return error, allowed, path + against
     return None
 
 
@@ -231,8 +234,8 @@ def verify(
     report = next(r for r in reports if r is not None)
     raise ValueError(
         f"cpcompose.verify: module '{report.name}' ({report.cls}) computes something else under CP than on one "
-        f"process ({report.what}: relative error {report.error:.3g} against a float64 run, tolerance "
-        f"{report.tolerance:.3g}: {FACTOR:g}x what one process of the same dtype shows). "
+        f"process ({report.what}: relative error {report.error:.3g}, tolerance {report.tolerance:.3g}: "
+        f"{FACTOR:g}x what one process of the same dtype shows). "
         "It is the first module to differ, in the order the CP run finished them: most likely it mixes tokens "
         "outside attention (a convolution, recurrence, pooling or cumulative op over the sequence) and is not "
         "CP-aware, so it saw only this rank's shard; or its attention does not go through "
