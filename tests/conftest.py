@@ -8,8 +8,10 @@ without one is a usage error, so a GPU run can never pass empty.
 
 from __future__ import annotations
 
+import getpass
 import os
 import re
+import tempfile
 from typing import Iterator
 
 # CPU pools fork from this process (CUDA pools are spawned: tests/support/rank_pool.py). An
@@ -17,6 +19,11 @@ from typing import Iterator
 # NVML instead of initializing CUDA (cuInit), so this process stays cheap to fork and never
 # holds a CUDA context. torch reads it at each call; children inherit it.
 os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+# Inductor's on-disk cache does not key its CPU kernels by ATEN_CPU_CAPABILITY: kernels built by a default run
+# and reused under ATEN_CPU_CAPABILITY=avx2 gave loss = NaN (tests/parallel/test_compile.py, trainer with full
+# activation checkpointing; a fresh cache passes). One cache folder per capability, inherited by the ranks.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(
+    tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}_{os.environ.get('ATEN_CPU_CAPABILITY', 'default')}"))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -2,9 +2,9 @@
 
 from cpcompose.parallel.context import context_parallel, context_parallel_unshard
 from cpcompose.parallel.dispatch import CPAttentionMode, active_cp_region
+from cpcompose.parallel.gradients import allreduce_gradients
 from cpcompose.parallel.loss import (
     LossKernel,
-    allreduce_gradients,
     cp_cross_entropy,
     cp_linear_cross_entropy,
     global_token_count,

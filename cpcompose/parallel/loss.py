@@ -6,7 +6,7 @@ returns this rank's share of the global mean: the sum of its token losses divide
 by the number of valid tokens over the whole dp x cp group. The shares add up to
 exactly the single-device mean, and so do their gradients: parameter gradients
 must therefore be SUMMED over dp x cp (not averaged, and not skipped over cp:
-each cp rank's gradient covers only its own tokens).
+each cp rank's gradient covers only its own tokens): `gradients.allreduce_gradients`.
 
 `cp_linear_cross_entropy` is the same share computed from the final hidden states and the output
 weight, never holding more than a chunk of logits (`chunked_loss.py`); on CUDA a fused kernel
@@ -21,16 +21,15 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 
 from cpcompose import _compat
 from cpcompose.comm import CPGroup
 from cpcompose.parallel.chunked_loss import linear_cross_entropy_sum
 from cpcompose.precision import accumulation_dtype
 
-__all__ = ["LossKernel", "allreduce_gradients", "cp_cross_entropy", "cp_linear_cross_entropy", "global_token_count"]
+__all__ = ["LossKernel", "cp_cross_entropy", "cp_linear_cross_entropy", "global_token_count"]
 
 LossKernel = Literal["auto", "torch", "liger", "cut_cross_entropy"]
 """Who computes `cp_linear_cross_entropy`'s token sum: auto (a fused CUDA kernel when installed and able,
@@ -190,18 +189,3 @@ def _linear_loss_sum(kernel: LossKernel, hidden: Tensor, weight: Tensor, labels:
         return fn(hidden, weight, labels.contiguous().clone(), filter_eps=None, **kwargs).to(torch.float32)
     return fn(hidden, weight, labels, **kwargs).to(torch.float32)
 
-
-def allreduce_gradients(module: nn.Module, mesh: DeviceMesh) -> None:
-    """Sum parameter gradients over `mesh` (dp x cp) for parameters FSDP does not reduce.
-
-    One flat all-reduce per dtype; DTensor (e.g. TP) gradients reduce their local shards.
-    """
-    grads = [p.grad for p in module.parameters() if p.grad is not None]
-    locals_ = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
-    group = CPGroup.from_mesh(mesh).group
-    for dtype in {g.dtype for g in locals_}:
-        same = [g for g in locals_ if g.dtype == dtype]
-        flat = torch.cat([g.reshape(-1) for g in same])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-        for g, reduced in zip(same, flat.split([g.numel() for g in same])):
-            g.copy_(reduced.view_as(g))

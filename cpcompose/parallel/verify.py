@@ -31,34 +31,9 @@ from cpcompose.attention.call.options import CPOptions
 from cpcompose.comm import CPGroup, all_gather
 from cpcompose.layouts import Layout, resolve_layout
 from cpcompose.parallel.context import context_parallel
+from cpcompose.parallel.reference import FACTOR, allowed_error, castable, in_float64, relative_error
 
-__all__ = ["Difference", "relative_error", "tolerance_for", "verify"]
-
-TOLERANCE = {torch.float64: 1e-5, torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 5e-2}
-"""Largest relative error (max |cp - full| / max |full|) a module's output may show, by its dtype.
-
-What CP's different summation order leaves is ~1e-13 in float64 and ~1e-6 in float32 across a
-few layers, but many kernels compute in float32 whatever the model's dtype (transformers' SSM
-and delta-rule kernels: ~1e-7 in a float64 model), so the bounds sit well above float32's
-rounding. A module that saw only its rank's shard is off by O(0.1-1) on the tokens it got
-wrong, far beyond them."""
-
-
-def tolerance_for(dtype: torch.dtype) -> float:
-    return TOLERANCE.get(dtype, 5e-2)
-
-
-def relative_error(got: Tensor, want: Tensor) -> float:
-    """`max |got - want| / max |want|` in float64 (NaN and inf positions must agree, else inf)."""
-    got, want = got.double(), want.double()
-    finite = torch.isfinite(want)
-    if not torch.equal(finite, torch.isfinite(got)) or not torch.equal(got[~finite].nan_to_num(), want[~finite]
-                                                                       .nan_to_num()):
-        return math.inf
-    if not finite.any():
-        return 0.0
-    scale = want[finite].abs().max().item()
-    return (got[finite] - want[finite]).abs().max().item() / max(scale, 1e-30)
+__all__ = ["Difference", "relative_error", "verify"]
 
 
 @dataclass(frozen=True)
@@ -136,24 +111,35 @@ def _shard_like(full: Tensor, local: Tensor, layout: Layout, rank: int, seq_len:
     return full if full.shape == local.shape else None
 
 
-def _compare(got: list[tuple[str, Tensor]], want: list[tuple[str, Tensor]], layout: Layout, rank: int,
+def _compare(got: list[tuple[str, Tensor]], want: list[tuple[str, Tensor]],
+             float64: list[tuple[str, Tensor]] | None, layout: Layout, rank: int,
              seq_len: int) -> tuple[float, float, str] | None:
-    """The first tensor (error, tolerance, what) that differs beyond its dtype's tolerance, or None.
+    """The first tensor (error, tolerance, what) that differs beyond what one process of its dtype shows, or None.
 
+    The CP tensor's error is measured against the float64 run's (when there is one) and may be
+    `reference.FACTOR` times the single-process error of the same dtype (`reference.allowed_error`).
     A tensor that is not a per-token one (a padded convolution's output, L + width - 1 long)
     is no evidence either way: the module that reads it, and returns tokens, is compared.
     """
-    for (path, mine), (_, full) in zip(got, want):
+    exact = float64 if float64 is not None and len(float64) == len(want) else [None] * len(want)
+    for (path, mine), (_, full), high in zip(got, want, exact):
         part = _shard_like(full, mine, layout, rank, seq_len)
         if part is None:
             continue
-        error, allowed = relative_error(mine, part), tolerance_for(full.dtype)
+        part64 = None
+        if high is not None and high[1].shape == full.shape:
+            part64 = _shard_like(high[1], mine, layout, rank, seq_len)
+        error = relative_error(mine, part if part64 is None else part64)
+        allowed = allowed_error(part, part64)
         if error > allowed:
-            return error, allowed, path
+            against = (" against a float64 run" if part64 is not None else
+                       " against one process of the same dtype (no float64 run: its error taken as one rounding)")
+            return error, allowed, path + against
     return None
 
 
-def _first_difference(full: _Recorder, cp: _Recorder, layout: Layout, rank: int, seq_len: int) -> Difference | None:
+def _first_difference(full: _Recorder, cp: _Recorder, float64: _Recorder | None, layout: Layout, rank: int,
+                      seq_len: int) -> Difference | None:
     """The first module (in the CP run's finish order) whose inputs agree with the full run's and outputs do not.
 
     A module fed a differing input is not where the difference arose (its caller, which
@@ -161,15 +147,17 @@ def _first_difference(full: _Recorder, cp: _Recorder, layout: Layout, rank: int,
     module calling cpcompose's primitive instead of a submodule) cannot be compared.
     """
     reference = full.by_name()
+    high = float64.by_name() if float64 is not None else {}
     seen: dict[str, int] = {}
     for i, (name, cls, inputs, outputs) in enumerate(cp.calls):
         k = seen[name] = seen.get(name, -1) + 1
         if (name, k) not in reference:
             continue
         want_inputs, want_outputs = reference[(name, k)]
-        if _compare(inputs, want_inputs, layout, rank, seq_len) is not None:
+        high_inputs, high_outputs = high.get((name, k), (None, None))
+        if _compare(inputs, want_inputs, high_inputs, layout, rank, seq_len) is not None:
             continue
-        differs = _compare(outputs, want_outputs, layout, rank, seq_len)
+        differs = _compare(outputs, want_outputs, high_outputs, layout, rank, seq_len)
         if differs is not None:
             return Difference(i, name, cls, differs[0], differs[2], differs[1])
     return None
@@ -200,8 +188,8 @@ def verify(
 
     Raises:
         ValueError: on every rank, naming the first module (in the order the CP run finished
-            them) whose output differs beyond the tolerance of its dtype (`TOLERANCE`), and
-            the likely cause.
+            them) whose output is further from a float64 run than the same dtype on one process
+            is (`reference.allowed_error`), and the likely cause.
     """
     cp = CPGroup.from_mesh(mesh)
     opts = (options or CPOptions()).replace(**overrides)
@@ -224,6 +212,7 @@ def verify(
             run([v.clone() for v in values])
         finally:
             full.remove()
+        float64 = _float64_run(model, run, values, full)
         buffers = [v.clone() for v in values]
         sharded = _Recorder(model)
         try:
@@ -232,7 +221,7 @@ def verify(
         finally:
             sharded.remove()
     try:  # whatever happens here, every rank must reach the all-gather below
-        found = _first_difference(full, sharded, layout, cp.rank, values[0].shape[dims[0]] if values else 0)
+        found = _first_difference(full, sharded, float64, layout, cp.rank, values[0].shape[dims[0]] if values else 0)
     except Exception as e:  # noqa: BLE001 - reported on every rank instead of stranding the others
         found = Difference(0, "(the comparison)", type(e).__name__, math.inf, str(e))
     device = values[0].device if values else torch.device("cpu")
@@ -245,9 +234,34 @@ def verify(
     report = next(r for r in reports if r is not None)
     raise ValueError(
         f"cpcompose.verify: module '{report.name}' ({report.cls}) computes something else under CP than on one "
-        f"process ({report.what}: relative error {report.error:.3g}, tolerance {report.tolerance:g}). "
+        f"process ({report.what}: relative error {report.error:.3g}, tolerance {report.tolerance:.3g}: "
+        f"{FACTOR:g}x what one process of the same dtype shows). "
         "It is the first module to differ, in the order the CP run finished them: most likely it mixes tokens "
         "outside attention (a convolution, recurrence, pooling or cumulative op over the sequence) and is not "
         "CP-aware, so it saw only this rank's shard; or its attention does not go through "
         "F.scaled_dot_product_attention. Route it through cpcompose (cpcompose.mixers) or refuse CP for this model"
     )
+
+
+def _float64_run(model: nn.Module, run: Callable[[list[Tensor]], None], values: list[Tensor],
+                 full: _Recorder) -> _Recorder | None:
+    """Every module's inputs and outputs on one process in float64, or None where the model cannot run in float64.
+
+    A model already all float64 (parameters, buffers, floating inputs) has run in float64: `full` is that run.
+    Local to each rank (no region, no collective), and the same model and inputs on every rank: every
+    rank gets the same outcome, the None included.
+    """
+    tensors = [*model.parameters(), *model.buffers(), *values]
+    if all(t.dtype == torch.float64 for t in tensors if t.is_floating_point()):
+        return full
+    if not castable(model):
+        return None
+    recorder = _Recorder(model)
+    try:
+        with in_float64(model):
+            run([v.to(torch.float64) if v.is_floating_point() else v.clone() for v in values])
+    except Exception:  # noqa: BLE001 - a kernel without float64: judged by the dtype's rounding instead
+        return None
+    finally:
+        recorder.remove()
+    return recorder

@@ -20,12 +20,20 @@ __all__ = ["clip_grad_norm", "global_grad_norm"]
 
 
 def global_grad_norm(parameters: Iterable[nn.Parameter], *, pp_group: dist.ProcessGroup | None = None) -> Tensor:
-    """The 2-norm of all gradients of the model (all stages), as a plain float32 tensor."""
-    grads = [p.grad for p in parameters if p.grad is not None]
-    device = grads[0].device if grads else torch.device("cpu")
+    """The 2-norm of all gradients of the model (all stages), as a plain float32 tensor.
+
+    Parameters are grouped by the mesh the PARAMETER lives on, in the order the meshes first
+    appear among all parameters (with or without a gradient): every rank then reduces over the
+    same meshes in the same order, even where a gradient is None on some ranks only.
+    """
+    params = list(parameters)
+    device = next((p.grad.device for p in params if p.grad is not None),
+                  next((p.device for p in params), torch.device("cpu")))
     by_mesh: dict[object, list[Tensor]] = {}
-    for g in grads:
-        by_mesh.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
+    for p in params:
+        group = by_mesh.setdefault(p.device_mesh if isinstance(p, DTensor) else None, [])
+        if p.grad is not None:
+            group.append(p.grad)
     total = torch.zeros((), dtype=torch.float32, device=device)
     for mesh, group in by_mesh.items():
         if mesh is None:  # plain tensors: replicated, every rank has them whole
@@ -53,10 +61,11 @@ def clip_grad_norm(
 ) -> float:
     """Scale gradients so their global norm is at most `max_norm` (<= 0: leave them); returns the norm
     before clipping, which is measured either way for the log."""
-    params = [p for p in parameters if p.grad is not None]
+    params = list(parameters)
     norm = global_grad_norm(params, pp_group=pp_group).item()
     coef = max_norm / (norm + 1e-6)
     if 0 < coef < 1.0:  # max_norm <= 0 would zero (or flip) every gradient
         for p in params:
-            p.grad.mul_(coef)
+            if p.grad is not None:
+                p.grad.mul_(coef)
     return norm

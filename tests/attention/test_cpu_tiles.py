@@ -2,7 +2,7 @@
 
 * `cpu_tiles`: a tiled causal block covers exactly its visible pairs, each once,
   and computes the same attention: outputs and gradients of the tiled blocks
-  (float64, the CPU kernel, LSE merges) equal one untiled causal call within 1e-12
+  (float64, the CPU kernel, LSE merges) equal one untiled causal call within the derived float64 bound
   (only the summation order differs).
 * `split_work`: the two halves are the tasks in order, all of them, of about equal work.
 * `start_all_gather` / `start_reduce_scatter` on real gloo groups (the reduce-scatter
@@ -21,6 +21,7 @@ from cpcompose.attention.local.blocks import NO_WINDOW, BlockTask, split_work
 from cpcompose.attention.local.execute import backward_blocks, forward_blocks
 from cpcompose.attention.local.kernels import KernelArgs
 from cpcompose.attention.local.merge import SoftmaxAccumulator
+from tests.support.tolerance import assert_close
 
 
 def _coverage(tasks, nq: int, nk: int) -> torch.Tensor:
@@ -74,7 +75,7 @@ def test_tiled_blocks_compute_the_untiled_attention(n: int, monkeypatch) -> None
     monkeypatch.setattr(cpu_tiles, "cpu_tasks", lambda tasks: tasks)
     untiled = _attend(plan, q, k, v, dout)
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), tiled, untiled):
-        assert torch.allclose(a, b, rtol=0, atol=1e-12), (name, (a - b).abs().max())
+        assert_close(a, b, terms=b.shape[-2] * b.shape[-1], msg=name)  # derived, float64: a sum over keys x head dim
 
 
 def test_split_work_halves_in_order() -> None:

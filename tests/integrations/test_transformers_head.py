@@ -3,7 +3,7 @@
 For each `HEADS` entry, a tiny random float64 model (experts computed eagerly: the grouped kernel
 takes no float64): the fused loss from the body's hidden states (`CausalLMHead.loss`, which runs
 `cp_linear_cross_entropy` in chunks of 5 tokens) against `cp_cross_entropy` of the model's own
-logits, on a one-rank mesh; loss and every parameter gradient to 1e-12 (float64, the same
+logits, on a one-rank mesh; loss and every parameter gradient to `TOL` (derived; float64, the same
 arithmetic in another order). Families that change their logits (Gemma 2/3, RecurrentGemma and xLSTM
 softcap, Cohere, Granite, GraniteMoeHybrid and Falcon-H1 scale) get values that make the change matter,
 and dropping it must change the loss. The hybrids run on their tiny configs from
@@ -21,7 +21,10 @@ import transformers as hf
 import cpcompose.integrations.transformers as cphf
 from cpcompose import cp_cross_entropy
 from tests.support.hybrid_families import HYBRIDS
+from tests.support.tolerance import assert_close
 
+# Derived (tests/support/tolerance.py), float64: the longest sum is the head's over tokens x vocabulary (64).
+TOL = dict(terms=64 * 64)
 TINY = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             intermediate_size=64, pad_token_id=0, bos_token_id=1, eos_token_id=1)
 _EXPERTS = dict(num_experts_per_tok=1, moe_intermediate_size=16)
@@ -99,14 +102,12 @@ def fused_against_logits(mesh, model_type: str) -> dict:
 @pytest.mark.parametrize("model_type", sorted(cphf.HEADS))
 def test_fused_loss_equals_the_models_own(pools, model_type: str) -> None:
     (r,) = pools.get(1).run(fused_against_logits, model_type)
-    # Float64 throughout: the same arithmetic in another order. Families whose forward casts the logits to
-    # float32 (`.float()`) round them once: 8 float32 epsilons (2^-20), relative to each tensor's magnitude.
-    rtol = 2.0**-20 if model_type in FLOAT32_LOGITS else 1e-12
-    torch.testing.assert_close(r["got"], r["want"].double(), rtol=rtol, atol=rtol * float(r["want"].abs()))
+    # Families whose forward casts the logits to float32 (`.float()`) round them once: float32's epsilon.
+    dtype = torch.float32 if model_type in FLOAT32_LOGITS else None
+    assert_close(r["got"], r["want"].double(), **TOL, dtype=dtype)
     assert r["grads"].keys() == r["want_grads"].keys() and len(r["grads"]) > 10
     for name, grad in r["want_grads"].items():
-        atol = rtol * max(float(grad.abs().max()), 1e-300)
-        torch.testing.assert_close(r["grads"][name], grad, rtol=rtol, atol=atol, msg=name)
+        assert_close(r["grads"][name], grad, **TOL, dtype=dtype, msg=name)
     if model_type in CHANGES_LOGITS:  # the test would see a family whose change the head dropped
         assert abs(r["plain"] - r["want"]) > 1e-3
 

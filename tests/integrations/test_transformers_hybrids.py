@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tests.support import hybrid_cases as cases
+from tests.support.tolerance import assert_close
 
 NAMES = sorted(cases.HYBRIDS)
 
@@ -56,4 +57,4 @@ def test_outside_a_region_the_model_is_transformers_own(name: str) -> None:
     ids, _ = cases.plain_batch()
     reference = cases.build(name, cp=False)
     model = cases.build(name, reference.state_dict())
-    torch.testing.assert_close(model(input_ids=ids).logits, reference(input_ids=ids).logits, **cases.FLOAT64)
+    assert_close(model(input_ids=ids).logits, reference(input_ids=ids).logits, **cases.FLOAT64)

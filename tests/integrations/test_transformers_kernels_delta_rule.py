@@ -13,7 +13,7 @@ on every rank are compared with the rank's shard of the reference, on real gloo 
 at P = 2, 3, 4 under the zigzag, contiguous and packed layouts, with a chunk size (4) that
 local runs (3 to 12 tokens) both straddle and fall short of.
 
-Tolerance: 1e-12 absolute and relative. Everything is float64 and the CP result differs
+Tolerance: derived (tests/support/tolerance.py). Everything is float64 and the CP result differs
 from the reference only in the order of operations (chunks aligned to runs instead of the
 sequence, the state composed across ranks); measured at most ~1e-14 on O(1) values, while a
 missing or doubled state term is O(1e-1).
@@ -38,9 +38,11 @@ from cpcompose.mixers.fla.delta_rule import (
 from cpcompose.layouts import Layout
 from cpcompose.parallel.dispatch import CPAttentionMode
 from tests.support.mixer_cases import doc_starts, make_layout, randn, value_errors
+from tests.support.tolerance import assert_close
 
-TOL = dict(rtol=1e-12, atol=1e-12)  # float64; see the module docstring
 B, HK, HV, DK, DV, S_LOCAL, CHUNK = 2, 2, 4, 4, 3, 12, 4
+# Derived (tests/support/tolerance.py), float64: batch x sequence (P <= 4) x the state's DK x DV.
+TOL = dict(terms=B * 4 * S_LOCAL * DK * DV)
 LAYOUTS = ("zigzag", "contiguous", "packed")
 KERNELS: dict[str, tuple[str, Callable[..., Any]]] = {  # name -> (modeling module, CP version)
     "gdn": ("qwen3_next", cp_chunk_gated_delta_rule),
@@ -120,7 +122,7 @@ def test_cp_delta_rule_is_exact(pools, which: str, world: int) -> None:
             assert got["final"] is None, at
             for name, value, ref in zip(["o", "dq", "dk", "dv", "dg", "dbeta"], [got["o"], *got["grads"]],
                                         [want["o"], *want["grads"]]):
-                torch.testing.assert_close(value, layout.shard(ref, 1, rank), **TOL,
+                assert_close(value, layout.shard(ref, 1, rank), **TOL,
                                            msg=lambda m, where=f"{at} {name}": f"{where}: {m}")
 
 

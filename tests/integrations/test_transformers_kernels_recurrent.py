@@ -2,7 +2,7 @@
 
 The model tests (`test_transformers_hybrids`) run these families as transformers computes them,
 partly in float32; here each mixer runs in float64 throughout, so CP must equal the original
-run on each document alone to 1e-12, on zigzag, contiguous, a pack (documents shorter than
+run on each document alone to float64's derived bound, on zigzag, contiguous, a pack (documents shorter than
 a conv width and longer than a rank's share) and a pack with a padding document:
 
 * RWKV's WKV recurrence (its CP version around a float64 copy of transformers' CPU loop,
@@ -33,12 +33,14 @@ from cpcompose.mixers.transformers_models.rwkv import cp_rwkv_linear_attention
 from cpcompose.layouts import Layout, PackedLayout
 from cpcompose.parallel.dispatch import active_cp_region
 from tests.support.mixer_cases import float64_module, make_layout, pack_bounds, value_errors
+from tests.support.tolerance import assert_close
 
 B, S_LOCAL, WIDTH, HEADS = 2, 12, 16, 2
 LAYOUTS = ("zigzag", "contiguous", "packed", "padded")
-FLOAT64 = {"rtol": 0.0, "atol": 1e-12}
+# Derived (tests/support/tolerance.py), float64: batch x sequence (P <= 4) x width.
+FLOAT64 = dict(terms=B * 4 * S_LOCAL * WIDTH)
 """Float64 throughout: only the order of sums differs."""
-FLOAT64_EXP = {"rtol": 1e-12, "atol": 1e-12}
+FLOAT64_EXP = FLOAT64
 """The mLSTM's gradients reach ~20 here (its large input gates, through exponentials): float64's
 rounding leaves ~1e-13 relative (measured up to 1.6e-12 absolute at P=3)."""
 EOS = 3
@@ -181,14 +183,14 @@ def test_cp_versions_equal_the_originals(pools, world: int) -> None:
         assert torch.equal(_unshard([r[spec, "ngram"] for r in per_rank], layout)[:, :real], want["ngram"][:, :real])
         for name, (_, _, _, tol) in MIXERS.items():
             got, at = [r[spec, name] for r in per_rank], f"{name} {spec} P={world}"
-            torch.testing.assert_close(_unshard([g["out"] for g in got], layout)[:, :real], want[name]["out"][:, :real],
+            assert_close(_unshard([g["out"] for g in got], layout)[:, :real], want[name]["out"][:, :real],
                                        **tol, msg=lambda m, at=at: f"{at} outputs: {m}")
             for k, grad in enumerate(want[name]["inputs"]):
-                torch.testing.assert_close(_unshard([g["inputs"][k] for g in got], layout), grad, **tol,
+                assert_close(_unshard([g["inputs"][k] for g in got], layout), grad, **tol,
                                            msg=lambda m, at=at, k=k: f"{at} input {k} gradient: {m}")
             for param, grad in want[name]["params"].items():
                 if grad is not None:
-                    torch.testing.assert_close(sum(g["params"][param] for g in got), grad, **tol,
+                    assert_close(sum(g["params"][param] for g in got), grad, **tol,
                                                msg=lambda m, at=at, p=param: f"{at} {p} gradient: {m}")
 
 

@@ -4,7 +4,7 @@
 stack (a mode is popped while its own handler runs), so a checkpointed block
 recomputed during the backward would call plain SDPA on a shard.
 `recompute_context`, checkpoint's `context_fn`, re-enters the region around the
-recomputation. float64, 1e-12: only summation order differs.
+recomputation. float64, derived tolerance (support/plain_model.TOL): only summation order differs.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from torch.utils.checkpoint import checkpoint
 from cpcompose import context_parallel, cp_cross_entropy
 from cpcompose.parallel import recompute_context
 from tests.support.plain_model import SEQ, TOL, finish, make_batch, make_model, reference
+from tests.support.tolerance import assert_close
 
 
 def checkpointed_step(mesh, with_context: bool) -> dict | str:
@@ -37,9 +38,9 @@ def checkpointed_step(mesh, with_context: bool) -> dict | str:
 def test_recompute_context_keeps_checkpointed_attention_exact(pools) -> None:
     want = reference(True)
     for got in pools.get(2).run(checkpointed_step, True):
-        torch.testing.assert_close(got["loss"], want["loss"], **TOL)
+        assert_close(got["loss"], want["loss"], **TOL)
         for name, grad in want["grads"].items():
-            torch.testing.assert_close(got["grads"][name], grad, **TOL)
+            assert_close(got["grads"][name], grad, **TOL)
 
 
 def test_without_recompute_context_the_recomputation_is_not_cp(pools) -> None:

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cpcompose import verify
-from cpcompose.mixers import cp_causal_conv1d
+from cpcompose.mixers import cp_causal_conv1d, cp_linear_scan
 from cpcompose.parallel import active_cp_region
 
 DIM, HEADS, SEQ = 16, 2, 32
@@ -102,6 +102,70 @@ def test_the_probe_names_an_explicit_softmax_attention(pools) -> None:
 @pytest.mark.parametrize("world", [2, 4])
 def test_the_probe_passes_what_is_exact(pools, world: int) -> None:
     assert pools.get(world).run(probe, "aware", False, "ring") == ["exact"] * world
+
+
+# --- bfloat16: judged against what one bfloat16 process gives, not a fixed number ---
+
+
+class MambaLike(nn.Module):
+    """Mamba's mixer in miniature: a causal conv, then a selective linear recurrence h_t = a_t * h_{t-1} + u_t."""
+
+    def __init__(self, conv: str) -> None:
+        super().__init__()
+        self.conv = CausalConv(conv == "aware")
+        self.gate, self.step = nn.Linear(DIM, DIM), nn.Linear(DIM, DIM)
+
+    def forward(self, x):
+        x = F.silu(self.conv(x))
+        a, u = torch.exp(-F.softplus(self.step(x))), x * torch.sigmoid(self.gate(x))
+        region = active_cp_region()
+        if region is not None:
+            return cp_linear_scan(a, u, mesh=region.mesh, layout=region.options.layout)
+        h, out = torch.zeros_like(u[:, 0]), []
+        for t in range(u.shape[1]):
+            h = a[:, t] * h + u[:, t]
+            out.append(h)
+        return torch.stack(out, 1)
+
+
+class Hybrid(nn.Module):
+    """Embedding, a Mamba-like block, an attention block, a Mamba-like block."""
+
+    def __init__(self, conv: str) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(64, DIM)
+        self.blocks = nn.ModuleList(Block(m) for m in (MambaLike(conv), Attention(False), MambaLike(conv)))
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def probe_low_precision(mesh, conv: str, dtype: torch.dtype) -> str:
+    torch.manual_seed(0)
+    model = Hybrid(conv).to(dtype)
+    tokens = torch.randint(0, 64, (1, SEQ), generator=torch.Generator().manual_seed(1))
+    try:
+        verify(model, mesh, [tokens], strategy="ring")
+    except ValueError as e:
+        return str(e)
+    return "exact"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_low_precision_hybrid_as_exact_as_one_process_passes(pools, dtype: torch.dtype) -> None:
+    """Its CP outputs differ from the same dtype on one process by up to 8e-3 (bf16), 1.5e-3 (fp16): rounding,
+    measured as within 2.2x of one process's own error against float64."""
+    assert pools.get(2).run(probe_low_precision, "aware", dtype) == ["exact"] * 2
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_low_precision_hybrid_with_a_local_conv_still_fails(pools, dtype: torch.dtype) -> None:
+    for message in pools.get(2).run(probe_low_precision, "plain", dtype):
+        assert "module 'blocks.0.mixer.conv' (CausalConv)" in message, message
+        assert "against a float64 run" in message
 
 
 # --- the Hugging Face integration probes a model on its first forward in a CP region ---

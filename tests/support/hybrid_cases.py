@@ -21,6 +21,7 @@ import transformers as hf
 import cpcompose.integrations.transformers as cphf
 from cpcompose import allreduce_gradients, context_parallel, cp_cross_entropy
 from tests.support.hybrid_families import FLOAT32_KERNEL, FLOAT64, HYBRIDS, SPECIAL, VOCAB  # noqa: F401 (for tests)
+from tests.support.tolerance import assert_close
 
 STRATEGIES = ("ring", "allgather", "alltoall")
 BATCH, SEQ = 2, 48
@@ -148,10 +149,12 @@ def cp_packed(mesh, name: str, state: dict, strategies: tuple[str, ...] | None =
 def assert_matches(want: dict, per_rank: list[dict], name: str, where: str) -> None:
     """Every rank's loss and every gradient against the reference, at the family's tolerance."""
     tol = HYBRIDS[name].tolerance
+    # A router's gate gradient cancels to ~1e-9 from terms the size of the model's gradients: those set its scale.
+    largest = max(g.abs().max().item() for g in want["grads"].values())
     for rank, got in enumerate(per_rank):
         for strategy, r in got.items():
             at = f"{name} {where} rank {rank} {strategy}"
-            torch.testing.assert_close(r["loss"], want["loss"], **tol, msg=lambda m: f"{at} loss: {m}")
+            assert_close(r["loss"], want["loss"], **tol, msg=lambda m: f"{at} loss: {m}")
             assert set(r["grads"]) == set(want["grads"]), f"{at}: gradients of other parameters"
             for param, grad in want["grads"].items():
-                torch.testing.assert_close(r["grads"][param], grad, **tol, msg=lambda m: f"{at} {param}: {m}")
+                assert_close(r["grads"][param], grad, **tol, scale=largest, msg=lambda m: f"{at} {param}: {m}")
