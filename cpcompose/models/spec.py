@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -39,6 +40,8 @@ class ParallelizeFn(Protocol):
         torch_compile: bool,
         offload_activations: bool,
         mlp_tiles: int,
+        param_dtype: torch.dtype | None,
+        offload_params: bool,
     ) -> nn.Module: ...
 
 

@@ -28,6 +28,7 @@ from cpcompose.models import get_model_spec, model_names
 from cpcompose.models.spec import MemoryProfile
 from cpcompose.parallel import ContextParallel, verify
 from cpcompose.training.errors import TrainingError
+from cpcompose.training.mixed_precision import compute_dtype
 
 __all__ = ["TrainedModel", "build_trained_model", "check_model", "describe_model", "family_names", "memory_profile"]
 
@@ -137,6 +138,7 @@ def _build_own(config: JobConfig, *, dims: ParallelDims, mesh: DeviceMesh, devic
         model, parallel_dims=dims, mesh=mesh, cp=style,
         activation_checkpoint=c.activation_checkpoint.mode == "full", torch_compile=c.training.compile,
         offload_activations=c.activation_checkpoint.offload, mlp_tiles=c.training.tiled_mlp,
+        param_dtype=compute_dtype(c), offload_params=c.training.offload_params,
     )
 
     def cp_scope(packed: PackedLayout | None) -> contextlib.AbstractContextManager:
