@@ -61,7 +61,8 @@ class MemoryProfile:
     """
 
     root_params: int
-    """Parameters outside the blocks (embedding, final norm, output layer): FSDP's root unit."""
+    """Parameters outside the blocks (embedding, final norm, output layer): FSDP's embedding unit and its unit of
+    the final norm with the output layer."""
     block_params: int
     """Parameters of one block: FSDP gathers one block (and prefetches the next) at a time."""
     output_params: int
@@ -69,7 +70,7 @@ class MemoryProfile:
     block_cast_params: int
     """Parameters of one block that bfloat16 autocast copies (its linear weights; the output layer's are too):
     autocast's cache keeps one bf16 copy of each, unsharded, until the autocast region (forward and backward)
-    ends."""
+    ends. Only without FSDP: with it, FSDP2's mixed precision gathers each unit in bf16 instead."""
     largest_param: int
     """The largest single parameter tensor (what a per-tensor optimizer step needs as temporaries)."""
     block_input: float
