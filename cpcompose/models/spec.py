@@ -96,13 +96,16 @@ class MemoryProfile:
     fused_loss_token: float
     """The fused loss per token of the whole shard: the saved log-sum-exp and the hidden states' gradient, which
     backward makes whole before its chunks run."""
+    attention_backward: float
+    """Beyond its saved tensors, what one block's attention backward holds (its gradients and the D-wide ones in
+    flight), per token: CP's received K/V and dK/dV buffers exist beside this, not beside the feed-forward's."""
     attention: tuple[int, int, int]
     """(heads, kv_heads, head_dim) of one attention call on this tensor-parallel rank, for the CP cost model."""
 
 
 class MemoryFn(Protocol):
     """A family's :class:`MemoryProfile` for a config's ``model`` section, tensor-parallel degree, compute dtype
-    ("float32" or "bfloat16") and number of sequence tiles of the feed-forward."""
+    ("float32", "bfloat16" under autocast, "bfloat16-params" under FSDP2's mixed precision) and number of sequence tiles of the feed-forward."""
 
     def __call__(self, model: Any, *, tp: int, precision: str, mlp_tiles: int) -> MemoryProfile: ...
 

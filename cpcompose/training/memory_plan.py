@@ -137,7 +137,9 @@ def plan_memory(config: JobConfig, world: int, *, device_type: str, tuned_alloca
     """
     c, t, p = config, config.training, config.parallelism
     dims = ParallelDims.from_config(p, world)
-    prof = memory_profile(c, tp=dims.tp, precision=t.mixed_precision, mlp_tiles=t.tiled_mlp)
+    # bfloat16 with FSDP is FSDP2's mixed precision (bf16 weights, no autocast), else autocast.
+    precision = "bfloat16-params" if t.mixed_precision == "bfloat16" and dims.dp_cp_size > 1 else t.mixed_precision
+    prof = memory_profile(c, tp=dims.tp, precision=precision, mlp_tiles=t.tiled_mlp)
     dp = dims.dp_size
     rows = t.batch_size // (dp * t.grad_accum_steps)  # sequences per micro-step on this dp rank
     micro = p.pp_microbatches if dims.pp > 1 else 1
@@ -225,6 +227,11 @@ def _stage(c: JobConfig, dims: ParallelDims, prof: MemoryProfile, stage: int, T:
         loss = int((prof.head_saved + prof.loss + held) * T)
     # A checkpointed block holds all it would save while it runs: in forward, and again in its recompute.
     recompute = int((prof.block_saved if checkpointing else 0) * T)
+    # A block's backward peaks in its feed-forward or in its attention; CP's buffers exist only beside the latter.
+    attention_side = int(prof.attention_backward * T) + attention
+    attention_wins = attention_side >= int(prof.block_backward * T)
+    backward_work = int((prof.attention_backward if attention_wins else prof.block_backward) * T)
+    backward_attention = attention if attention_wins else 0
     grads_always = t.grad_accum_steps > 1
     process = PROCESS_BYTES[device_type]
     # The phases' per-token tensors that glibc serves from its heap (D-wide and narrower; vocabulary-wide ones are
@@ -232,7 +239,7 @@ def _stage(c: JobConfig, dims: ParallelDims, prof: MemoryProfile, stage: int, T:
     loss_heap = int((prof.head_saved + (prof.fused_loss_token if fused else 0)) * T) if last else 0
     heap_held = {"forward": activations + recompute + int(prof.block_forward * T) + attention,
                  "loss": activations + loss_heap,
-                 "backward": activations + recompute + int(prof.block_backward * T) + attention,
+                 "backward": activations + recompute + backward_work + backward_attention,
                  "optimizer step": 0, "embedding backward": 0}
     # It grows to the most any phase holds there, plus the holes that one block's backward in flight (and a tiled
     # feed-forward's tile) leave between differently sized tensors, and keeps that resident through the step, the
@@ -265,8 +272,10 @@ def _stage(c: JobConfig, dims: ParallelDims, prof: MemoryProfile, stage: int, T:
                          recompute + int(prof.block_forward * T), attention, 0, 0),
         "loss": phase("loss", during, units.gathered["loss"], cast, activations, 0, 0, 0 if head_reducing else loss,
                       0, head_reducing),
-        "backward": phase("backward", state, units.gathered["backward"], cast, activations,
-                          recompute + int(prof.block_backward * T), attention, 0, 0, units.reducing["backward"]),
+        # The backward's start (the last block's): every activation kept, gradient shards yet to come; its end
+        # (every shard made, no activation left) is "embedding backward". In between, one falls as the other grows.
+        "backward": phase("backward", during, units.gathered["backward"], cast, activations,
+                          recompute + backward_work, backward_attention, 0, 0, units.reducing["backward"]),
         "optimizer step": phase("optimizer step", state, 0, 0, 0, 0, 0, 0, step_temps),
     }
     if units.reducing["embedding"]:  # the backward's end: the embedding gathered and its gradient reduced

@@ -27,7 +27,8 @@ import pytest
 
 from cpcompose.config import load_config
 from cpcompose.training.memory_budget import run_plan
-from cpcompose.training.memory_plan import GiB, plan_memory
+from cpcompose.training.families import memory_profile
+from cpcompose.training.memory_plan import GiB, attention_bytes, plan_memory
 
 ROOT = Path(__file__).resolve().parents[2]
 BIG_VOCAB = [
@@ -187,13 +188,23 @@ def test_bf16_autocast_keeps_a_copy_of_every_linear_weight() -> None:
 
 
 def test_attention_buffers_come_from_the_cost_model() -> None:
+    """CP's received K/V and dK/dV buffers: the cost model's count, beside the attention's backward only."""
     args = ["--parallelism.cp=4", "--training.fused_loss=true", "--training.loss_chunk_tokens=256",
-            "--activation_checkpoint.mode=full"]  # the peak in backward, where attention runs
-    ring, gather = _plan(args, 4), _plan(args + ["--parallelism.cp_strategy=allgather"], 4)
-    assert 0 < ring.part("attention K/V in flight") < gather.part("attention K/V in flight")
-    assert _plan(["--training.fused_loss=true"], 1).part("attention K/V in flight") == 0  # no CP
-    auto = _plan(args + ["--parallelism.cp_strategy=auto"], 4)
-    assert auto.part("attention K/V in flight") >= gather.part("attention K/V in flight")  # any candidate
+            "--activation_checkpoint.mode=full"]
+
+    def buffers(extra: list[str], cp: int = 4) -> int:
+        config = load_config(SMALL + args[1:] + [f"--parallelism.cp={cp}", *extra])
+        profile = memory_profile(config, tp=1, precision="float32", mlp_tiles=1)
+        return attention_bytes(config, profile, rows=1, row_len=8192, device_type="cpu")
+
+    ring, gather = buffers([]), buffers(["--parallelism.cp_strategy=allgather"])
+    assert 0 < ring < gather
+    assert buffers([], cp=1) == 0  # no CP
+    assert buffers(["--parallelism.cp_strategy=auto"]) >= gather  # any candidate
+    for plan, expected in ((_plan(args, 4), ring), (_plan(args + ["--parallelism.cp_strategy=allgather"], 4), gather)):
+        assert plan.part("attention K/V in flight") in (0, expected)  # 0: the feed-forward's backward is larger
+        forward = dict(plan.phase_totals)["forward"]
+        assert forward >= expected  # the forward's attention holds them too
 
 
 def test_a_1f1b_pipeline_holds_up_to_pp_microbatches_on_its_first_stage() -> None:
