@@ -24,7 +24,8 @@ __all__ = [
     "MemberType", "OpaqueBase", "all_gather_flat", "all_to_all_flat", "aten", "cpu_flash_backward",
     "cpu_flash_forward", "cuda_cudnn_backward", "cuda_cudnn_forward", "cuda_efficient_backward",
     "cuda_efficient_forward", "cuda_flash_backward", "cuda_flash_forward", "default_store", "flash_attn_backward",
-    "flash_attn_forward", "flash_attn_varlen_backward", "flash_attn_varlen_forward", "flatten_mesh",
+    "fake_rehearsal_tools", "flash_attn_forward", "flash_attn_varlen_backward", "flash_attn_varlen_forward",
+    "flatten_mesh",
     "function_mode_stack", "function_modes_suspended", "group_timeout", "has_flash_attn", "has_flash_attn_varlen",
     "import_flash_attn", "import_fused_linear_cross_entropy",
     "in_backward", "reduce_scatter_flat", "register_opaque_type",
@@ -193,3 +194,14 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+
+
+def fake_rehearsal_tools() -> tuple[Any, Any, Any, Any]:
+    """(FakeTensorMode, FakeStore, FSDPMemTracker, _ModMemStats): torch's private pieces of a rehearsal on fake
+    tensors with a fake process group (`cpcompose.training.rehearsal`); imported only when one runs."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import _ModMemStats
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    return FakeTensorMode, FakeStore, FSDPMemTracker, _ModMemStats

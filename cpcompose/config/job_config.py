@@ -100,6 +100,13 @@ class JobConfig:
             local = t.batch_size // split
             require(local % p.pp_microbatches == 0, "parallelism.pp_microbatches",
                     f"{p.pp_microbatches} must divide the local batch of {local} sequences")
+        require(not (t.offload_params and p.pp > 1), "training.offload_params",
+                "FSDP2's CPUOffloadPolicy keeps no unit gathered between pipeline microbatches here; set "
+                "parallelism.pp = 1 or training.offload_params = false")
+        if world_size is not None:
+            require(not t.offload_params or (dp or 1) * p.cp > 1,
+                    "training.offload_params", "offloads FSDP2's shards, and one rank over dp x cp has no FSDP; "
+                    "use more ranks or set training.offload_params = false")
         require(not (d.pack and p.pp > 1), "data.pack",
                 "packed documents are one sequence per micro-batch, which pipeline microbatches cannot split; "
                 "set parallelism.pp = 1")

@@ -250,6 +250,10 @@ class Training:
     """Run every feed-forward over this many tiles of the local sequence, recomputing each in backward, so its
     seq x ffn_hidden_dim intermediates are never whole (DeepSpeed ALST's TiledMLP); exact, one more MLP
     forward per step. 1 = off. Not with training.compile."""
+    offload_params: bool = False
+    """Keep each rank's shard of the parameters, their gradients and the optimizer state in host memory (FSDP2's
+    CPUOffloadPolicy: gathered to the device per unit, the optimizer step on the CPU). Needs FSDP (more than one
+    rank over dp x cp) and parallelism.pp = 1."""
     memory_budget_gib: float | None = None
     """Per-rank memory the run may use: the memory plan must fit in it before launch, and a rank that passes it
     stops, saying so. Unset: the device's memory (CUDA) or the host's RAM divided by the ranks on it (CPU)."""

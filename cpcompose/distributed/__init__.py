@@ -8,7 +8,7 @@ Context parallelism itself is the public API in ``cpcompose.parallel``.
 
 from cpcompose.distributed.activation_checkpoint import apply_activation_checkpointing
 from cpcompose.distributed.compile import apply_compile
-from cpcompose.distributed.fsdp import apply_fsdp
+from cpcompose.distributed.fsdp import apply_fsdp, fsdp_applied
 from cpcompose.distributed.parallel_dims import MESH_DIM_NAMES, ParallelDims, flat_mesh
 from cpcompose.distributed.pipeline import build_pipeline_schedule, build_pipeline_stage
 from cpcompose.distributed.tiled import apply_tiled_mlp, tiled_mlp
@@ -19,9 +19,10 @@ __all__ = [
     "apply_activation_checkpointing",
     "apply_compile",
     "apply_fsdp",
+    "flat_mesh",
+    "fsdp_applied",
     "apply_tiled_mlp",
     "build_pipeline_schedule",
     "build_pipeline_stage",
-    "flat_mesh",
     "tiled_mlp",
 ]

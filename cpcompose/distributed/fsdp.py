@@ -1,21 +1,42 @@
-"""FSDP2 over dp_shard x cp (HSDP when dp_replicate > 1), for any model whose blocks are named."""
+"""FSDP2 over dp_shard x cp (HSDP when dp_replicate > 1), for any model whose blocks are named.
+
+The units are torchtitan's: the input embedding alone, one unit per block, the final norm
+and the output layer together, then the root for whatever is left. Every unit but the
+last is resharded after its forward, so a large vocabulary's embedding is not held
+gathered through the whole step; the last unit stays gathered because the backward
+starts with it. Mixed precision is FSDP2's own (`MixedPrecisionPolicy`): each unit's
+parameters are gathered in the compute dtype just before its forward and freed after,
+the sharded float32 parameters are the optimizer's master weights, and gradients are
+reduced in float32. No whole-model cast copy exists at any time.
+"""
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from cpcompose.distributed.parallel_dims import ParallelDims, flat_mesh
 
-__all__ = ["apply_fsdp"]
+__all__ = ["apply_fsdp", "fsdp_applied"]
 
 
-def apply_fsdp(model: nn.Module, blocks: Iterable[nn.Module], *, mesh: DeviceMesh, parallel_dims: ParallelDims) -> None:
-    """Shard ``model`` with ``fully_shard``: one unit per block, then the root for what is left.
+def apply_fsdp(
+    model: nn.Module,
+    blocks: Iterable[nn.Module],
+    *,
+    mesh: DeviceMesh,
+    parallel_dims: ParallelDims,
+    embedding: nn.Module | None = None,
+    head: Sequence[nn.Module] = (),
+    param_dtype: torch.dtype | None = None,
+    offload_params: bool = False,
+) -> None:
+    """Shard ``model`` with ``fully_shard``: the embedding, each block, the head, then the root.
 
     CP ranks hold the same parameters but see different tokens, so sharding over
     dp_shard x cp also sums their gradients: no separate cp reduction is needed.
@@ -23,11 +44,24 @@ def apply_fsdp(model: nn.Module, blocks: Iterable[nn.Module], *, mesh: DeviceMes
     the global token count, so each rank's loss is its share of the global mean.
 
     Args:
-        model: the (possibly cut) model; its parameters outside ``blocks`` go to the root unit.
+        model: the (possibly cut) model; its parameters outside the units go to the root unit.
         blocks: the submodules to shard one by one (e.g. transformer blocks), in forward order.
         mesh: the root mesh from ``parallel_dims.build_mesh(...)``.
-        parallel_dims: the degrees; with pp > 1 blocks stay unsharded between microbatches.
+        parallel_dims: the degrees; with pp > 1 no unit is resharded between microbatches.
+        embedding: the input embedding, its own unit (resharded after forward); None: in the root.
+            An embedding whose weight the head shares (tied) must be left to the root.
+        head: the final norm and the output layer, one unit kept gathered from its forward to its
+            backward (the last to run forward, the first backward); empty: in the root.
+        param_dtype: the dtype each unit's parameters are gathered in for compute (e.g. bfloat16);
+            None keeps them float32. Sharded parameters (the optimizer's) and the gradient
+            reduction stay float32 either way.
+        offload_params: keep the sharded parameters, their gradients and so the optimizer state
+            in host memory (FSDP2's ``CPUOffloadPolicy``); the optimizer step then runs on the CPU.
     """
+    shared = {id(p) for p in embedding.parameters()} if embedding is not None else set()
+    if shared & {id(p) for m in head for p in m.parameters()}:
+        raise ValueError("apply_fsdp: the embedding and the head share a weight (tied embeddings); pass "
+                         "embedding=None and head=() so the tied weight stays in the root unit")
     dp_mesh = flat_mesh(mesh, "dp_shard_cp")
     if parallel_dims.dp_replicate_enabled:
         # HSDP: replicate outer, shard inner. torch 2.13 warns that slicing a flattened dim
@@ -35,14 +69,31 @@ def apply_fsdp(model: nn.Module, blocks: Iterable[nn.Module], *, mesh: DeviceMes
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Slicing a flattened dim", category=UserWarning)
             dp_mesh = mesh["dp_replicate", "dp_shard_cp"]
-    # With PP, each block runs once per microbatch: keep it unsharded between them.
+    options = {
+        "mesh": dp_mesh,
+        # Without param_dtype every dtype stays the parameters' own (float64 tests reduce in float64).
+        "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype,
+                                          reduce_dtype=torch.float32 if param_dtype is not None else None),
+        "offload_policy": CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload_params
+        else OffloadPolicy(),
+    }
+    # With PP, each unit runs once per microbatch: keep it unsharded between them.
     reshard = not parallel_dims.pp_enabled
+    if embedding is not None:
+        fully_shard(embedding, reshard_after_forward=reshard, **options)
     for block in blocks:
-        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard)
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=False)
+        fully_shard(block, reshard_after_forward=reshard, **options)
+    if head:
+        fully_shard(list(head), reshard_after_forward=False, **options)
+    fully_shard(model, reshard_after_forward=False, **options)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             # The loss is already a share of the global mean: sum, don't average. Plain SUM
             # also avoids PREMUL_SUM, which gloo lacks (FSDP would pick it for fp32/bf16).
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
+
+
+def fsdp_applied(model: nn.Module) -> bool:
+    """Whether ``model`` is sharded by :func:`apply_fsdp` (then FSDP2 owns its mixed precision)."""
+    return isinstance(model, FSDPModule)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -39,6 +40,8 @@ class ParallelizeFn(Protocol):
         torch_compile: bool,
         offload_activations: bool,
         mlp_tiles: int,
+        param_dtype: torch.dtype | None,
+        offload_params: bool,
     ) -> nn.Module: ...
 
 
@@ -58,7 +61,8 @@ class MemoryProfile:
     """
 
     root_params: int
-    """Parameters outside the blocks (embedding, final norm, output layer): FSDP's root unit."""
+    """Parameters outside the blocks (embedding, final norm, output layer): FSDP's embedding unit and its unit of
+    the final norm with the output layer."""
     block_params: int
     """Parameters of one block: FSDP gathers one block (and prefetches the next) at a time."""
     output_params: int
@@ -66,7 +70,7 @@ class MemoryProfile:
     block_cast_params: int
     """Parameters of one block that bfloat16 autocast copies (its linear weights; the output layer's are too):
     autocast's cache keeps one bf16 copy of each, unsharded, until the autocast region (forward and backward)
-    ends."""
+    ends. Only without FSDP: with it, FSDP2's mixed precision gathers each unit in bf16 instead."""
     largest_param: int
     """The largest single parameter tensor (what a per-tensor optimizer step needs as temporaries)."""
     block_input: float
@@ -92,13 +96,16 @@ class MemoryProfile:
     fused_loss_token: float
     """The fused loss per token of the whole shard: the saved log-sum-exp and the hidden states' gradient, which
     backward makes whole before its chunks run."""
+    attention_backward: float
+    """Beyond its saved tensors, what one block's attention backward holds (its gradients and the D-wide ones in
+    flight), per token: CP's received K/V and dK/dV buffers exist beside this, not beside the feed-forward's."""
     attention: tuple[int, int, int]
     """(heads, kv_heads, head_dim) of one attention call on this tensor-parallel rank, for the CP cost model."""
 
 
 class MemoryFn(Protocol):
     """A family's :class:`MemoryProfile` for a config's ``model`` section, tensor-parallel degree, compute dtype
-    ("float32" or "bfloat16") and number of sequence tiles of the feed-forward."""
+    ("float32", "bfloat16" under autocast, "bfloat16-params" under FSDP2's mixed precision) and number of sequence tiles of the feed-forward."""
 
     def __call__(self, model: Any, *, tp: int, precision: str, mlp_tiles: int) -> MemoryProfile: ...
 

@@ -2,9 +2,9 @@
 
 At a 128k vocabulary the logits of a long local sequence, their float32 copy, the log-softmax
 and its gradient cost several times the rest of a step (issue 21). `linear_cross_entropy_sum`
-computes `sum_i CE(head(hidden_i), label_i)` a chunk of tokens at a time: forward keeps only the
-per-token log-sum-exp; backward recomputes each chunk's logits and turns them into that chunk's
-hidden gradient and its share of the weight (and bias) gradient. So one chunk of `chunk_tokens x vocab`
+computes `sum_i CE(head(hidden_i), label_i)` a chunk of tokens at a time, and (as Liger does) turns each
+chunk's logits, while it has them, into that chunk's hidden gradient and its share of the weight (and bias)
+gradient; backward only scales those by the upstream gradient, so no logits are recomputed. So one chunk of `chunk_tokens x vocab`
 logits exists at a time, forward or backward, instead of `tokens x vocab` several times over: the
 log-sum-exp and the softmax gradient are computed in place in it (two chunk-sized tensors with
 softcapping, whose tanh backward keeps; under bf16 the chunk's bf16 matmul output or gradient beside it).
@@ -47,18 +47,25 @@ def _logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, softcap: float 
     return t * softcap, t
 
 
-def _logsumexp_(z: Tensor) -> Tensor:
-    """`torch.logsumexp(z, dim=-1)` by ATen's own steps, but in z's memory (z is overwritten).
+def _logsumexp_(z: Tensor) -> tuple[Tensor, Tensor]:
+    """`torch.logsumexp(z, dim=-1)` by ATen's own steps, but in z's memory: z becomes `exp(z - max)` (so
+    `z / sums` is the softmax), and the row sums are returned beside the log-sum-exp.
 
     ATen's makes a temporary as large as z (`(z - max).exp_()`), which would double a chunk's peak.
     """
     m = z.amax(dim=-1, keepdim=True)
     m.masked_fill_(m.abs() == float("inf"), 0)  # as ATen: an infinite row's max is taken as 0
-    return z.sub_(m).exp_().sum(dim=-1).log_().add_(m.squeeze(-1))
+    sums = z.sub_(m).exp_().sum(dim=-1)
+    return sums.log().add_(m.squeeze(-1)), sums
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
-    """Sum of token cross-entropies of `F.linear(hidden, weight, bias)` (optionally softcapped), by chunks."""
+    """Sum of token cross-entropies of `F.linear(hidden, weight, bias)` (optionally softcapped), by chunks.
+
+    Liger's order: the forward, which has each chunk's logits in hand, also turns them into that chunk's
+    gradients (for a unit upstream gradient) and keeps those; the backward only scales them by the upstream
+    gradient, so no chunk's logits are made twice.
+    """
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -66,52 +73,45 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         softcap: float | None, ignore_index: int, chunk_tokens: int,
     ) -> Tensor:
         acc = accumulation_dtype(hidden.dtype)
-        lse = torch.empty(hidden.shape[0], dtype=acc, device=hidden.device)
-        total = torch.zeros((), dtype=acc, device=hidden.device)
-        with _no_autocast(hidden.device.type):
-            for start in range(0, hidden.shape[0], chunk_tokens):
-                rows = slice(start, start + chunk_tokens)
-                logits = _logits(hidden[rows], weight, bias, softcap)[0]  # the tanh is for backward only
-                valid = labels[rows] != ignore_index
-                target = logits.gather(1, torch.where(valid, labels[rows], 0).unsqueeze(1)).squeeze(1)
-                lse[rows] = _logsumexp_(logits)  # overwrites logits: the target was read first
-                total += torch.where(valid, lse[rows] - target, 0).sum()
-                del logits, target  # the chunk's logits go before the next chunk's are made
-        ctx.save_for_backward(hidden, weight, bias, labels, lse)
-        ctx.softcap, ctx.ignore_index, ctx.chunk_tokens = softcap, ignore_index, chunk_tokens
-        return total
-
-    @staticmethod
-    def backward(ctx: Any, grad_total: Tensor) -> tuple[Tensor | None, ...]:
-        hidden, weight, bias, labels, lse = ctx.saved_tensors
         want_hidden, want_weight, want_bias = ctx.needs_input_grad[:3]
-        acc = lse.dtype
+        total = torch.zeros((), dtype=acc, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if want_hidden else None
         grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device) if want_weight else None
         grad_bias = torch.zeros(bias.shape, dtype=acc, device=bias.device) if want_bias else None
         with _no_autocast(hidden.device.type):
-            for start in range(0, hidden.shape[0], ctx.chunk_tokens):
-                rows = slice(start, start + ctx.chunk_tokens)
-                logits, t = _logits(hidden[rows], weight, bias, ctx.softcap)
-                # d(lse - logit_target)/d logits = softmax - onehot(target); ignored tokens contribute nothing.
-                grad = logits.sub_(lse[rows].unsqueeze(1)).exp_()
-                valid = labels[rows] != ctx.ignore_index
-                grad.scatter_add_(1, torch.where(valid, labels[rows], 0).unsqueeze(1),
-                                  torch.full_like(lse[rows], -1.0).unsqueeze(1))
-                grad.mul_((valid.to(acc) * grad_total).unsqueeze(1))
-                if t is not None:  # through softcap * tanh(z / softcap): times 1 - tanh^2
-                    grad.mul_(t.mul_(t).neg_().add_(1))
-                    del t
-                if grad_hidden is not None:  # rounded to the inputs' dtype first, as the unfused backward does
-                    grad_hidden[rows] = grad.to(hidden.dtype) @ weight
-                if grad_weight is not None:
-                    grad_weight.addmm_(grad.T, hidden[rows].to(acc))
-                if grad_bias is not None:
-                    grad_bias += grad.sum(0)
-                del grad, logits  # grad is logits, changed in place: both names go before the next chunk
-        grad_weight = grad_weight.to(weight.dtype) if grad_weight is not None else None
-        grad_bias = grad_bias.to(bias.dtype) if grad_bias is not None else None
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None
+            for start in range(0, hidden.shape[0], chunk_tokens):
+                rows = slice(start, start + chunk_tokens)
+                logits, t = _logits(hidden[rows], weight, bias, softcap)
+                valid = labels[rows] != ignore_index
+                index = torch.where(valid, labels[rows], 0).unsqueeze(1)
+                target = logits.gather(1, index).squeeze(1)
+                lse, sums = _logsumexp_(logits)  # overwrites logits with exp(logits - max): the target was read
+                total += torch.where(valid, lse - target, 0).sum()
+                if any(ctx.needs_input_grad[:3]):
+                    # d(lse - logit_target)/d logits = softmax - onehot(target); ignored tokens contribute nothing.
+                    grad = logits.div_(sums.unsqueeze(1))
+                    grad.scatter_add_(1, index, torch.full_like(lse, -1.0).unsqueeze(1))
+                    grad.mul_(valid.to(acc).unsqueeze(1))
+                    if t is not None:  # through softcap * tanh(z / softcap): times 1 - tanh^2
+                        grad.mul_(t.mul_(t).neg_().add_(1))
+                        t = None  # gone before the bf16 copy of grad is made
+                    if grad_hidden is not None:
+                        grad_hidden[rows] = grad.to(hidden.dtype) @ weight
+                    if grad_weight is not None:
+                        grad_weight.addmm_(grad.T, hidden[rows].to(acc))
+                    if grad_bias is not None:
+                        grad_bias += grad.sum(0)
+                    del grad
+                del logits, target, t  # the chunk's logits go before the next chunk's are made
+        ctx.grads = (grad_hidden, grad_weight, grad_bias)
+        ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+        return total
+
+    @staticmethod
+    def backward(ctx: Any, grad_total: Tensor) -> tuple[Tensor | None, ...]:
+        out = tuple(None if g is None else g.mul_(grad_total).to(dtype) for g, dtype in zip(ctx.grads, ctx.dtypes))
+        ctx.grads = None  # freed as they are handed over
+        return (*out, None, None, None, None)
 
 
 def linear_cross_entropy_sum(

@@ -29,8 +29,9 @@ from cpcompose.models.spec import MemoryProfile
 from cpcompose.parallel import ContextParallel, verify
 from cpcompose.training.errors import TrainingError
 from cpcompose.training.units import human_count
+from cpcompose.training.mixed_precision import compute_dtype
 
-__all__ = ["TrainedModel", "build_trained_model", "check_model", "describe_model", "family_names", "memory_profile"]
+__all__ = ["TrainedModel", "build_trained_model", "build_unfilled_model", "check_model", "describe_model", "family_names", "memory_profile"]
 
 
 def family_names() -> tuple[str, ...]:
@@ -125,7 +126,6 @@ def _build_own(config: JobConfig, *, dims: ParallelDims, mesh: DeviceMesh, devic
     parallelized). The style is kept to switch packed layouts per batch (and applied at cp == 1 too, so
     documents stay masked)."""
     c, p = config, config.parallelism
-    style = ContextParallel(p.cp_options(meter=meter), seq_dim=1) if dims.cp_enabled or c.data.pack else None
     spec = get_model_spec(c.model.name)
     model = spec.build(c.model, max_seq_len=c.max_seq_len())
     model.init_weights(seed=c.job.seed)
@@ -134,10 +134,28 @@ def _build_own(config: JobConfig, *, dims: ParallelDims, mesh: DeviceMesh, devic
     model.to(device)
     if dims.cp_enabled and p.cp_verify and not dims.pp_enabled:
         _verify(model, config, dims=dims, mesh=mesh, device=device)
-    model = spec.parallelize(
+    return _parallelize_own(model, config, dims=dims, mesh=mesh, meter=meter)
+
+
+def build_unfilled_model(config: JobConfig, *, dims: ParallelDims, mesh: DeviceMesh, stage: int = 0) -> TrainedModel:
+    """The trainer's model (cpcompose's own families), parallelized, its weights never set: for a rehearsal under
+    FakeTensorMode (`cpcompose.training.rehearsal`), where values do not exist and no module may move devices."""
+    spec = get_model_spec(config.model.name)
+    model = spec.build(config.model, max_seq_len=config.max_seq_len())
+    if dims.pp_enabled:
+        model = spec.split_for_pipeline(model, num_stages=dims.pp, stage_index=stage)
+    return _parallelize_own(model, config, dims=dims, mesh=mesh, meter=None)
+
+
+def _parallelize_own(model: nn.Module, config: JobConfig, *, dims: ParallelDims, mesh: DeviceMesh,
+                     meter: CommMeter | None) -> TrainedModel:
+    c, p = config, config.parallelism
+    style = ContextParallel(p.cp_options(meter=meter), seq_dim=1) if dims.cp_enabled or c.data.pack else None
+    model = get_model_spec(c.model.name).parallelize(
         model, parallel_dims=dims, mesh=mesh, cp=style,
         activation_checkpoint=c.activation_checkpoint.mode == "full", torch_compile=c.training.compile,
         offload_activations=c.activation_checkpoint.offload, mlp_tiles=c.training.tiled_mlp,
+        param_dtype=compute_dtype(c), offload_params=c.training.offload_params,
     )
 
     def cp_scope(packed: PackedLayout | None) -> contextlib.AbstractContextManager:

@@ -37,6 +37,7 @@ from cpcompose.parallel import context_parallel, recompute_context
 from cpcompose.training.errors import TrainingError
 from cpcompose.training.export import check_export_folder, export_folder
 from cpcompose.training.units import human_count
+from cpcompose.training.mixed_precision import compute_dtype
 
 __all__ = ["HFModel", "build_hf_model", "check_hf_model", "describe_hf_model"]
 
@@ -167,6 +168,18 @@ def _unshared(layers: list[nn.Module]) -> list[nn.Module]:
     return [layer for i, layer in enumerate(layers) if i not in shared]
 
 
+def _outer_units(model: nn.Module) -> tuple[nn.Module | None, list[nn.Module]]:
+    """The FSDP units around the decoder layers, as torchtitan makes them: the input embedding alone, and the
+    final norm with the output layer. Tied embeddings (one weight in both) stay in the root unit with the norm."""
+    embedding, output = model.get_input_embeddings(), model.get_output_embeddings()
+    if not isinstance(embedding, nn.Module) or not isinstance(output, nn.Module):
+        return None, []
+    if any(p is q for p in embedding.parameters() for q in output.parameters()):
+        return None, []
+    norm = getattr(getattr(model, getattr(model, "base_model_prefix", ""), None), "norm", None)
+    return embedding, [m for m in (norm, output) if isinstance(m, nn.Module)]
+
+
 def _mlp(layer: nn.Module) -> nn.Module | None:
     """A decoder layer's feed-forward (`mlp`, or LFM2's `feed_forward`): token-wise, so it can be tiled."""
     for name in ("mlp", "feed_forward"):
@@ -222,8 +235,9 @@ class _TrainerForward:
         kwargs.setdefault("use_cache", False)
         if head is None:
             return super().forward(input_ids=input_ids, position_ids=position_ids, **kwargs).logits  # type: ignore[misc]
-        cut = _hf().causal_lm_head(self)
-        hidden = cut.body(input_ids=input_ids, position_ids=position_ids, **kwargs).last_hidden_state
+        hidden = _hf().causal_lm_head(self).body(input_ids=input_ids, position_ids=position_ids,
+                                                  **kwargs).last_hidden_state
+        cut = _hf().causal_lm_head(self)  # after the body: the final norm's FSDP unit has gathered the output weight
         x, weight, bias = cut.linear_inputs(hidden)
         return head(x, weight, bias=bias, softcap=cut.softcap)
 
@@ -270,7 +284,9 @@ def build_hf_model(config: JobConfig, *, dims: ParallelDims, mesh: DeviceMesh, d
         apply_activation_checkpointing(layers, offload=config.activation_checkpoint.offload,
                                        context_fn=recompute_context)
     if dims.dp_cp_size > 1:
-        apply_fsdp(model, _unshared(layers), mesh=mesh, parallel_dims=dims)
+        embedding, head = _outer_units(model)
+        apply_fsdp(model, _unshared(layers), mesh=mesh, parallel_dims=dims, embedding=embedding, head=head,
+                   param_dtype=compute_dtype(config), offload_params=t.offload_params)
     model.to_empty(device=device)
     cphf.init_non_persistent_buffers(model)
     cphf.load_pretrained_weights(model, config.model.path, prepared.plan)

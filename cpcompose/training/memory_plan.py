@@ -6,9 +6,13 @@ L: blocks on this rank's pipeline stage, S: FSDP's shard degree dp_shard x cp wh
 * every phase: the process itself (interpreter, torch, communication buffers; measured, see
   `PROCESS_BYTES`), the float32 parameters and two AdamW moments, sharded S ways; gradients
   too once they exist (backward, the step; with gradient accumulation, always).
-* forward and backward also hold FSDP's gathered units (the root's embedding and output layer
-  stay gathered, and two blocks: the one running and the one prefetched) and, under bfloat16
-  autocast, a bf16 copy of every linear weight (autocast's cache keeps them until backward ends).
+* forward and backward also hold FSDP's gathered units, in the compute dtype (bf16 under FSDP2's mixed
+  precision): the embedding while it runs, two blocks (the one running and the one prefetched), the final norm
+  with the output layer from the loss into the backward; and each unit's gradient while it is reduced (made in
+  the compute dtype, cast to float32, copied into the reduce-scatter's input). The backward ends with the
+  embedding gathered and its gradient reduced, every other gradient shard already made ("embedding backward":
+  the peak where parameters dominate). Without FSDP, bfloat16 is autocast, which keeps a bf16 copy of every
+  linear weight until backward ends.
 * "loss": the activations every block keeps (all it saves, or its input alone with activation
   checkpointing; offloaded to host memory with `activation_checkpoint.offload` on CUDA), the
   final norm's, and the loss at its peak, forward or backward: unfused, the float32 log-softmax,
@@ -18,8 +22,8 @@ L: blocks on this rank's pipeline stage, S: FSDP's shard degree dp_shard x cp wh
   and the output weight's float32 gradient, which its backward sums over the chunks.
 * "forward" / "backward": the same activations plus one block's work: its forward, or its
   recompute (checkpointing) and its gradients in flight; attention's received K/V and dK/dV
-  buffers (the CP cost model's per-strategy count, `cpcompose.attention.cost.model`); the
-  gathered root's gradients.
+  buffers (the CP cost model's per-strategy count, `cpcompose.attention.cost.model`); one
+  block's gradients being reduced.
 * "optimizer step": parameters, gradients, moments and the step's temporaries.
 * on CPU, while the per-token tensors are small enough for glibc's heap (`HEAP_CEILING`), every phase also holds
   what the heap keeps: the most any phase put there, plus holes, resident to the end of the step ("allocator
@@ -79,7 +83,7 @@ class MemoryPlan:
     parts: tuple[tuple[str, int], ...]
     """(part, bytes) at the peak phase, in a fixed order; parts of 0 bytes are kept (the table shows them)."""
     phase: str
-    """Where the peak falls: "forward", "loss", "backward" or "optimizer step"."""
+    """Where the peak falls: "forward", "loss", "backward", "embedding backward" (FSDP) or "optimizer step"."""
     host_bytes: int
     """Checkpointed activations kept in host memory instead (`activation_checkpoint.offload`, CUDA)."""
     tokens: int
@@ -133,7 +137,9 @@ def plan_memory(config: JobConfig, world: int, *, device_type: str, tuned_alloca
     """
     c, t, p = config, config.training, config.parallelism
     dims = ParallelDims.from_config(p, world)
-    prof = memory_profile(c, tp=dims.tp, precision=t.mixed_precision, mlp_tiles=t.tiled_mlp)
+    # bfloat16 with FSDP is FSDP2's mixed precision (bf16 weights, no autocast), else autocast.
+    precision = "bfloat16-params" if t.mixed_precision == "bfloat16" and dims.dp_cp_size > 1 else t.mixed_precision
+    prof = memory_profile(c, tp=dims.tp, precision=precision, mlp_tiles=t.tiled_mlp)
     dp = dims.dp_size
     rows = t.batch_size // (dp * t.grad_accum_steps)  # sequences per micro-step on this dp rank
     micro = p.pp_microbatches if dims.pp > 1 else 1
@@ -147,6 +153,38 @@ def plan_memory(config: JobConfig, world: int, *, device_type: str, tuned_alloca
     return max(plans, key=lambda plan: plan.total)
 
 
+@dataclass(frozen=True)
+class _Units:
+    """FSDP's gathered parameters and the gradients being reduced, bytes, by phase."""
+
+    gathered: dict[str, int]
+    reducing: dict[str, int]
+
+
+def _units(*, fsdp: bool, pp: bool, bf16: bool, embedding: int, head: int, block: int, blocks: int) -> _Units:
+    """What FSDP2 holds unsharded, in apply_fsdp's units (the embedding, each block, the norm with the output).
+
+    Gathered in the compute dtype (bf16 under mixed precision). A unit's gradient is made in that dtype, cast to
+    float32 for the reduction (under bf16), copied into the reduce-scatter's input buffer, and the shard comes out:
+    4 + 4 (+ 2 under bf16) bytes per parameter of the unit in flight. The embedding runs alone in forward and is
+    gathered again at the backward's end; blocks two at a time (running, prefetched); the norm and the output stay
+    gathered from their forward to their backward. With PP no unit is resharded: all stay gathered.
+    """
+    if not fsdp:
+        return _Units(dict.fromkeys(("forward", "loss", "backward", "embedding"), 0),
+                      dict.fromkeys(("loss", "backward", "embedding"), 0))
+    c = 2 if bf16 else 4
+    reduce = 4 + 4 + (c if bf16 else 0)
+    two = min(blocks, 2) * block
+    if pp:
+        every = c * (embedding + blocks * block + head)
+        gathered = dict.fromkeys(("forward", "loss", "backward", "embedding"), every)
+    else:
+        gathered = {"forward": c * max(embedding, two), "loss": c * head, "backward": c * two,
+                    "embedding": c * embedding}
+    return _Units(gathered, {"loss": reduce * head, "backward": reduce * block, "embedding": reduce * embedding})
+
+
 def _stage(c: JobConfig, dims: ParallelDims, prof: MemoryProfile, stage: int, T: int, attention: int,
            device_type: str, tuned: bool) -> MemoryPlan:
     """The plan of one pipeline stage (the first holds the most microbatches, the last the loss)."""
@@ -158,15 +196,16 @@ def _stage(c: JobConfig, dims: ParallelDims, prof: MemoryProfile, stage: int, T:
     in_flight = 1 if dims.pp == 1 else micro if c.parallelism.pp_schedule == "GPipe" else min(micro, dims.pp - stage)
     shards = dims.fsdp_size if dims.dp_cp_size > 1 else 1
     fsdp = dims.dp_cp_size > 1
-    embedding = prof.root_params - prof.output_params
-    root = (embedding if first else 0) + (prof.output_params if last else 0)
-    params = root + L * prof.block_params
+    bf16 = t.mixed_precision == "bfloat16"
+    embedding = (prof.root_params - prof.output_params) if first else 0  # with the final norm (a few numbers)
+    head = prof.output_params if last else 0
+    params = embedding + head + L * prof.block_params
     state = 4 * params // shards
     moments = 2 * state
-    # The root stays gathered; blocks are gathered two at a time (running, prefetched), or all with PP (no reshard).
-    gathered = (4 * root + 4 * prof.block_params * (L if dims.pp > 1 else min(L, 2))) if fsdp else 0
-    cast = 2 * (L * prof.block_cast_params + (prof.output_params if last else 0)) if t.mixed_precision == "bfloat16" \
-        else 0
+    units = _units(fsdp=fsdp, pp=dims.pp > 1, bf16=bf16, embedding=embedding, head=head, block=prof.block_params,
+                   blocks=L)
+    # Without FSDP (one rank over dp x cp), bf16 is autocast: its cache keeps a bf16 copy of each linear weight.
+    cast = 2 * (L * prof.block_cast_params + head) if bf16 and not fsdp else 0
     checkpointing = ac.mode == "full"
     offload = checkpointing and ac.offload and device_type == "cuda"
     keep = prof.block_input if checkpointing else prof.block_saved
@@ -188,17 +227,20 @@ def _stage(c: JobConfig, dims: ParallelDims, prof: MemoryProfile, stage: int, T:
         loss = int((prof.head_saved + prof.loss + held) * T)
     # A checkpointed block holds all it would save while it runs: in forward, and again in its recompute.
     recompute = int((prof.block_saved if checkpointing else 0) * T)
+    # A block's backward peaks in its feed-forward or in its attention; CP's buffers exist only beside the latter.
+    attention_side = int(prof.attention_backward * T) + attention
+    attention_wins = attention_side >= int(prof.block_backward * T)
+    backward_work = int((prof.attention_backward if attention_wins else prof.block_backward) * T)
+    backward_attention = attention if attention_wins else 0
     grads_always = t.grad_accum_steps > 1
-    # FSDP reduce-scatters a unit's gathered gradients through an input buffer of the same size.
-    gathered_grads = 2 * (4 * root + 4 * prof.block_params) if fsdp else 0
     process = PROCESS_BYTES[device_type]
     # The phases' per-token tensors that glibc serves from its heap (D-wide and narrower; vocabulary-wide ones are
     # mapped): the heap keeps their high water resident for the rest of the step (see `heap_slack`).
     loss_heap = int((prof.head_saved + (prof.fused_loss_token if fused else 0)) * T) if last else 0
     heap_held = {"forward": activations + recompute + int(prof.block_forward * T) + attention,
                  "loss": activations + loss_heap,
-                 "backward": activations + recompute + int(prof.block_backward * T) + attention,
-                 "optimizer step": 0}
+                 "backward": activations + recompute + backward_work + backward_attention,
+                 "optimizer step": 0, "embedding backward": 0}
     # It grows to the most any phase holds there, plus the holes that one block's backward in flight (and a tiled
     # feed-forward's tile) leave between differently sized tensors, and keeps that resident through the step, the
     # optimizer's included (it trims only its top). Measured with `mallinfo2` on the 128k-vocabulary fused-loss
@@ -223,13 +265,21 @@ def _stage(c: JobConfig, dims: ParallelDims, prof: MemoryProfile, stage: int, T:
 
     step_temps = 2 * 4 * prof.largest_param // shards if device_type == "cpu" else state  # per-tensor vs foreach
     during = state if grads_always else 0
+    # The head's backward: the loss at its peak, then (its buffers gone) the head unit's gradients reduced.
+    head_reducing = units.reducing["loss"] if units.reducing["loss"] > loss else 0
     phases = {
-        "forward": phase("forward", during, gathered, cast, activations, recompute + int(prof.block_forward * T),
-                         attention, 0, 0),
-        "loss": phase("loss", during, gathered, cast, activations, 0, 0, loss, 0),
-        "backward": phase("backward", state, gathered, cast, activations, recompute + int(prof.block_backward * T),
-                          attention, 0, 0, gathered_grads),
+        "forward": phase("forward", during, units.gathered["forward"], cast, activations,
+                         recompute + int(prof.block_forward * T), attention, 0, 0),
+        "loss": phase("loss", during, units.gathered["loss"], cast, activations, 0, 0, 0 if head_reducing else loss,
+                      0, head_reducing),
+        # The backward's start (the last block's): every activation kept, gradient shards yet to come; its end
+        # (every shard made, no activation left) is "embedding backward". In between, one falls as the other grows.
+        "backward": phase("backward", during, units.gathered["backward"], cast, activations,
+                          recompute + backward_work, backward_attention, 0, 0, units.reducing["backward"]),
         "optimizer step": phase("optimizer step", state, 0, 0, 0, 0, 0, 0, step_temps),
     }
+    if units.reducing["embedding"]:  # the backward's end: the embedding gathered and its gradient reduced
+        phases["embedding backward"] = phase("embedding backward", state, units.gathered["embedding"], cast, 0, 0, 0, 0,
+                                             0, units.reducing["embedding"])
     name = max(phases, key=lambda k: sum(phases[k].values()))
     return MemoryPlan(tuple(phases[name].items()), name, host, T, tuple((k, sum(v.values())) for k, v in phases.items()))

@@ -26,7 +26,7 @@ from cpcompose import _compat
 from cpcompose.comm import CommMeter
 from cpcompose.config import ConfigError, JobConfig
 from cpcompose.data import IGNORE_INDEX, Batch, build_data_source
-from cpcompose.distributed import ParallelDims, build_pipeline_schedule, build_pipeline_stage, flat_mesh
+from cpcompose.distributed import ParallelDims, build_pipeline_schedule, build_pipeline_stage, flat_mesh, fsdp_applied
 from cpcompose.layouts import PackedLayout, resolve_layout
 from cpcompose.sharding.packed import pack_documents
 from cpcompose.parallel import cp_cross_entropy, cp_linear_cross_entropy
@@ -164,7 +164,9 @@ class Trainer:
         return count
 
     def _autocast(self) -> contextlib.AbstractContextManager:
-        if self.config.training.mixed_precision == "bfloat16":
+        """bfloat16 without FSDP (one rank over dp x cp, or pipelining): autocast. With FSDP, FSDP2's
+        MixedPrecisionPolicy gathers each unit in bfloat16 and nothing else is cast (as torchtitan)."""
+        if self.config.training.mixed_precision == "bfloat16" and not fsdp_applied(self.model):
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 

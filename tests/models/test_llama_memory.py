@@ -117,3 +117,20 @@ def test_tensor_parallel_and_tiles_shrink_what_they_split() -> None:
     assert two.root_params == one.root_params and two.block_input == one.block_input  # not split by TP
     assert tiled.block_saved == one.block_saved - 16 * SHAPE.ffn_hidden_dim  # the four F-wide tensors
     assert tiled.block_backward <= one.block_backward
+
+
+def test_a_bf16_block_under_fsdp_mixed_precision_saves_what_the_profile_counts() -> None:
+    """"bfloat16-params": FSDP2 gathers the weights in bf16 and casts the block's inputs (x, cos, sin) to bf16;
+    no autocast, so no weight copies and a bf16 residual stream (what a checkpoint keeps)."""
+    config = LlamaConfig(vocab_size=SHAPE.vocab_size, dim=64, n_layers=1, n_heads=4, n_kv_heads=2, ffn_hidden_dim=96,
+                         max_seq_len=T)
+    block = TransformerBlock(config).to(torch.bfloat16)
+    x = torch.randn(1, T, 64, dtype=torch.bfloat16, requires_grad=True)
+    cos, sin = (t.to(torch.bfloat16) for t in rope_cos_sin(torch.arange(T), head_dim=16, theta=1e4))
+    exclude = {p.untyped_storage().data_ptr() for p in block.parameters()}
+    exclude |= {cos.untyped_storage().data_ptr(), sin.untyped_storage().data_ptr()}
+    acts, weights = _saved(lambda: block(x, cos, sin), bf16=False, exclude=exclude)
+    profile = llama_memory(SHAPE, tp=1, precision="bfloat16-params", mlp_tiles=1)
+    assert weights == 0
+    assert acts == profile.block_saved * T, (acts / T, profile.block_saved)
+    assert profile.block_input == 2 * 64

@@ -208,7 +208,8 @@ def test_packed_text_losses_match_one_rank(pools, tmp_path: Path, name: str, wor
 
 
 def test_bf16_autocast_follows_the_fp32_curve(pools, baseline, tmp_path: Path) -> None:
-    """training.mixed_precision=bfloat16 (autocast; CP merges stay float32): same curve within bf16 noise.
+    """training.mixed_precision=bfloat16 (one rank: autocast; cp=2: FSDP2's MixedPrecisionPolicy, which gathers
+    each unit in bf16; CP merges stay float32): same curve within bf16 noise.
 
     bf16 keeps 8 bits of mantissa (4e-3 relative per element), but the loss averages
     thousands of token losses computed in float32, so over 10 steps we measured it

@@ -12,6 +12,9 @@ tensor-parallel rank:
 * bfloat16 autocast keeps the residual stream and the RMSNorms in float32 (4 D-wide tensors
   of 4 bytes) but casts each linear's input separately (3 + 2 D-wide copies of 2 bytes) and
   saves the attention and feed-forward tensors in bf16.
+* bfloat16 parameters (FSDP2's mixed precision, no autocast): the residual stream is bf16 (a block's input,
+  2 D); each RMSNorm keeps its float32 input and its bf16 normalized value (6 D), each linear its bf16 input
+  (no cast copies), the attention and SwiGLU tensors as under autocast.
 * A sequence-tiled feed-forward (``mlp_tiles`` > 1) saves only its input; one tile of its
   intermediates lives at a time, in forward and again (with gradients) in backward.
 * The loss without fusion peaks in backward: the float32 log-softmax it saved, its gradient and
@@ -29,7 +32,10 @@ from typing import Protocol
 
 from cpcompose.models.spec import MemoryProfile
 
-__all__ = ["llama_memory"]
+__all__ = ["PRECISIONS", "llama_memory"]
+
+PRECISIONS = ("float32", "bfloat16", "bfloat16-params")
+"""float32; bfloat16 under autocast (no FSDP); bfloat16 parameters gathered by FSDP2's mixed precision."""
 
 
 class _Shape(Protocol):
@@ -46,14 +52,14 @@ def llama_memory(model: _Shape, *, tp: int, precision: str, mlp_tiles: int) -> M
     Args:
         model: the config's ``model`` section (vocab_size, dim, heads, kv heads, ffn_hidden_dim).
         tp: tensor-parallel degree (heads and feed-forward columns are split; the residual stream is not).
-        precision: "float32", or "bfloat16" (autocast).
+        precision: one of `PRECISIONS`.
         mlp_tiles: sequence tiles of the feed-forward (1: untiled).
 
     Raises:
         ValueError: an unknown precision.
     """
-    if precision not in ("float32", "bfloat16"):
-        raise ValueError(f"precision must be float32 or bfloat16, got {precision!r}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     D, V, head_dim = model.dim, model.vocab_size, model.dim // model.n_heads
     heads, kv_heads = model.n_heads // tp, model.n_kv_heads // tp
     Dq, Dk, F = heads * head_dim, kv_heads * head_dim, model.ffn_hidden_dim // tp
@@ -62,6 +68,9 @@ def llama_memory(model: _Shape, *, tp: int, precision: str, mlp_tiles: int) -> M
     if c == 4:
         saved = 4 * (6 * D + 3 * Dq + 2 * Dk + heads + 2) + (0 if tiled else 16 * F)
         head = 4 * 3 * D + 12  # + the final norm's scale and the int64 label
+    elif precision == "bfloat16-params":  # FSDP2 gathers bf16 weights: a bf16 residual, no casts; norms in fp32
+        saved = 16 * D + 2 * (3 * Dq + 2 * Dk) + 4 * heads + 8 + (0 if tiled else 8 * F)
+        head = 8 * D + 12
     else:  # float32 residual and norms; five bf16 copies of linear inputs; bf16 attention and SwiGLU
         saved = 16 * D + 2 * 3 * D + 2 * (3 * Dq + 2 * Dk) + 4 * heads + 8
         saved += 4 * D if tiled else 2 * 2 * D + 8 * F  # tiled: its float32 input instead of w1/w3's casts
@@ -69,12 +78,15 @@ def llama_memory(model: _Shape, *, tp: int, precision: str, mlp_tiles: int) -> M
     tile = c * F / mlp_tiles  # one tile's F-wide tensor, per token of the whole shard
     ffn_backward = 7 * tile if tiled else 2 * c * F  # tiled: a tile's 4 saved + 3 gradients; else 2 more grads
     attn_backward = (4 + c) * (Dq + 2 * Dk)  # float32 dq/dk/dv accumulators and their compute-dtype results
+    d_grads = (6 if precision == "bfloat16-params" else 12) * D
     block_linear = D * Dq + 2 * D * Dk + Dq * D + 3 * D * F
     return MemoryProfile(
         root_params=2 * V * D + D, block_params=block_linear + 2 * D, output_params=V * D,
         block_cast_params=block_linear, largest_param=max(V * D, D * F),
-        block_input=4 * D, block_saved=saved, block_forward=8 * D + (4 * tile if tiled else 0),
-        block_backward=max(ffn_backward, attn_backward) + 12 * D, tile_work=ffn_backward if tiled else 0,
+        block_input=(2 if precision == "bfloat16-params" else 4) * D, block_saved=saved,
+        block_forward=8 * D + (4 * tile if tiled else 0),
+        # + 3 D-wide gradients in flight: float32 where the residual stream is (float32, autocast), else bf16
+        block_backward=max(ffn_backward, attn_backward) + d_grads, attention_backward=attn_backward + d_grads, tile_work=ffn_backward if tiled else 0,
         head_saved=head, loss=12 * V,
         fused_loss_chunk=4 * V + (2 * V if c == 2 else 0), fused_loss_token=4 + c * D,
         attention=(heads, kv_heads, head_dim),

@@ -26,9 +26,13 @@ in torchtitan, is:
    is one opaque custom op in the graph (``cpcompose.attention.call.op``). With
    activation checkpointing, each block's parts instead, inside the checkpoint
    (dynamo may not enter the CP mode inside a traced checkpoint).
-6. **FSDP2** (``dp_replicate * dp_shard * cp > 1``, unless ``fsdp=False``): one
-   unit per ``TransformerBlock`` plus the root, over dp_shard x cp (HSDP with
-   dp_replicate), which also sums the gradients over cp.
+6. **FSDP2** (``dp_replicate * dp_shard * cp > 1``, unless ``fsdp=False``): as
+   torchtitan, ``tok_embeddings`` alone, one unit per ``TransformerBlock``, then
+   ``norm`` and ``output`` together (kept gathered into the backward), over
+   dp_shard x cp (HSDP with dp_replicate), which also sums the gradients over cp.
+   With ``param_dtype`` (bfloat16 training) each unit is gathered in that dtype,
+   while the sharded float32 parameters stay the optimizer's and gradients reduce
+   in float32 (FSDP2's ``MixedPrecisionPolicy``); no autocast is needed.
 
 With ``fsdp=False`` nothing reduces the gradients: when ``parallel_dims.dp_cp_size
 > 1``, call ``allreduce_gradients(model, flat_mesh(mesh, "dp_cp"))`` after
@@ -38,6 +42,7 @@ rank owns its shard and the replicated norms get identical gradients.
 
 from __future__ import annotations
 
+import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
@@ -77,6 +82,8 @@ def parallelize_llama(
     fsdp: bool = True,
     offload_activations: bool = False,
     mlp_tiles: int = 1,
+    param_dtype: torch.dtype | None = None,
+    offload_params: bool = False,
 ) -> Llama:
     """Make ``model`` (a full model or one pipeline stage) parallel, in place.
 
@@ -93,6 +100,8 @@ def parallelize_llama(
             pinned host memory on CUDA (no change on the CPU).
         mlp_tiles: sequence tiles each feed-forward runs over (1: untiled).
         torch_compile: compile each block (its parts, with activation checkpointing).
+        param_dtype: with FSDP, the dtype the units are gathered and computed in (None: float32).
+        offload_params: with FSDP, sharded parameters, gradients and optimizer state in host memory.
         fsdp: shard parameters with FSDP2 over dp_shard x cp (HSDP when
             dp_replicate > 1) when more than one rank shares the loss. With
             ``False`` the caller reduces gradients (see the module docstring).
@@ -129,5 +138,7 @@ def parallelize_llama(
         # enter their TorchFunctionMode: with AC, compile each block's parts, inside the checkpoint.
         apply_compile(blocks if not activation_checkpoint else [m for b in blocks for m in b.children()])
     if fsdp and parallel_dims.dp_cp_size > 1:
-        apply_fsdp(model, blocks, mesh=mesh, parallel_dims=parallel_dims)
+        apply_fsdp(model, blocks, mesh=mesh, parallel_dims=parallel_dims, embedding=model.tok_embeddings,
+                   head=[m for m in (model.norm, model.output) if m is not None], param_dtype=param_dtype,
+                   offload_params=offload_params)
     return model

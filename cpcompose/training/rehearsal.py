@@ -1,0 +1,142 @@
+"""A training step at full size on fake tensors: torch's own memory tracker against the memory plan.
+
+torchtitan's method: a fake process group (any world size, no communication) and FakeTensorMode (shapes and
+dtypes, no storage) run one real step of the trainer's model (FSDP2, CP attention, the fused loss, AdamW) on
+this machine, and torch's `FSDPMemTracker` counts every tensor the step holds, by kind. Two steps run; the
+second (the optimizer's state exists) is measured. The tracker counts tensors only: compare it with the plan
+less its process and allocator-slack parts.
+
+What cannot run on fake tensors is routed around here, never in the training path:
+- the mesh is built without `ParallelDims.build_mesh`'s timeouts (the fake group has no backend options);
+- CP attention's host checks, which read values (the cross-rank agreement of each call's signature, the
+  non-finite V note, the CPU-only NaN-row shortcut), are replaced for the step by their no-sync forms (the
+  agreement assumed, the CUDA branch of the NaN rows);
+- torch.compile and the exactness probe (`parallelism.cp_verify`) are off;
+- the tracker gets statistics for the output layer, whose forward the fused loss never calls (it reads the
+  weight), so the tracker's backward hook finds them.
+One process, rank 0 of the fake group: it must be the only process group of the interpreter (a fresh one).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+from collections.abc import Iterator
+from dataclasses import dataclass
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from cpcompose import _compat
+from cpcompose.config import JobConfig
+from cpcompose.distributed import ParallelDims, flat_mesh
+from cpcompose.distributed.parallel_dims import MESH_DIM_NAMES
+from cpcompose.parallel import cp_cross_entropy, cp_linear_cross_entropy
+from cpcompose.training.families import build_unfilled_model
+from cpcompose.training.memory_plan import PROCESS_BYTES, plan_memory
+
+__all__ = ["Rehearsal", "rehearse"]
+
+
+@dataclass(frozen=True)
+class Rehearsal:
+    """The tracker's peak of the measured step and the plan's tensors, bytes."""
+
+    tracked: int
+    """FSDPMemTracker's peak total over the second step."""
+    by_kind: dict[str, int]
+    """The tracker's parts at that peak (sharded/unsharded parameters, activations, temporaries, ...)."""
+    planned: int
+    """The plan (`device_type="cuda"`) less the process and the allocator slack: the tensors it predicts."""
+
+    @property
+    def ratio(self) -> float:
+        """planned / tracked."""
+        return self.planned / max(1, self.tracked)
+
+
+@contextlib.contextmanager
+def _without_host_checks() -> Iterator[None]:
+    import cpcompose.attention.checks as checks
+    import cpcompose.attention.merge as merge
+
+    def assumed_agreement(cp, error, signature, *, run, **kwargs):  # noqa: ANN001, ANN003, ANN202
+        if error is not None:
+            raise ValueError(error)
+        return run(), None
+
+    def nan_rows(q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:  # the CUDA branch
+        rows = torch.isnan(q).any(dim=-1)
+        out.masked_fill_(rows.unsqueeze(-1), float("nan"))
+        lse.masked_fill_(rows, float("nan"))
+
+    with mock.patch.object(checks, "agreed_call", assumed_agreement), \
+            mock.patch.object(checks, "nonfinite_note", lambda v: 0), \
+            mock.patch.object(merge, "keep_nan_rows", nan_rows), \
+            mock.patch.object(_compat, "group_timeout", lambda group: datetime.timedelta(minutes=10)):
+        yield
+
+
+def rehearse(config: JobConfig, world: int) -> Rehearsal:
+    """Run two steps of `config` on `world` fake ranks (this process is rank 0) and track the second.
+
+    Raises:
+        ValueError: a model family other than cpcompose's own, or pipelining (one stage would need each rank).
+    """
+    c = dataclasses.replace(config, training=dataclasses.replace(config.training, compile=False),
+                            parallelism=dataclasses.replace(config.parallelism, cp_verify=False))
+    if c.parallelism.pp > 1:
+        raise ValueError("rehearse: parallelism.pp > 1 is not rehearsed (each stage differs); use pp = 1")
+    fake_mode, fake_store, tracker_cls, mod_stats = _compat.fake_rehearsal_tools()
+    dist.init_process_group("fake", store=fake_store(), rank=0, world_size=world)
+    try:
+        dims = ParallelDims.from_config(c.parallelism, world)
+        mesh = init_device_mesh("cpu", tuple(getattr(dims, n) for n in MESH_DIM_NAMES), mesh_dim_names=MESH_DIM_NAMES)
+        for name in ("dp_shard_cp", "dp_cp", "dp"):  # flattened before the fake mode (it makes groups from values)
+            flat_mesh(mesh, name)
+        with _without_host_checks(), fake_mode(allow_non_fake_inputs=True):
+            tracked, by_kind = _two_steps(c, dims, mesh, tracker_cls, mod_stats)
+    finally:
+        dist.destroy_process_group()
+    plan = plan_memory(config, world, device_type="cuda")
+    planned = plan.total - PROCESS_BYTES["cuda"] - plan.part("allocator slack")
+    return Rehearsal(tracked=tracked, by_kind=by_kind, planned=planned)
+
+
+def _two_steps(c: JobConfig, dims: ParallelDims, mesh, tracker_cls, mod_stats) -> tuple[int, dict[str, int]]:  # noqa: ANN001
+    model = build_unfilled_model(c, dims=dims, mesh=mesh).module
+    optimizer = torch.optim.AdamW(model.parameters(), lr=c.optimizer.lr, betas=c.optimizer.betas,
+                                  weight_decay=c.optimizer.weight_decay, eps=c.optimizer.eps)
+    rows, T = c.training.batch_size // (dims.dp_size * c.training.grad_accum_steps), c.training.seq_len // dims.cp
+    tokens = torch.randint(0, c.model.vocab_size, (rows, T))
+    labels = torch.randint(0, c.model.vocab_size, (rows, T))
+    positions = torch.arange(T).expand(rows, T)
+    loss_mesh, count = flat_mesh(mesh, "dp_cp"), torch.tensor(float(rows * T * dims.dp_cp_size))
+    output = getattr(model, "output", None)
+
+    def head(hidden: torch.Tensor, weight: torch.Tensor, **kwargs: object) -> torch.Tensor:
+        return cp_linear_cross_entropy(hidden, weight, labels, mesh=loss_mesh, num_tokens=count,
+                                       chunk_tokens=c.loss_chunk_tokens())
+
+    tracker = tracker_cls(model, optimizer)
+    with tracker:
+        for step in range(2):
+            if output is not None:  # the fused loss reads its weight without calling it: stats for its backward
+                tracker.memory_tracking[output] = mod_stats("output")
+            for _ in range(c.training.grad_accum_steps):
+                if c.training.fused_loss:
+                    loss = model(tokens, positions, head=head)
+                else:
+                    loss = cp_cross_entropy(model(tokens, positions), labels, mesh=loss_mesh, num_tokens=count)
+                loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if step == 0:
+                tracker.reset_mod_stats()
+        peak = tracker.get_tracker_snapshot("peak")
+    by_device = next(iter(peak.values()))
+    by_kind = {str(getattr(k, "value", k)): int(v) for k, v in by_device.items()}
+    return by_kind.pop("Total"), by_kind
