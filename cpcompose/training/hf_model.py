@@ -176,8 +176,16 @@ def _outer_units(model: nn.Module) -> tuple[nn.Module | None, list[nn.Module]]:
         return None, []
     if any(p is q for p in embedding.parameters() for q in output.parameters()):
         return None, []
-    norm = getattr(getattr(model, getattr(model, "base_model_prefix", ""), None), "norm", None)
-    return embedding, [m for m in (norm, output) if isinstance(m, nn.Module)]
+    base = getattr(model, getattr(model, "base_model_prefix", ""), None)
+    norm = next((m for m in (getattr(base, name, None) for name in _FINAL_NORMS) if isinstance(m, nn.Module)), None)
+    if norm is None:  # the fused loss never calls lm_head: only the norm's forward gathers their unit, so without
+        return embedding, []  # a norm the output layer stays in the root unit, gathered from the forward's start
+    return embedding, [norm, output]
+
+
+_FINAL_NORMS = ("norm", "norm_f", "final_layernorm", "final_norm", "ln_f", "ln_out", "out_norm")
+"""The names families give the base model's last norm, which runs right before `lm_head` (Mamba's `norm_f`,
+Jamba's `final_layernorm`, RWKV's `ln_out`, xLSTM's `out_norm`, ...)."""
 
 
 def _mlp(layer: nn.Module) -> nn.Module | None:

@@ -60,8 +60,8 @@ class Rehearsal:
 
 @contextlib.contextmanager
 def _without_host_checks() -> Iterator[None]:
-    import cpcompose.attention.checks as checks
-    import cpcompose.attention.merge as merge
+    import cpcompose.attention.call.orchestrate as checks
+    import cpcompose.attention.local.merge as merge
 
     def assumed_agreement(cp, error, signature, *, run, **kwargs):  # noqa: ANN001, ANN003, ANN202
         if error is not None:

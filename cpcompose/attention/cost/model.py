@@ -35,7 +35,7 @@ at the next collective or ring round):
   "cuda_nccl" (NCCL's reduce-scatter), while on "cpu_gloo" it is an all-to-all (as
   below) and a float sum of the P received slices (`merge_s_per_elem` per element
   added) after the wait. What travels is each rank's needed rows (those another
-  rank reads, `attention.plans.gathered_rows`), padded to the widest rank's. Copies
+  rank reads, `attention.local.plans.gathered_rows`), padded to the widest rank's. Copies
   at `copy_bandwidth`, as the code makes them: the needed K and V rows packed into
   one buffer before each gather; in backward the float32 dK/dV of every rank's
   gathered rows and of the own shard zero-filled (with the first half), and the

@@ -16,7 +16,7 @@ bytes, as `cpcompose.comm.CommMeter` counts them:
     and returns float32 (accumulation dtype) dK/dV of every row it read to its
     owner; dq, dk, dv come back by a final all-to-all in the input dtype.
 * all-gather: each rank's needed K and V rows (those another rank's plans read,
-  `attention.plans.gathered_rows`) packed end to end and padded to the widest rank's,
+  `attention.local.plans.gathered_rows`) packed end to end and padded to the widest rank's,
   one all-gather forward, another backward (K/V are not kept: activation memory
   stays 1/P), then a reduce-scatter of those rows' float32 dK/dV: each sends (P-1)
   padded parts. Without a mask that hides rows from every peer, the whole shard.
