@@ -8,7 +8,7 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor
 
-from cpcompose.data._rng import seeded_generator
+from cpcompose.data._rng import EpochShuffle
 from cpcompose.data.batch import IGNORE_INDEX, Sample
 
 __all__ = ["SupervisedSource"]
@@ -38,7 +38,7 @@ class SupervisedSource:
         self.ids, self.trained, self.offsets, self.rows = ids, trained, offsets, rows
         self.seq_len, self.pad_id, self.seed = seq_len, pad_id, seed
         self.num_rows = rows.numel() - 1
-        self._epoch, self._perm = -1, torch.empty(0, dtype=torch.long)
+        self._order = EpochShuffle(self.num_rows, seed)
 
     @classmethod
     def from_documents(cls, documents: Iterable[tuple[list[int], list[bool]]], *, seq_len: int, pad_id: int,
@@ -62,16 +62,9 @@ class SupervisedSource:
         """Records in the corpus."""
         return self.offsets.numel() - 1
 
-    def _row(self, index: int) -> int:
-        epoch, pos = divmod(index, self.num_rows)
-        if epoch != self._epoch:  # one cached permutation: ranks read indices in increasing order
-            self._perm = torch.randperm(self.num_rows, generator=seeded_generator(self.seed, epoch))
-            self._epoch = epoch
-        return int(self._perm[pos])
-
     def sample(self, index: int) -> Sample:
         """The sample at global position ``index`` (any non-negative integer: epochs repeat)."""
-        row = self._row(index)
+        row = self._order(index)
         first, last = int(self.rows[row]), int(self.rows[row + 1])
         bounds = self.offsets[first : last + 1] - self.offsets[first]  # record starts in the row, then its end
         a, used = int(self.offsets[first]), int(bounds[-1])

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from cpcompose.config import ConfigError
-from cpcompose.data._rng import seeded_generator
+from cpcompose.data._rng import EpochShuffle
 from cpcompose.data.batch import IGNORE_INDEX, Sample
 
 __all__ = ["TextSource", "short_corpus_error"]
@@ -48,7 +48,7 @@ class TextSource:
             raise short_corpus_error(tokens.numel(), seq_len, path)
         self.tokens, self.starts, self.seq_len, self.seed, self.pack = tokens, starts.to(torch.int64), seq_len, seed, pack
         self.num_windows = (tokens.numel() - 1) // seq_len
-        self._epoch, self._perm = -1, torch.empty(0, dtype=torch.long)
+        self._order = EpochShuffle(self.num_windows, seed)
 
     @classmethod
     def from_documents(cls, documents: Iterable[list[int]], *, seq_len: int, seed: int = 0, pack: bool = False,
@@ -61,16 +61,9 @@ class TextSource:
         tokens = torch.frombuffer(ids, dtype=torch.int32).clone() if ids else torch.empty(0, dtype=torch.int32)
         return cls(tokens, torch.tensor(starts, dtype=torch.int64), seq_len=seq_len, seed=seed, pack=pack, path=path)
 
-    def _window(self, index: int) -> int:
-        epoch, pos = divmod(index, self.num_windows)
-        if epoch != self._epoch:  # one cached permutation: ranks read indices in increasing order
-            self._perm = torch.randperm(self.num_windows, generator=seeded_generator(self.seed, epoch))
-            self._epoch = epoch
-        return int(self._perm[pos])
-
     def sample(self, index: int) -> Sample:
         """The sample at global position ``index`` (any non-negative integer: epochs repeat)."""
-        start = self._window(index) * self.seq_len
+        start = self._order(index) * self.seq_len
         window = self.tokens[start : start + self.seq_len + 1].to(torch.int64, copy=True)
         inputs, labels = window[:-1], window[1:].clone()
         if not self.pack:

@@ -261,7 +261,7 @@ def test_packed_boundaries_come_from_where_documents_start_not_from_eos_ids() ->
     """
     tokens = torch.tensor([9, 1, 9, 9, 2, 3, 9, 9, 4, 9])
     source = TextSource(tokens, torch.tensor([0, 3, 7]), seq_len=4, pack=True)
-    by_start = {int(source._window(i)) * 4: source.sample(i) for i in range(source.num_windows)}
+    by_start = {int(source._order(i)) * 4: source.sample(i) for i in range(source.num_windows)}
     first, second = by_start[0], by_start[4]
     assert first.input_ids.tolist() == [9, 1, 9, 9] and first.cu_seqlens.tolist() == [0, 3, 4]
     assert first.labels.tolist() == [1, 9, IGNORE_INDEX, 2]  # the last EOS predicts nothing in the next document

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from cpcompose.data._rng import seeded_generator
+from cpcompose.data._rng import EpochShuffle
 from cpcompose.data.batch import IGNORE_INDEX, Sample
 from cpcompose.data.store.index import RowIndex
 from cpcompose.data.store.tokens import TokenStore
@@ -25,18 +25,11 @@ class PackedSource:
     def __init__(self, store: TokenStore, index: RowIndex, *, seq_len: int, seed: int = 0) -> None:
         self.store, self.index, self.seq_len, self.seed = store, index, seq_len, seed
         self.num_rows = index.num_rows
-        self._epoch, self._perm = -1, torch.empty(0, dtype=torch.long)
-
-    def _row(self, index: int) -> int:
-        epoch, pos = divmod(index, self.num_rows)
-        if epoch != self._epoch:  # one cached permutation: ranks read indices in increasing order
-            self._perm = torch.randperm(self.num_rows, generator=seeded_generator(self.seed, epoch))
-            self._epoch = epoch
-        return int(self._perm[pos])
+        self._order = EpochShuffle(self.num_rows, seed)
 
     def sample(self, index: int) -> Sample:
         """The sample at global position ``index`` (any non-negative integer: epochs repeat)."""
-        row = self._row(index)
+        row = self._order(index)
         lo, hi = int(self.index.row_starts[row]), int(self.index.row_starts[row + 1])
         inputs = np.full(self.seq_len, self.store.pad_id, dtype=np.int64)
         labels = np.full(self.seq_len, IGNORE_INDEX, dtype=np.int64)
