@@ -22,7 +22,7 @@ from torch._opaque_base import OpaqueBase
 
 __all__ = [
     "MemberType", "OpaqueBase", "all_gather_flat", "all_to_all_flat", "aten", "cpu_flash_backward",
-    "cpu_flash_forward", "cuda_cudnn_backward", "cuda_cudnn_forward", "cuda_efficient_backward",
+    "cpu_flash_forward", "cpu_flash_takes_bfloat16", "cuda_cudnn_backward", "cuda_cudnn_forward", "cuda_efficient_backward",
     "cuda_efficient_forward", "cuda_flash_backward", "cuda_flash_forward", "default_store", "flash_attn_backward",
     "fake_rehearsal_tools", "flash_attn_forward", "flash_attn_varlen_backward", "flash_attn_varlen_forward",
     "flatten_mesh",
@@ -36,6 +36,21 @@ aten = torch.ops.aten
 # Fused CPU flash attention, the only fused CPU kernel that returns the log-sum-exp.
 cpu_flash_forward = aten._scaled_dot_product_flash_attention_for_cpu.default
 cpu_flash_backward = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+
+
+@functools.cache
+def cpu_flash_takes_bfloat16() -> bool:
+    """Whether torch's fused CPU flash kernel runs bfloat16 in this process.
+
+    torch 2.13 picks its bf16 brgemm path from the hardware (AVX-512 BF16 or AMX) but
+    packs the operands with kernels chosen by ATen's dispatch level. With
+    `ATEN_CPU_CAPABILITY=avx2` (or `default`) on such hardware every bf16 call of 64 or
+    more keys raises "pack_vnni2 is only supported when avx512 is supported", plain
+    `scaled_dot_product_attention` included. A real AVX2-only CPU never takes that path.
+    Cached: both facts are fixed for the life of the process.
+    """
+    hardware_brgemm = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    return not hardware_brgemm or torch.backends.cpu.get_cpu_capability() not in ("DEFAULT", "AVX2")
 
 # CUDA fused kernels. They exist in CPU builds as ops too, but only run on CUDA.
 cuda_flash_forward = aten._scaled_dot_product_flash_attention.default

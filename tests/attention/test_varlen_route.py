@@ -193,7 +193,7 @@ def test_half_precision_defaults_to_the_per_block_choice() -> None:
 def test_half_precision_window_edges_run_in_float32_on_the_efficient_kernel() -> None:
     band = kernels.Band(offset=0, left=5, right=3)
     half, single = (torch.empty(1, 2, 8, 8, device="meta", dtype=d) for d in (torch.bfloat16, torch.float32))
-    assert kernels._band_in_float32("cuda_efficient", band, half)
-    assert not kernels._band_in_float32("cuda_efficient", band, single)
-    assert not kernels._band_in_float32("cuda_efficient", None, half)  # plain blocks keep their dtype
-    assert not kernels._band_in_float32("flash_attn", band, half)  # flash-attn's native window
+    assert kernels._runs_in_float32("cuda_efficient", band, half)
+    assert not kernels._runs_in_float32("cuda_efficient", band, single)
+    assert not kernels._runs_in_float32("cuda_efficient", None, half)  # plain blocks keep their dtype
+    assert not kernels._runs_in_float32("flash_attn", band, half)  # flash-attn's native window

@@ -8,12 +8,14 @@ position and compares them with references computed in one process.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from cpcompose import CommMeter, cp_attention, cp_shard
+from cpcompose import CommMeter, _compat, cp_attention, cp_shard
 from cpcompose.layouts import resolve_layout
 from tests.support.device_baseline import sdpa_baseline
 
@@ -159,10 +161,18 @@ def reference(case: Case, dtype: torch.dtype) -> dict[str, Tensor]:
         if case.window is not None:
             mask = torch.zeros(case.seq, case.seq, dtype=dtype).masked_fill(~case.visible(), float("-inf"))
         causal = case.causal and mask is None
-        out = torch.nn.functional.scaled_dot_product_attention(
-            qp, kp, vp, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True
-        )[..., : v.shape[-1]]
+        # torch's bf16 CPU flash kernel cannot run under ATEN_CPU_CAPABILITY=avx2 on AVX-512 BF16 / AMX hardware
+        # (`_compat.cpu_flash_takes_bfloat16`): the reference then takes torch's math kernel, as a real AVX2 CPU
+        # would, and the LSE comes from the float32 kernel on the same bf16-rounded values.
+        no_bf16_flash = dtype == torch.bfloat16 and not _compat.cpu_flash_takes_bfloat16()
+        with sdpa_kernel([SDPBackend.MATH]) if no_bf16_flash else contextlib.nullcontext():
+            out = torch.nn.functional.scaled_dot_product_attention(
+                qp, kp, vp, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True
+            )[..., : v.shape[-1]]
         with torch.no_grad():
+            if no_bf16_flash:
+                qp, kp, vp = qp.float(), kp.float(), vp.float()
+                mask = None if mask is None else mask.float()
             _, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                 qp, kp, vp, 0.0, causal, attn_mask=mask, scale=scale
             )

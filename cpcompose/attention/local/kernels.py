@@ -186,7 +186,7 @@ def attention_forward(
     fused, every other backend then takes the explicit path.
     """
     backend, window = _route(backend, band, softcap, q, k, causal)
-    if _band_in_float32(backend, band, q):
+    if _runs_in_float32(backend, band, q):
         out, lse = attention_forward(
             q.float(), k.float(), v.float(), causal=causal, scale=scale, backend=backend, band=band
         )
@@ -232,7 +232,7 @@ def attention_backward(
     Returns `(dq, dk, dv)` in the input dtype; `dk`/`dv` have K/V's head count.
     """
     backend, window = _route(backend, band, softcap, q, k, causal)
-    if _band_in_float32(backend, band, q):
+    if _runs_in_float32(backend, band, q):
         grads = attention_backward(
             dout.float(), q.float(), k.float(), v.float(), out.float(), lse, causal=causal, scale=scale,
             backend=backend, band=band,
@@ -287,15 +287,20 @@ def _route(
     return backend, (-1, -1)
 
 
-def _band_in_float32(backend: Backend, band: Band | None, q: Tensor) -> bool:
-    """Whether a half-precision window-edge block must run on the efficient kernel in float32.
+def _runs_in_float32(backend: Backend, band: Band | None, q: Tensor) -> bool:
+    """Whether a half-precision block must run its kernel in float32 (inputs converted, results converted back).
 
-    On the H100 (torch 2.11) the efficient kernel's bf16 backward with an additive bias
-    returned dq and dk off by O(1) to 1e37 on the blocks CP plans make (dv right, so its
-    row statistics were wrong), while float32 was exact: found by the first GPU run,
-    pinned to those blocks by comparing each block's gradients with float64. Only the
-    few window-edge blocks pay the conversion; flash-attn's native windows are unaffected.
+    Two kernels need it. On the H100 (torch 2.11) the efficient kernel's bf16 backward
+    with an additive bias returned dq and dk off by O(1) to 1e37 on the window-edge
+    blocks CP plans make (dv right, so its row statistics were wrong), while float32 was
+    exact: found by the first GPU run, pinned to those blocks by comparing each block's
+    gradients with float64; only those few blocks pay the conversion. And torch's CPU
+    flash kernel cannot run bf16 at all under `ATEN_CPU_CAPABILITY=avx2` on AVX-512 BF16
+    or AMX hardware (`_compat.cpu_flash_takes_bfloat16`). The tensors saved for the
+    backward stay in the caller's dtype, so memory is as planned.
     """
+    if backend == "cpu_flash":
+        return q.dtype == torch.bfloat16 and not _compat.cpu_flash_takes_bfloat16()
     return backend == "cuda_efficient" and band is not None and q.dtype in (torch.float16, torch.bfloat16)
 
 
