@@ -6,6 +6,10 @@ tests/layouts/test_zigzag_and_contiguous.py.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -205,3 +209,38 @@ def test_cpu_flash_with_value_head_dim_of_its_own(dims: tuple[int, int], causal:
     for got, exp in zip((out, lse, *grads), want):
         assert got.shape == exp.shape
         assert_close(got, exp, terms=2 * 20 * max(dqk, dv))  # derived, float64: batch x keys x dim
+
+
+_BF16_UNDER_AVX2 = """
+import torch
+from cpcompose import _compat
+from cpcompose.attention.local.kernels import attention_backward, attention_forward
+from tests.support.tolerance import relative_error
+torch.manual_seed(0)
+q, k, v, dout = (torch.randn(1, 2, 128, 16) for _ in range(4))
+exact = {}
+for dtype in (torch.float64, torch.bfloat16):
+    qq, kk, vv, dd = (t.to(dtype) for t in (q, k, v, dout))
+    out, lse = attention_forward(qq, kk, vv, causal=True, scale=0.25, backend="cpu_flash")
+    grads = attention_backward(dd, qq, kk, vv, out, lse, causal=True, scale=0.25, backend="cpu_flash")
+    assert out.dtype == dtype and all(g.dtype == dtype for g in grads)
+    got = dict(out=out, dq=grads[0], dk=grads[1], dv=grads[2])
+    exact = exact or got
+# bf16 inputs and outputs, float32 inside: a few bf16 roundings of each value (eps 2**-8), never O(1).
+print(max(relative_error(got[n], exact[n]) for n in got) <= 8 * torch.finfo(torch.bfloat16).eps,
+      _compat.cpu_flash_takes_bfloat16())
+"""
+
+
+def test_bf16_blocks_run_where_torchs_bf16_cpu_flash_kernel_cannot() -> None:
+    """Under ATEN_CPU_CAPABILITY=avx2 on AVX-512 BF16 / AMX hardware torch 2.13's bf16 CPU flash kernel raises
+    ("pack_vnni2 is only supported when avx512 is supported"); the block then runs in float32 and returns bf16.
+    Run in a fresh interpreter (ATen reads the variable at start-up); on other hardware it checks the plain path."""
+    env = dict(os.environ, ATEN_CPU_CAPABILITY="avx2")
+    result = subprocess.run([sys.executable, "-c", _BF16_UNDER_AVX2], env=env, capture_output=True, text=True,
+                            timeout=120, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    assert result.returncode == 0, result.stderr[-2000:]
+    within, takes_bf16 = result.stdout.split()
+    assert within == "True"
+    hardware = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    assert takes_bf16 == str(not hardware)  # the predicate names this machine's case
