@@ -55,11 +55,9 @@ def _plan(args: list[str], world: int, device_type: str = "cpu"):
 
 @pytest.mark.parametrize("cp,seq_len,extra", [
     (1, 4096, ["--training.fused_loss=false"]),  # measured within 1%
-    (1, 4096, FUSED),  # within 2%
-    (1, 4096, [*FUSED, "--model.ffn_hidden_dim=1024", "--training.tiled_mlp=4"]),  # within 5%
     (2, 8192, [*FUSED, "--activation_checkpoint.mode=full"]),  # within 6%
     (2, 512, PARAMETERS),  # parameters dominate: within 2% (the 1,024-token run: 1,324 MiB measured, 1,298 planned)
-], ids=["unfused", "fused", "fused-tiled", "cp2-fsdp-checkpointed", "cp2-fsdp-bf16-parameters"])
+], ids=["unfused", "cp2-fsdp-checkpointed", "cp2-fsdp-bf16-parameters"])  # fused, fused + tiled: the growth test
 def test_the_prediction_is_within_15_percent_of_a_real_run(tmp_path: Path, monkeypatch, cp: int, seq_len: int,
                                                            extra: list[str]) -> None:
     for key in [k for k in os.environ if k.startswith("MALLOC_")]:
