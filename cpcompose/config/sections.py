@@ -64,7 +64,11 @@ class Model:
 
     name: str = "llama"
     """Model family: llama (cpcompose's Llama, from random weights) or hf (a Hugging Face causal LM from
-    model.path, e.g. Llama 3, Qwen 3, Mistral, Gemma 3, DeepSeek-V3, Qwen3-Next, LFM2)."""
+    model.path: attention models such as Llama 3, Qwen 3, Mistral, Gemma 3, DeepSeek-V3/V3.2, GLM-5; and hybrids
+    such as Qwen3-Next/3.5, Mamba/Mamba2, Jamba, Bamba, Falcon-H1, Nemotron-H, Zamba, LFM2, Kimi-Linear, MiniMax,
+    RecurrentGemma, RWKV, xLSTM. The full list: docs/integrations/transformers.md. A family outside it is probed at
+    start, each module under CP against one process, and the first one that differs is named: it never trains on
+    shards)."""
     path: str | None = None
     """hf: a local folder as save_pretrained writes it (config.json, *.safetensors, tokenizer files); nothing is
     downloaded. Its tokenizer is the data's unless data.tokenizer is set."""
