@@ -15,16 +15,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cpcompose import _compat, cp_cross_entropy, cp_linear_cross_entropy
+from cpcompose import cp_cross_entropy, cp_linear_cross_entropy
 from cpcompose.models import get_model_spec
 from cpcompose.models.llama import Llama, LlamaConfig, TransformerBlock, llama_memory, rope_cos_sin
+from tests.support.cpu_kernels import NEEDS_BF16_CPU_FLASH
 from tests.support.live_storages import LiveWide
-
-# What the block saves is what torch's fused CPU flash kernel saves. Under ATEN_CPU_CAPABILITY=avx2 on AVX-512 BF16
-# or AMX hardware torch 2.13 cannot run that kernel in bf16 at all (cpcompose._compat.cpu_flash_takes_bfloat16), so
-# there is nothing to measure: reported as skipped there, run everywhere else (CI's default capability included).
-NEEDS_BF16_CPU_FLASH = pytest.mark.skipif(
-    not _compat.cpu_flash_takes_bfloat16(), reason="torch's bf16 CPU flash kernel cannot run at this ATen capability")
 
 SHAPE = SimpleNamespace(vocab_size=1000, dim=64, n_heads=4, n_kv_heads=2, ffn_hidden_dim=96)
 T = 128

@@ -26,6 +26,7 @@ import torch
 from cpcompose.config import load_config
 from cpcompose.training.lr_schedule import lr_factor
 from cpcompose.training.trainer import Trainer
+from tests.support.cpu_kernels import NEEDS_BF16_CPU_FLASH
 from tests.support.trainer import TINY, run_trainer
 
 def losses_for(pools, world: int, args: list[str], device: str = "cpu") -> list[float]:
@@ -207,6 +208,7 @@ def test_packed_text_losses_match_one_rank(pools, tmp_path: Path, name: str, wor
     torch.testing.assert_close(torch.tensor(got), torch.tensor(one), rtol=1e-5, atol=0)
 
 
+@NEEDS_BF16_CPU_FLASH  # its cp = 1 run is torch's own bf16 SDPA
 def test_bf16_autocast_follows_the_fp32_curve(pools, baseline, tmp_path: Path) -> None:
     """training.mixed_precision=bfloat16 (one rank: autocast; cp=2: FSDP2's MixedPrecisionPolicy, which gathers
     each unit in bf16; CP merges stay float32): same curve within bf16 noise.
