@@ -147,13 +147,14 @@ class CPAttentionMode(TorchFunctionMode):
     def attend(
         self, q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool, scale: float | None = None,
         softcap: float | None = None, caller_error: str | None = None, sinks: Tensor | None = None,
-        **overrides: Any,
+        key_padding: Tensor | None = None, **overrides: Any,
     ) -> Tensor:
         """CP attention of local shards under this region's options (with per-call `overrides`,
         e.g. a layer's `window_size`); counts the call for `check_routed`.
 
         The one way attention code other than SDPA (nn.MultiheadAttention, a Hugging Face
-        attention function) enters the region. `caller_error` joins the cross-rank agreement.
+        attention function) enters the region. `caller_error` joins the cross-rank agreement;
+        `key_padding` is `cp_attention`'s per-row key mask of this rank's keys.
         """
         self.routed += 1
         if torch.compiler.is_compiling():  # dynamo cannot trace the agreement: hide it in the op
@@ -165,11 +166,16 @@ class CPAttentionMode(TorchFunctionMode):
                 )
             if sinks is not None and caller_error is None:
                 caller_error = "attention sinks are not supported under torch.compile yet; run this model eagerly"
+            if key_padding is not None and caller_error is None:
+                caller_error = ("a padding mask that needs keys masked per row (left padding, or padding in a "
+                                "bidirectional model) is not supported under torch.compile yet; run this model "
+                                "eagerly, or build the batch with pack_batch")
             out = compiled_attention(q, k, v, context=self.context, is_causal=is_causal, scale=scale,
                                      softcap=softcap, caller_error=caller_error)
         else:
             out = attend(q, k, v, mesh=self.mesh, is_causal=is_causal, scale=scale, softcap=softcap,
-                         options=self.options.replace(**overrides), caller_error=caller_error, sinks=sinks)
+                         options=self.options.replace(**overrides), caller_error=caller_error, sinks=sinks,
+                         key_padding=key_padding)
         assert isinstance(out, Tensor)
         return out
 
