@@ -47,12 +47,12 @@ class EncoderLM(nn.Module):
         self.head = nn.Linear(DIM, VOCAB)
         self.double()
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, pad: torch.Tensor | None = None) -> torch.Tensor:
         x = self.tok(tokens) + self.pos(positions)
         x = x if self.batch_first else x.transpose(0, 1)
         n = tokens.shape[1]  # this rank's tokens under CP
         mask = nn.Transformer.generate_square_subsequent_mask(n, dtype=x.dtype) if self.causal else None
-        x = self.encoder(x, mask=mask, is_causal=self.causal)
+        x = self.encoder(x, mask=mask, is_causal=self.causal, src_key_padding_mask=pad)
         return self.head(x if self.batch_first else x.transpose(0, 1))
 
 
@@ -112,6 +112,38 @@ def test_transformer_encoder_layer_is_exact(pools, entry: str, causal: bool, bat
                 )
 
 
+PAD = torch.stack([torch.arange(SEQ) >= 21, torch.arange(SEQ) < 6])  # True = padding: right, and left padding
+
+
+def padded_reference() -> dict:
+    model = EncoderLM(False, True)
+    tokens, labels, positions = _batch()
+    loss = F.cross_entropy(model(tokens, positions, PAD.clone()).flatten(0, 1), labels.flatten())
+    loss.backward()
+    return _result(model, loss)
+
+
+def padded_encoder(mesh) -> dict:
+    model = EncoderLM(False, True)
+    tokens, labels, positions = _batch()
+    pad = PAD.clone()
+    with context_parallel(mesh, buffers=[tokens, labels, positions, pad], buffer_seq_dims=[1, 1, 0, 1]):
+        loss = cp_cross_entropy(model(tokens, positions, pad), labels, mesh=mesh)
+        loss.backward()
+    allreduce_gradients(model, mesh)
+    torch.distributed.all_reduce(loss.detach_(), group=mesh.get_group())
+    return _result(model, loss)
+
+
+def test_key_padding_mask_is_exact(pools) -> None:
+    """A bidirectional encoder with src_key_padding_mask (a buffer): the mask's shard travels with K/V."""
+    want = padded_reference()
+    for rank, got in enumerate(pools.get(2).run(padded_encoder)):
+        assert_close(got["loss"], want["loss"], **TOL)
+        for name, grad in want["grads"].items():
+            assert_close(got["grads"][name], grad, **TOL, msg=lambda m: f"r{rank} {name}: {m}")
+
+
 # --- refusals with the bad input on one rank only, then a valid call in the same group ---
 
 
@@ -153,7 +185,7 @@ def one_rank_refusal(mesh, case: str) -> dict:
         ("mask_rank0", "rank 0: context-parallel SDPA cannot honour an explicit attn_mask"),
         ("dropout_rank1", "rank 1: context-parallel SDPA does not support dropout"),
         ("gqa_flag_rank0", "rank 0: query has 4 heads and key 2: pass enable_gqa=True"),
-        ("mha_key_padding_rank1", "rank 1: nn.MultiheadAttention under context parallelism does not support key_pad"),
+        ("mha_key_padding_rank1", "inputs differ between CP ranks (key_padding"),
         ("mha_weights_rank0", "rank 0: nn.MultiheadAttention under context parallelism cannot return attention"),
     ],
 )

@@ -53,7 +53,8 @@ def key_padding_error(key_padding: object, q: object, k: object, softcap: float 
     if not isinstance(key_padding, Tensor) or key_padding.dtype != torch.bool or tuple(key_padding.shape) != want:
         got = f"{key_padding.dtype} {tuple(key_padding.shape)}" if isinstance(key_padding, Tensor) else \
             type(key_padding).__name__
-        return f"key_padding must be a bool tensor (batch, seq_local) = {want} (True = a real key), got {got}"
+        return (f"key_padding must be a bool tensor (batch, seq_local) = {want} (True = a real key): this rank's "
+                f"shard of the mask, cut like k (e.g. a context_parallel buffer), got {got}")
     if key_padding.device != k.device:
         return f"key_padding must be on k's device ({k.device}), got {key_padding.device}"
     if q.dtype == torch.float16:
