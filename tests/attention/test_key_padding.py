@@ -89,15 +89,20 @@ def test_key_padding_is_exact(pools, strategy: str, world: int, alltoall_size: i
 
 
 def bad_key_padding(mesh) -> list[str]:
-    """A wrong key mask on rank 1 only, then a key mask on rank 0 only: every rank raises; then a valid call."""
+    """Each on one rank only: a wrong key mask, a key mask where rank 1 has none, one with a softcap, one with
+    float16: every rank raises; then a valid call in the same group runs."""
     x = _inputs()
     local = {n: cp_shard(x[n], mesh, seq_dim=2) for n in ("q", "k", "v")}
     key_padding = cp_shard(torch.stack(REAL), mesh, seq_dim=1)
     rank = mesh.get_local_rank()
+    half = {n: t.half() if rank == 1 else t for n, t in local.items()}
     messages = []
-    for bad in (key_padding[:, :-1] if rank == 1 else key_padding, key_padding if rank == 0 else None):
+    for bad, softcap, qkv in ((key_padding[:, :-1] if rank == 1 else key_padding, None, local),
+                              (key_padding if rank == 0 else None, None, local),
+                              (key_padding if rank == 1 else None, 5.0, local),
+                              (key_padding, None, half)):
         try:
-            cp_attention(local["q"], local["k"], local["v"], mesh=mesh, key_padding=bad)
+            cp_attention(qkv["q"], qkv["k"], qkv["v"], mesh=mesh, key_padding=bad, softcap=softcap)
             messages.append("no error")
         except ValueError as e:
             messages.append(str(e))
@@ -107,7 +112,9 @@ def bad_key_padding(mesh) -> list[str]:
 
 
 def test_bad_key_padding_on_one_rank_raises_everywhere(pools) -> None:
-    for wrong_shape, one_rank_only, valid in pools.get(2).run(bad_key_padding):
+    for wrong_shape, one_rank_only, softcap, half, valid in pools.get(2).run(bad_key_padding):
         assert "rank 1: key_padding must be a bool tensor (batch, seq_local) = (5, 24)" in wrong_shape, wrong_shape
         assert "inputs differ between CP ranks (key_padding" in one_rank_only, one_rank_only
+        assert "rank 1: key_padding with softcap=5.0 is not supported" in softcap, softcap
+        assert "rank 1: key_padding with float16 q/k is not supported" in half, half
         assert valid == str(torch.Size([B, H, SEQ // 2, D]))
