@@ -60,6 +60,9 @@ def key_padding_error(key_padding: object, q: object, k: object, softcap: float 
     if q.dtype == torch.float16:
         return ("key_padding with float16 q/k is not supported (float16 cannot hold the padding keys' bias): "
                 "use bfloat16 or float32")
+    if q.device.type == "cuda" and q.shape[-1] + EXTRA > 256:
+        return (f"key_padding with head_dim {q.shape[-1]} on CUDA is not supported: the key bias widens it past the "
+                "256 that flash kernels take")
     if softcap is not None:
         return (f"key_padding with softcap={softcap} is not supported (the cap would squash the padding keys' "
                 "bias): pack the rows as documents instead (a PackedLayout, e.g. transformers' pack_batch)")
