@@ -19,9 +19,10 @@ from __future__ import annotations
 import inspect
 from typing import Any, Callable
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from cpcompose.parallel.key_masks import real_keys
 
 __all__ = ["Attend", "multi_head_attention_forward"]
 
@@ -51,7 +52,7 @@ def multi_head_attention_forward(attend: Attend, *args: Any, **kwargs: Any) -> t
     q, k, v = (F.linear(x, w, b) for x, w, b in zip((query, key, value), weights, biases))
     # (L, N, E) -> (N, H, L, D): the layout SDPA and CP attention take.
     q, k, v = (t.reshape(t.shape[0], bsz, heads, head_dim).permute(1, 2, 0, 3) for t in (q, k, v))
-    key_padding, padding_error = _real_keys(p["key_padding_mask"], bsz)
+    key_padding, padding_error = _key_padding(p["key_padding_mask"], bsz)
     out = attend(q, k, v, is_causal=bool(p["is_causal"]), caller_error=_refusal(p) or padding_error,
                  key_padding=key_padding)
     out = out.permute(2, 0, 1, 3).reshape(tgt_len * bsz, embed_dim)
@@ -79,20 +80,13 @@ def _refusal(p: dict[str, Any]) -> str | None:
     return None
 
 
-def _real_keys(key_padding_mask: object, bsz: int) -> tuple[Tensor | None, str | None]:
-    """MHA's `key_padding_mask` (True or -inf = ignore) as CP attention's key mask (True = a real key), or why not.
-
-    `nn.MultiheadAttention` turns a bool mask into a float one (-inf where ignored, 0
-    elsewhere) before this function sees it; any other float value is a per-key bias.
-    """
-    if key_padding_mask is None:
+def _key_padding(mask: object, bsz: int) -> tuple[Tensor | None, str | None]:
+    """MHA's `key_padding_mask` (True or -inf = ignore; `(N, S)`, or `(S,)` unbatched) as CP's key mask, or why not."""
+    if mask is None:
         return None, None
-    if not isinstance(key_padding_mask, Tensor):
-        return None, f"key_padding_mask must be a tensor, got {type(key_padding_mask).__name__}"
-    mask = key_padding_mask.reshape(bsz, -1) if key_padding_mask.ndim == 1 and bsz == 1 else key_padding_mask
-    if mask.dtype == torch.bool:
-        return ~mask, None
-    if mask.is_floating_point() and bool(((mask == 0) | (mask == float("-inf"))).all()):
-        return mask == 0, None
-    return None, ("nn.MultiheadAttention under context parallelism takes a key_padding_mask of bools or of 0 / -inf "
-                  "only (an arbitrary float bias per key is not supported)")
+    where = "nn.MultiheadAttention under context parallelism takes a key_padding_mask"
+    if not isinstance(mask, Tensor):
+        return None, f"{where} as a tensor, got {type(mask).__name__}"
+    mask = mask.reshape(1, -1) if mask.ndim == 1 else mask
+    key_padding, error = real_keys(mask, bsz, true_means_real=False, what="key_padding_mask")
+    return key_padding, None if error is None else f"{where}: {error}"
