@@ -2,7 +2,8 @@
 
 The batch's rows are padded differently: right padding, left padding, a row whose real
 tokens all lie in the first zigzag chunk (so rank 1 holds only its padding), a row with
-padding inside, and a row of padding only. The reference is torch's single-process SDPA
+padding inside, and a row of padding only; zigzag, and once a packed layout whose
+documents the key mask combines with. The reference is torch's single-process SDPA
 in float64 with the same key mask (combined with causality or a window), which gives 0
 for a query that sees no key; CP must match its outputs, LSE (-inf there) and the
 gradients of q, k and v.
@@ -16,6 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from cpcompose import cp_attention, cp_shard, cp_unshard
+from cpcompose.layouts import PackedLayout
 from tests.support.tolerance import assert_close
 
 H, KV, D, SEQ = 4, 2, 8, 48
@@ -27,6 +29,7 @@ REAL = [  # per row: which of the SEQ keys are real
     torch.zeros(SEQ, dtype=torch.bool),  # padding only
 ]
 B = len(REAL)
+DOCS = (7, 20, 21)  # a packed case: three documents per row (48 tokens), each row's padding as above
 # Derived (tests/support/tolerance.py), float64: a gradient sums over the batch's keys x head dim.
 TOL = dict(terms=B * SEQ * D)
 
@@ -41,10 +44,13 @@ def _inputs() -> dict[str, torch.Tensor]:
     }
 
 
-def reference(causal: bool, window: tuple[int, int] | None) -> dict[str, torch.Tensor]:
+def reference(causal: bool, window: tuple[int, int] | None, packed: bool) -> dict[str, torch.Tensor]:
     x = {n: t.clone().requires_grad_(n != "dout") for n, t in _inputs().items()}
     i = torch.arange(SEQ)
     visible = torch.ones(SEQ, SEQ, dtype=torch.bool)
+    if packed:
+        doc = torch.repeat_interleave(torch.arange(len(DOCS)), torch.tensor(DOCS))
+        visible &= doc[:, None] == doc[None, :]
     if causal:
         visible &= i[:, None] >= i[None, :]
     if window is not None:
@@ -58,31 +64,35 @@ def reference(causal: bool, window: tuple[int, int] | None) -> dict[str, torch.T
             **{f"d{n}": x[n].grad for n in ("q", "k", "v")}}
 
 
-def cp_run(mesh, strategy: str, causal: bool, window: tuple[int, int] | None,
-           alltoall_size: int | None) -> dict[str, torch.Tensor]:
+def cp_run(mesh, strategy: str, causal: bool, window: tuple[int, int] | None, alltoall_size: int | None,
+           packed: bool) -> dict[str, torch.Tensor]:
     x = _inputs()
-    local = {n: cp_shard(t, mesh, seq_dim=2).requires_grad_(n != "dout") for n, t in x.items()}
-    key_padding = cp_shard(torch.stack(REAL), mesh, seq_dim=1)
+    layout = PackedLayout.build([0, *torch.tensor(DOCS).cumsum(0).tolist()], mesh.size()) if packed else "zigzag"
+    local = {n: cp_shard(t, mesh, seq_dim=2, layout=layout).requires_grad_(n != "dout") for n, t in x.items()}
+    key_padding = cp_shard(torch.stack(REAL), mesh, seq_dim=1, layout=layout)
     extra = {"alltoall_size": alltoall_size} if alltoall_size else {}
     out, lse = cp_attention(local["q"], local["k"], local["v"], mesh=mesh, is_causal=causal, strategy=strategy,
-                            window_size=window, key_padding=key_padding, return_lse=True, **extra)
+                            window_size=window, key_padding=key_padding, return_lse=True, layout=layout, **extra)
     (out * local["dout"]).sum().backward()
-    full = {n: cp_unshard(t.detach(), mesh, seq_dim=2)
+    full = {n: cp_unshard(t.detach(), mesh, seq_dim=2, layout=layout)
             for n, t in (("out", out), ("dq", local["q"].grad), ("dk", local["k"].grad), ("dv", local["v"].grad))}
-    return {**full, "lse": cp_unshard(lse.unsqueeze(-1), mesh, seq_dim=2)[..., 0]}
+    return {**full, "lse": cp_unshard(lse.unsqueeze(-1), mesh, seq_dim=2, layout=layout)[..., 0]}
 
 
 CASES = [
-    (strategy, 2, None, causal, None) for strategy in ("ring", "allgather", "alltoall") for causal in (False, True)
-] + [("ring", 2, None, False, (4, 6)), ("alltoall_ring", 4, 2, False, None), ("ring", 4, None, True, None)]
+    (strategy, 2, None, causal, None, False)
+    for strategy in ("ring", "allgather", "alltoall") for causal in (False, True)
+] + [("ring", 2, None, False, (4, 6), False), ("allgather", 2, None, False, None, True),
+     ("alltoall_ring", 4, 2, False, None, False), ("ring", 4, None, True, None, False)]
 
 
-@pytest.mark.parametrize("strategy,world,alltoall_size,causal,window", CASES,
-                         ids=[f"{s}-P{w}-{'causal' if c else 'bidirectional'}-w{win}" for s, w, _, c, win in CASES])
+@pytest.mark.parametrize("strategy,world,alltoall_size,causal,window,packed", CASES,
+                         ids=[f"{s}-P{w}-{'causal' if c else 'bidirectional'}-w{win}{'-packed' if p else ''}"
+                              for s, w, _, c, win, p in CASES])
 def test_key_padding_is_exact(pools, strategy: str, world: int, alltoall_size: int | None, causal: bool,
-                              window: tuple[int, int] | None) -> None:
-    want = reference(causal, window)
-    for rank, got in enumerate(pools.get(world).run(cp_run, strategy, causal, window, alltoall_size)):
+                              window: tuple[int, int] | None, packed: bool) -> None:
+    want = reference(causal, window, packed)
+    for rank, got in enumerate(pools.get(world).run(cp_run, strategy, causal, window, alltoall_size, packed)):
         assert torch.isfinite(got["out"]).all() and torch.isfinite(got["dk"]).all(), f"rank {rank}: non-finite"
         for name, value in want.items():
             assert_close(got[name], value, **TOL, msg=lambda m: f"rank {rank} {name}: {m}")
