@@ -39,6 +39,7 @@ from cpcompose.attention.call.options import CPOptions
 from cpcompose.comm import CPGroup
 from cpcompose.sharding.dtensor import cp_dim_name, split_mismatch
 from cpcompose.layouts import Layout, resolve_layout
+from cpcompose.parallel.key_masks import real_keys
 from cpcompose.parallel.mha import multi_head_attention_forward
 
 __all__ = ["NO_ATTENTION_ROUTED", "CPAttentionMode", "active_cp_region"]
@@ -132,14 +133,20 @@ class CPAttentionMode(TorchFunctionMode):
     ) -> Tensor:
         """`F.scaled_dot_product_attention`'s signature, computed context-parallel.
 
+        A mask of the key alone, `(batch or 1, 1, 1, keys)` (bool, or 0/-inf), built from a
+        padding buffer's shard, is this rank's keys' mask: it becomes CP attention's
+        `key_padding`, which travels with K/V.
+
         Raises:
-            ValueError: on every rank: a mask tensor, dropout, GQA without `enable_gqa`,
+            ValueError: on every rank: any other mask tensor, dropout, GQA without `enable_gqa`,
                 a mix of DTensors and plain tensors, or DTensors not in the region's split.
         """
         tensors = (query, key, value)
-        error = _refusal(tensors, attn_mask, dropout_p, enable_gqa) or self._dtensor_error(tensors)
+        key_padding, mask_error = _sdpa_key_padding(attn_mask, query, key, is_causal)
+        error = (mask_error or _refusal(tensors, None if key_padding is not None else attn_mask, dropout_p, enable_gqa)
+                 or self._dtensor_error(tensors))
         local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
-        out = self.attend(*local, is_causal=is_causal, scale=scale, caller_error=error)
+        out = self.attend(*local, is_causal=is_causal, scale=scale, caller_error=error, key_padding=key_padding)
         if isinstance(query, DTensor):
             return DTensor.from_local(out, query.device_mesh, query.placements, run_check=False)
         return out
@@ -147,13 +154,14 @@ class CPAttentionMode(TorchFunctionMode):
     def attend(
         self, q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool, scale: float | None = None,
         softcap: float | None = None, caller_error: str | None = None, sinks: Tensor | None = None,
-        **overrides: Any,
+        key_padding: Tensor | None = None, **overrides: Any,
     ) -> Tensor:
         """CP attention of local shards under this region's options (with per-call `overrides`,
         e.g. a layer's `window_size`); counts the call for `check_routed`.
 
         The one way attention code other than SDPA (nn.MultiheadAttention, a Hugging Face
-        attention function) enters the region. `caller_error` joins the cross-rank agreement.
+        attention function) enters the region. `caller_error` joins the cross-rank agreement;
+        `key_padding` is `cp_attention`'s per-row key mask of this rank's keys.
         """
         self.routed += 1
         if torch.compiler.is_compiling():  # dynamo cannot trace the agreement: hide it in the op
@@ -165,11 +173,16 @@ class CPAttentionMode(TorchFunctionMode):
                 )
             if sinks is not None and caller_error is None:
                 caller_error = "attention sinks are not supported under torch.compile yet; run this model eagerly"
+            if key_padding is not None and caller_error is None:
+                caller_error = ("a padding mask that needs keys masked per row (left padding, or padding in a "
+                                "bidirectional model) is not supported under torch.compile yet; run this model "
+                                "eagerly, or build the batch with pack_batch")
             out = compiled_attention(q, k, v, context=self.context, is_causal=is_causal, scale=scale,
                                      softcap=softcap, caller_error=caller_error)
         else:
             out = attend(q, k, v, mesh=self.mesh, is_causal=is_causal, scale=scale, softcap=softcap,
-                         options=self.options.replace(**overrides), caller_error=caller_error, sinks=sinks)
+                         options=self.options.replace(**overrides), caller_error=caller_error, sinks=sinks,
+                         key_padding=key_padding)
         assert isinstance(out, Tensor)
         return out
 
@@ -203,13 +216,29 @@ def active_cp_region() -> CPAttentionMode | None:
     return regions[-1] if regions else None
 
 
+def _sdpa_key_padding(attn_mask: object, query: object, key: object,
+                      is_causal: bool) -> tuple[Tensor | None, str | None]:
+    """SDPA's `attn_mask` as CP's key mask where it depends on the key alone (`(B or 1, 1, 1, keys)`), or why not.
+
+    Any other mask (None included) gives `(None, None)`: `_refusal` names it.
+    """
+    if not isinstance(attn_mask, Tensor) or any(isinstance(t, DTensor) for t in (attn_mask, query, key)):
+        return None, None
+    if not isinstance(key, Tensor) or attn_mask.ndim != 4 or tuple(attn_mask.shape[1:3]) != (1, 1) \
+            or attn_mask.shape[3] != key.shape[-2]:
+        return None, None
+    if is_causal:  # as plain SDPA: one or the other
+        return None, "SDPA got both attn_mask and is_causal=True; plain SDPA takes one or the other"
+    return real_keys(attn_mask[:, 0, 0, :], key.shape[0], true_means_real=True, what="SDPA attn_mask")
+
+
 def _refusal(tensors: tuple[Tensor, ...], attn_mask: object, dropout_p: float, enable_gqa: bool) -> str | None:
     """What this SDPA call asks that CP attention cannot honour, or None."""
     if attn_mask is not None:
         return (
             "context-parallel SDPA cannot honour an explicit attn_mask tensor (its rows and columns "
-            "index the global sequence, which no rank holds); use is_causal=True, or a PackedLayout "
-            "for document masks"
+            "index the global sequence, which no rank holds); use is_causal=True, a mask of the key alone "
+            "(batch, 1, 1, keys) for padding, or a PackedLayout for document masks"
         )
     if dropout_p:
         return f"context-parallel SDPA does not support dropout (dropout_p={dropout_p}); set it to 0"

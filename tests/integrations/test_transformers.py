@@ -96,7 +96,7 @@ def test_all_ones_attention_mask_is_exact(pools, world: int) -> None:
 
 
 REFUSALS = [
-    ("inner_padding", "attention_mask has left (or inner) padding"),
+    ("softcap_padding", "cannot combine with a logit softcap"),
     ("padding_not_a_buffer", "is not a context_parallel buffer"),
     ("no_position_ids", "position_ids are not the positions of this rank's tokens"),
     ("packed_positions_zigzag", "restarting at 0 per document"),

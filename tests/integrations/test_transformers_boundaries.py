@@ -5,8 +5,10 @@
   rank knows where the padding lies; no real token attends to a later padding key, so
   every real token's result, the loss and every gradient equal transformers' own
   (each row's real tokens alone), to float64's derived bound (tests/support/tolerance.py).
-* Left padding, or padding under a bidirectional model, would need keys masked per row,
-  which one layout for the whole batch cannot do: refused on every rank, naming pack_batch.
+* Left or inner padding under a causal model, and any padding under a bidirectional one
+  (ModernBERT), mask keys per row: the mask's shard travels with each rank's K/V as a
+  key mask (`cp_attention`'s `key_padding`), and the loss, logits and every gradient
+  equal transformers' own sdpa on the whole padded batch, to float64's derived bound.
 * MPT computes attention in its own code (ALiBi): refused where its mask is built, on
   one process and in a region alike.
 """
@@ -20,7 +22,7 @@ import torch.nn.functional as F
 import transformers as hf
 
 import cpcompose.integrations.transformers as cphf
-from cpcompose import allreduce_gradients, context_parallel, cp_cross_entropy
+from cpcompose import allreduce_gradients, context_parallel, cp_cross_entropy, cp_unshard
 from tests.support.tolerance import assert_close
 
 VOCAB, SEQ, ROWS = 64, 32, (29, 18, 32)  # real tokens per row of a right-padded batch
@@ -28,13 +30,8 @@ VOCAB, SEQ, ROWS = 64, 32, (29, 18, 32)  # real tokens per row of a right-padded
 TOL = dict(terms=len(ROWS) * SEQ * 32)
 
 
-def _build(state=None, impl="cpcompose", bidirectional=False):
+def _build(state=None, impl="cpcompose"):
     torch.manual_seed(0)
-    if bidirectional:  # an encoder: every token attends to the whole row
-        config = hf.ModernBertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                     intermediate_size=64, pad_token_id=0, eos_token_id=1, bos_token_id=1,
-                                     cls_token_id=1, sep_token_id=1)
-        return hf.AutoModelForMaskedLM.from_config(config, attn_implementation=impl, dtype=torch.float64)
     config = hf.LlamaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                             num_key_value_heads=2, intermediate_size=64)
     model = hf.AutoModelForCausalLM.from_config(config, attn_implementation=impl, dtype=torch.float64)
@@ -43,12 +40,14 @@ def _build(state=None, impl="cpcompose", bidirectional=False):
     return model
 
 
-def _batch(left: bool = False):
+def _batch(left: bool = False, inner: bool = False):
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(2, VOCAB, (len(ROWS), SEQ), generator=g)
     real = torch.arange(SEQ)[None] < torch.tensor(ROWS)[:, None]
     if left:
         real = real.flip(1)
+    if inner:  # row 0's positions 3..8 are padding between real tokens
+        real[0, 3:9] = False
     labels = cphf.shift_labels(ids.masked_fill(~real, -100))
     return ids.masked_fill(~real, 0), real.long(), labels
 
@@ -86,28 +85,110 @@ def test_right_padding_as_a_buffer_is_exact(pools, world: int, strategy: str) ->
             assert_close(got["grads"][name], grad, **TOL, msg=lambda m: f"rank {rank} {name}: {m}")
 
 
-def refused_padding(mesh, case: str) -> str:
-    model = _build(bidirectional=case == "bidirectional")
-    ids, mask, _ = _batch(left=case == "left")
+ENCODER_REAL = [  # per row of the encoder's batch: which of the SEQ positions are real tokens
+    torch.arange(SEQ) < 29,  # right padding
+    torch.arange(SEQ) >= 14,  # left padding
+    torch.arange(SEQ) < 5,  # real tokens in zigzag chunk 0 only: at P = 2, rank 1 holds this row's padding only
+    (torch.arange(SEQ) < 10) | (torch.arange(SEQ) >= 21),  # inner padding
+]
+
+
+def _encoder_batch():
+    g = torch.Generator().manual_seed(5)
+    real = torch.stack(ENCODER_REAL)
+    ids = torch.randint(2, VOCAB, real.shape, generator=g).masked_fill(~real, 0)
+    labels = torch.where(real & (torch.rand(real.shape, generator=g) < 0.5), ids, -100)
+    return ids, real.long(), labels, torch.arange(SEQ)[None].expand(len(real), -1).clone()
+
+
+def _encoder(impl: str, state=None):
+    torch.manual_seed(0)
+    # local_attention=8: layer 1 is a sliding-window layer (|i - j| <= 4), layer 0 global
+    config = hf.ModernBertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                 intermediate_size=64, pad_token_id=0, eos_token_id=1, bos_token_id=1,
+                                 cls_token_id=1, sep_token_id=1, local_attention=8, global_attn_every_n_layers=2)
+    model = hf.AutoModelForMaskedLM.from_config(config, attn_implementation=impl, dtype=torch.float64)
+    if state is not None:
+        model.load_state_dict(state)
+    return model
+
+
+def encoder_reference():
+    """transformers' own sdpa on one process: the whole padded batch, its attention_mask, masked-LM loss."""
+    model = _encoder("sdpa")
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    ids, mask, labels, positions = _encoder_batch()
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+    loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)  # float64 (transformers' is 32)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return {"loss": loss.detach(), "logits": logits.detach(), "grads": grads}, state
+
+
+def cp_encoder(mesh, state, strategy):
+    model = _encoder("cpcompose", state)
+    ids, mask, labels, positions = _encoder_batch()
+    with context_parallel(mesh, buffers=[ids, mask, labels, positions], buffer_seq_dims=[1] * 4, strategy=strategy):
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+        loss = cp_cross_entropy(logits, labels, mesh=mesh)
+        loss.backward()
+        full = cp_unshard(logits.detach(), mesh, seq_dim=1)
+    allreduce_gradients(model, mesh)
+    dist.all_reduce(total := loss.detach().clone(), group=mesh.get_group())
+    return {"loss": total, "logits": full, "grads": {n: p.grad.clone() for n, p in model.named_parameters()}}
+
+
+@pytest.mark.parametrize("world,strategy", [(2, "ring"), (2, "alltoall")])
+def test_padded_encoder_batch_is_exact(pools, world: int, strategy: str) -> None:
+    """ModernBERT, every row padded its own way: a per-row key mask travels with K/V; loss, logits, grads exact."""
+    want, state = encoder_reference()
+    real = torch.stack(ENCODER_REAL)
+    for rank, got in enumerate(pools.get(world).run(cp_encoder, state, strategy)):
+        assert_close(got["loss"], want["loss"], **TOL)
+        # padding positions too: each sees its row's real tokens, so transformers defines them
+        assert_close(got["logits"], want["logits"], **TOL, msg=lambda m: f"rank {rank} logits: {m}")
+        assert torch.isfinite(got["logits"][~real]).all()
+        for name, grad in want["grads"].items():
+            assert_close(got["grads"][name], grad, **TOL, msg=lambda m: f"rank {rank} {name}: {m}")
+
+
+def causal_reference(left: bool):
+    """transformers' own sdpa on one process: the whole left- (or inner-) padded batch with its attention_mask."""
+    model = _build(impl="sdpa")
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    ids, mask, labels = _batch(left=left, inner=not left)
     positions = torch.arange(SEQ)[None].expand(len(ROWS), -1).clone()
-    try:
-        with context_parallel(mesh, buffers=[ids, mask, positions], buffer_seq_dims=[1] * 3, verify=False):
-            model(input_ids=ids, attention_mask=mask, position_ids=positions)
-        message = "no error"
-    except ValueError as e:
-        message = str(e)
-    ok_ids, _, _ = _batch()  # then a valid step in the same group
-    ok_positions = torch.arange(SEQ)[None].expand(len(ROWS), -1).clone()
-    with context_parallel(mesh, buffers=[ok_ids, ok_positions], buffer_seq_dims=[1, 1], verify=False):
-        model(input_ids=ok_ids, position_ids=ok_positions)
-    return message
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+    loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+    loss.backward()
+    return {"loss": loss.detach(), "logits": logits.detach(),
+            "grads": {n: p.grad.clone() for n, p in model.named_parameters()}}, state
 
 
-@pytest.mark.parametrize("case,reason", [("left", "left (or inner) padding"),
-                                         ("bidirectional", "padding in a bidirectional model")])
-def test_padding_one_layout_cannot_mask_is_refused_on_every_rank(pools, case: str, reason: str) -> None:
-    for message in pools.get(2).run(refused_padding, case):
-        assert reason in message and "pack_batch" in message, message
+def cp_causal(mesh, state, left: bool):
+    model = _build(state)
+    ids, mask, labels = _batch(left=left, inner=not left)
+    positions = torch.arange(SEQ)[None].expand(len(ROWS), -1).clone()
+    with context_parallel(mesh, buffers=[ids, mask, labels, positions], buffer_seq_dims=[1] * 4):
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
+        loss = cp_cross_entropy(logits, labels, mesh=mesh)
+        loss.backward()
+        full = cp_unshard(logits.detach(), mesh, seq_dim=1)
+    allreduce_gradients(model, mesh)
+    dist.all_reduce(total := loss.detach().clone(), group=mesh.get_group())
+    return {"loss": total, "logits": full, "grads": {n: p.grad.clone() for n, p in model.named_parameters()}}
+
+
+@pytest.mark.parametrize("left", [True, False], ids=["left", "inner"])
+def test_left_and_inner_padding_under_a_causal_model_are_exact(pools, left: bool) -> None:
+    want, state = causal_reference(left)
+    real = _batch(left=left, inner=not left)[1].bool()
+    for rank, got in enumerate(pools.get(2).run(cp_causal, state, left)):
+        assert_close(got["loss"], want["loss"], **TOL)
+        # real tokens only: a left-padding query sees no key at all (0 in CP and in SDPA, then the layers differ)
+        assert_close(got["logits"][real], want["logits"][real], **TOL, msg=lambda m: f"rank {rank} logits: {m}")
+        for name, grad in want["grads"].items():
+            assert_close(got["grads"][name], grad, **TOL, msg=lambda m: f"rank {rank} {name}: {m}")
 
 
 def mpt(mesh) -> str:

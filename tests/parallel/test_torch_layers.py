@@ -25,6 +25,7 @@ from cpcompose import (
     context_parallel,
     cp_cross_entropy,
     cp_shard,
+    cp_unshard,
     parallelize_module,
 )
 from tests.support.tolerance import assert_close
@@ -47,12 +48,12 @@ class EncoderLM(nn.Module):
         self.head = nn.Linear(DIM, VOCAB)
         self.double()
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, pad: torch.Tensor | None = None) -> torch.Tensor:
         x = self.tok(tokens) + self.pos(positions)
         x = x if self.batch_first else x.transpose(0, 1)
         n = tokens.shape[1]  # this rank's tokens under CP
         mask = nn.Transformer.generate_square_subsequent_mask(n, dtype=x.dtype) if self.causal else None
-        x = self.encoder(x, mask=mask, is_causal=self.causal)
+        x = self.encoder(x, mask=mask, is_causal=self.causal, src_key_padding_mask=pad)
         return self.head(x if self.batch_first else x.transpose(0, 1))
 
 
@@ -112,6 +113,60 @@ def test_transformer_encoder_layer_is_exact(pools, entry: str, causal: bool, bat
                 )
 
 
+PAD = torch.stack([torch.arange(SEQ) >= 21, torch.arange(SEQ) < 6])  # True = padding: right, and left padding
+
+
+def padded_reference() -> dict:
+    model = EncoderLM(False, True)
+    tokens, labels, positions = _batch()
+    loss = F.cross_entropy(model(tokens, positions, PAD.clone()).flatten(0, 1), labels.flatten())
+    loss.backward()
+    return _result(model, loss)
+
+
+def padded_encoder(mesh) -> dict:
+    model = EncoderLM(False, True)
+    tokens, labels, positions = _batch()
+    pad = PAD.clone()
+    with context_parallel(mesh, buffers=[tokens, labels, positions, pad], buffer_seq_dims=[1, 1, 0, 1]):
+        loss = cp_cross_entropy(model(tokens, positions, pad), labels, mesh=mesh)
+        loss.backward()
+    allreduce_gradients(model, mesh)
+    torch.distributed.all_reduce(loss.detach_(), group=mesh.get_group())
+    return _result(model, loss)
+
+
+def test_key_padding_mask_is_exact(pools) -> None:
+    """A bidirectional encoder with src_key_padding_mask (a buffer): the mask's shard travels with K/V."""
+    want = padded_reference()
+    for rank, got in enumerate(pools.get(2).run(padded_encoder)):
+        assert_close(got["loss"], want["loss"], **TOL)
+        for name, grad in want["grads"].items():
+            assert_close(got["grads"][name], grad, **TOL, msg=lambda m: f"r{rank} {name}: {m}")
+
+
+def sdpa_key_mask(mesh, x: list[torch.Tensor]) -> list[torch.Tensor]:
+    """SDPA in a region with a mask of the key alone, built from the padding buffer's shard (True = attend)."""
+    real = ~PAD
+    q, k, v, dout = (cp_shard(t, mesh, seq_dim=2).requires_grad_(i < 3) for i, t in enumerate(x))
+    with context_parallel(mesh, buffers=[real], buffer_seq_dims=[1]):
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=real[:, None, None, :])
+        (out * dout).sum().backward()
+        return [cp_unshard(t.detach(), mesh, seq_dim=2) for t in (out, q.grad, k.grad, v.grad)]
+
+
+def test_sdpa_key_mask_is_exact(pools) -> None:
+    g = torch.Generator().manual_seed(4)
+    x = [torch.randn(len(PAD), HEADS, SEQ, 8, generator=g, dtype=torch.float64) for _ in range(4)]
+    q, k, v = (t.clone().requires_grad_() for t in x[:3])
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=~PAD[:, None, None, :])
+    (out * x[3]).sum().backward()
+    for rank, got in enumerate(pools.get(2).run(sdpa_key_mask, x)):
+        for name, a, b in zip(("out", "dq", "dk", "dv"), got, (out, q.grad, k.grad, v.grad)):
+            # Derived (tests/support/tolerance.py), float64: a gradient sums over the batch's keys x head dim.
+            assert_close(a, b, terms=len(PAD) * SEQ * 8, msg=lambda m, name=name: f"r{rank} {name}: {m}")
+
+
 # --- refusals with the bad input on one rank only, then a valid call in the same group ---
 
 
@@ -136,6 +191,8 @@ def one_rank_refusal(mesh, case: str) -> dict:
             elif case.startswith("gqa_flag"):
                 q2, k2, v2 = _qkv(4, 2)
                 F.scaled_dot_product_attention(q2, k2, v2, enable_gqa=not bad)
+            elif case.startswith("key_bias"):  # a float bias per key, not padding
+                F.scaled_dot_product_attention(q, k, v, attn_mask=torch.full((1, 1, 1, 8), 0.5) if bad else None)
             elif case.startswith("mha_key_padding"):
                 mha(x, x, x, need_weights=False, key_padding_mask=torch.zeros(1, 8, dtype=torch.bool) if bad else None)
             elif case.startswith("mha_weights"):
@@ -153,7 +210,8 @@ def one_rank_refusal(mesh, case: str) -> dict:
         ("mask_rank0", "rank 0: context-parallel SDPA cannot honour an explicit attn_mask"),
         ("dropout_rank1", "rank 1: context-parallel SDPA does not support dropout"),
         ("gqa_flag_rank0", "rank 0: query has 4 heads and key 2: pass enable_gqa=True"),
-        ("mha_key_padding_rank1", "rank 1: nn.MultiheadAttention under context parallelism does not support key_pad"),
+        ("mha_key_padding_rank1", "inputs differ between CP ranks (key_padding"),
+        ("key_bias_rank0", "rank 0: SDPA attn_mask must be bool or hold 0 and -inf only"),
         ("mha_weights_rank0", "rank 0: nn.MultiheadAttention under context parallelism cannot return attention"),
     ],
 )

@@ -257,7 +257,7 @@ def _plain_inputs(seq: int = SEQ) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     return ids[:, :seq].clone(), targets[:, :seq].clone(), torch.arange(seq)[None].clone()
 
 
-_REFUSAL_MODELS = {"overlay": "gemma3", "window_option": "mistral"}
+_REFUSAL_MODELS = {"overlay": "gemma3", "window_option": "mistral", "softcap_padding": "gemma2"}
 
 
 def _refusal_model(case: str) -> tuple[str, torch.nn.Module]:
@@ -276,7 +276,7 @@ def _bad_step(mesh, case: str, rank: int) -> None:
     ids, targets, positions = _plain_inputs(30 if case == "unsplittable" else SEQ)
     inputs: dict[str, Any] = {"input_ids": ids, "position_ids": positions}
     buffers, options = [ids, targets, positions], {}
-    if case == "inner_padding":  # zeros inside row 1, in a chunk one rank holds: keys no layout can mask per row
+    if case == "softcap_padding":  # zeros inside row 1: keys masked per row, which a logit softcap would squash
         inputs["attention_mask"] = torch.ones_like(ids)
         inputs["attention_mask"][1, 3:6] = 0
         buffers.append(inputs["attention_mask"])

@@ -8,7 +8,8 @@ import torch
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
-from cpcompose.attention.call.orchestrate import checked_call
+from cpcompose.attention.call.key_padding import key_padding_error, unseen_to_zero, with_key_bias
+from cpcompose.attention.call.orchestrate import checked_call, tensor_error
 from cpcompose.attention.call.op import CPContext, compiled_attention
 from cpcompose.attention.call.options import CPOptions
 from cpcompose.attention.strategies.registry import STRATEGIES
@@ -28,6 +29,7 @@ def cp_attention(
     options: CPOptions | None = None,
     return_lse: bool = False,
     sinks: Tensor | None = None,
+    key_padding: Tensor | None = None,
     **overrides: Any,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Exact attention over the global sequence, given this rank's shards.
@@ -47,6 +49,11 @@ def cp_attention(
             every row's softmax with no value; the LSE returned then includes it. Its
             gradient is this rank's share (sum it over the CP ranks, as every replicated
             parameter's: `allreduce_gradients` or FSDP over the CP mesh do).
+        key_padding: a per-row key mask `(batch, seq_local)`, bool, True = a real key: this
+            rank's rows of each batch row's padding mask, cut by the same layout as k
+            (`cp_shard` of the full mask). Combined with the causal, window and document
+            masks; a query that sees no real key gets output 0 and LSE -inf, as SDPA gives
+            for a fully masked row. Not with float16 or softcap (see `call.key_padding`).
         **overrides: any `CPOptions` field by name, e.g. `strategy="alltoall"`,
             `strategy="alltoall_ring", alltoall_size=2` (2-D), `strategy="auto"` (the
             cost model picks per call signature, `cpcompose.attention.call.auto`),
@@ -72,7 +79,8 @@ def cp_attention(
         if torch.compiler.is_compiling():  # dynamo cannot trace the agreement: hide it in the custom op
             return compiled_attention(
                 q, k, v, context=mesh, is_causal=is_causal, scale=scale, softcap=softcap, return_lse=return_lse,
-                caller_error=_COMPILED_SINKS if sinks is not None else None,
+                caller_error=_COMPILED_SINKS if sinks is not None else _COMPILED_KEY_PADDING if key_padding is not None
+                else None,
             )
         mesh, opts = mesh.mesh, mesh.options()
     elif torch.compiler.is_compiling():
@@ -85,7 +93,7 @@ def cp_attention(
         opts = (options or CPOptions()).replace(**overrides)
     return attend(
         q, k, v, mesh=mesh, is_causal=is_causal, scale=scale, softcap=softcap, options=opts, return_lse=return_lse,
-        sinks=sinks,
+        sinks=sinks, key_padding=key_padding,
     )
 
 
@@ -102,21 +110,33 @@ def attend(
     return_lse: bool = False,
     caller_error: str | None = None,
     sinks: Tensor | None = None,
+    key_padding: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """`cp_attention` for callers that checked inputs of their own (`caller_error`: their complaint).
 
     The caller's complaint joins this rank's verdict in the one cross-rank agreement,
-    so every rank raises it, or none does.
+    so every rank raises it, or none does. A `key_padding` mask becomes a bias column
+    of K (`call.key_padding`), which each strategy then moves as part of K.
     """
+    run_q, run_k = q, k
+    if key_padding is not None and tensor_error(q, k, v) is None and not key_padding_error(key_padding, q, k, softcap):
+        run_q, run_k = with_key_bias(q, k, key_padding)  # a rank with an error runs nothing: the agreement raises
     out, lse = checked_call(
         q, k, v, mesh=mesh, is_causal=is_causal, scale=scale, options=options, softcap=softcap,
-        return_lse=return_lse, caller_error=caller_error, sinks=sinks,
-        run=lambda setup: STRATEGIES[setup.strategy].apply(q, k, v, setup),
+        return_lse=return_lse, caller_error=caller_error, sinks=sinks, key_padding=key_padding,
+        run=lambda setup: STRATEGIES[setup.strategy].apply(run_q, run_k, v, setup),
     )
+    if key_padding is not None:
+        out, lse = unseen_to_zero(out, lse, scale if scale is not None else q.shape[-1] ** -0.5)
     if sinks is not None:
         out = SinkGradient.apply(out, sinks, lse)
     return (out, lse) if return_lse else out
 
+
+_COMPILED_KEY_PADDING = (
+    "key_padding is not supported inside torch.compile yet (the compiled op takes no key mask); run this "
+    "attention eagerly, or pack the rows as documents (a PackedLayout)"
+)
 
 _COMPILED_SINKS = (
     "attention sinks are not supported inside torch.compile yet (they would need the compiled op's own "

@@ -23,6 +23,7 @@ from cpcompose.attention.call import auto
 from cpcompose.attention.local.blocks import MaskSpec
 from cpcompose.attention.local.call_setup import AttentionSetup
 from cpcompose.attention.local.kernels import KernelArgs, select_backend
+from cpcompose.attention.call.key_padding import EXTRA, key_padding_error
 from cpcompose.attention.call.nonfinite import NONFINITE_V, nonfinite_note, spread_nonfinite
 from cpcompose.attention.call.options import AUTO, CHOICES, VALIDATE_MODES, CPOptions
 from cpcompose.attention.strategies.registry import STRATEGIES
@@ -50,6 +51,7 @@ def checked_call(
     caller_error: str | None,
     run: Callable[[AttentionSetup], R],
     sinks: Tensor | None = None,
+    key_padding: Tensor | None = None,
 ) -> R:
     """Check one call on every rank, then `run(setup)`; the one path every CP attention takes.
 
@@ -57,7 +59,9 @@ def checked_call(
     expects, see `cpcompose.agreement`). `run` is the strategy's autograd
     function (`attend`) or the compiled route's custom op body (`cpcompose.attention.call.op`);
     it returns a tuple whose first item is the output (`nonfinite.spread_nonfinite` may
-    set NaN in it where a single-process softmax would have them).
+    set NaN in it where a single-process softmax would have them). With `key_padding`,
+    `run` attends q and k widened by `key_padding.with_key_bias` (its presence is part
+    of the agreed signature, so no rank runs a widened call against a plain one).
 
     Raises:
         ValueError: on every rank, as `cp_attention` describes.
@@ -68,7 +72,7 @@ def checked_call(
     error = (
         caller_error or options.error(cp.world) or window_error
         or tensor_error(q, k, v) or _positive_error("scale", scale) or _positive_error("softcap", softcap)
-        or sinks_error(sinks, q)
+        or sinks_error(sinks, q) or key_padding_error(key_padding, q, k, softcap)
     )
     if error is None:
         layout = resolve_layout(options.layout, cp.world)
@@ -80,6 +84,7 @@ def checked_call(
             error = str(e)
     signature = _signature(q, k, v, is_causal, scale, softcap, window, options, layout, return_lse)
     signature.flag("sinks", sinks is not None)
+    signature.flag("key_padding", key_padding is not None)
     _auto_fields(signature, options, q)  # on every rank, auto or not: the agreement's size is fixed
     if options.strategy == AUTO:
         options, error = _resolve_auto(options, q, k, v, layout, is_causal, window, return_lse, cp, error)
@@ -87,11 +92,14 @@ def checked_call(
 
     def setup(meter: CommMeter | None) -> AttentionSetup:
         return setup_for(q, mesh=mesh, is_causal=is_causal, scale=scale, softcap=softcap,
-                         options=options.replace(meter=meter), return_lse=return_lse, sinks=sinks)
+                         options=options.replace(meter=meter), return_lse=return_lse or key_padding is not None,
+                         sinks=sinks)
 
     def spec() -> CallSpec:  # what this rank replays on zeros if it deviates from this call later
         s = setup(None)  # the group stays out of it: the history it goes into is owned by the group
-        return CallSpec((q.shape, k.shape, v.shape), q.dtype, q.device,
+        widen = 0 if key_padding is None else EXTRA  # the strategy ran on q, k widened by the key bias
+        shapes = ((*q.shape[:3], q.shape[3] + widen), (*k.shape[:3], k.shape[3] + widen), v.shape)
+        return CallSpec(shapes, q.dtype, q.device,
                         functools.partial(_replay, strategy, s.layout, s.mask, s.kernel, s.need_lse, s.alltoall_size))
 
     result, notes = agreed_call(

@@ -17,9 +17,11 @@ CP is a shard (zigzag positions even look like packed documents to it). So insid
 CP region the mask hook builds no mask, and the attention function takes everything
 from global information: causality, the sliding window (two-sided on bidirectional
 local layers), softcap and scale from the attention module (per layer), documents
-and padding from the layout the buffers were sharded with (`pack_batch`), K/V heads
-and V's head dim as they are (GQA is never expanded before sending).
-Whatever a rank cannot honour (a padding mask, a custom mask overlay, dropout, a
+and padding from the layout the buffers were sharded with (`pack_batch`), or padding
+as a per-row key mask that travels with K/V (an attention_mask given as a buffer: its
+shard is cut like the keys), K/V heads and V's head dim as they are (GQA is never
+expanded before sending).
+Whatever a rank cannot honour (a padding mask not given as a buffer, a custom mask overlay, dropout, a
 KV cache, positions that do not match the split, ...) becomes its complaint in the
 cross-rank agreement, so every rank raises it together before any K/V moves.
 
@@ -68,6 +70,7 @@ OWN_ATTENTION = {
 _UNDER_CP_ATTR = "_cpcompose_forward_under_cp"  # set on attention modules by each forward
 _REFUSAL_ATTR = "_cpcompose_refusal"  # set on the marker mask the hook returns for what CP cannot honour
 _NO_MASK_ATTR = "_cpcompose_no_mask"  # set on the marker that stands for "no mask" where a model slices its mask
+_KEY_PADDING_ATTR = "_cpcompose_key_padding"  # set on the marker carrying this rank's per-row key mask
 _FLASH_VARLEN_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
 
@@ -88,9 +91,10 @@ def hf_window(sliding_window: int | None, causal: bool) -> tuple[int, int] | Non
 def cpcompose_mask(*args: Any, **kwargs: Any) -> Tensor | None:
     """transformers' mask-interface entry for "cpcompose".
 
-    Outside a CP region: transformers' sdpa mask. Inside: no mask (None), or, for what
-    a local shard cannot express (padding, a custom mask overlay), a marker that the
-    attention function refuses on every rank.
+    Outside a CP region: transformers' sdpa mask. Inside: no mask (None); for padding that
+    masks keys per row, a marker carrying this rank's key mask (`key_padding`); for what
+    CP cannot express (a custom mask overlay, ...), a marker that the attention function
+    refuses on every rank.
     """
     own = OWN_ATTENTION.get(getattr(kwargs.get("config"), "model_type", None))
     if own is not None:  # raised where transformers builds the mask: before any layer, on every rank alike
@@ -110,9 +114,13 @@ def cpcompose_mask(*args: Any, **kwargs: Any) -> Tensor | None:
             "e.g. image-token or bidirectional overlays), which CP attention cannot read from a shard"
         )
     elif isinstance(padding, Tensor):
-        reason = _padding_refusal(padding, region.full_buffer(padding), kwargs.get("mask_function"))
+        reason = _padding_route(padding, region.full_buffer(padding), kwargs.get("mask_function"))
         if reason is None:
             return _no_mask(kwargs)
+        if isinstance(reason, Tensor):  # keys masked per row: the marker carries this rank's key mask
+            marker = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=kwargs.get("device", "cpu"))
+            setattr(marker, _KEY_PADDING_ATTR, reason)
+            return marker
     else:
         return _no_mask(kwargs)
     marker = torch.zeros(1, 1, 1, 1, dtype=torch.bool, device=kwargs.get("device", "cpu"))
@@ -133,15 +141,16 @@ def _no_mask(kwargs: dict[str, Any]) -> Tensor | None:
     return marker
 
 
-def _padding_refusal(shard: Tensor, full: Tensor | None, mask_function: object) -> str | None:
-    """Why a padding mask cannot be honoured under CP, or None when no real token's result depends on it.
+def _padding_route(shard: Tensor, full: Tensor | None, mask_function: object) -> str | Tensor | None:
+    """How a padding mask is honoured under CP: None (no mask needed), this rank's key mask, or why it cannot be.
 
     Given as a `context_parallel` buffer, the mask's full contents are known on every rank
-    (the region keeps them). Right padding under a causal mask is then exact with no mask
-    at all: every real token comes before its row's padding, so no real token attends to a
-    padding key (padding positions' own outputs carry no loss, as with transformers'
-    padding). Anything else would need keys masked per row, while a CP layout is one split
-    for every row of the batch.
+    (the region keeps them), and this rank's shard is cut by the same layout as its keys.
+    Right padding under a causal mask is then exact with no mask at all: every real token
+    comes before its row's padding, so no real token attends to a padding key (padding
+    positions' own outputs carry no loss, as with transformers' padding). Anything else
+    (left or inner padding, padding in a bidirectional model) masks keys per row: the shard
+    is returned as `cp_attention`'s `key_padding`, which travels with this rank's K/V.
     """
     pack = "build the batch with cpcompose.integrations.transformers.pack_batch (each row's real tokens become a " \
            "document and the padding is dropped)"
@@ -155,14 +164,9 @@ def _padding_refusal(shard: Tensor, full: Tensor | None, mask_function: object) 
     if full.ndim != 2:
         return f"attention_mask of shape {tuple(full.shape)} is not a (batch, seq) padding mask: {pack}"
     right_padded = bool((full[:, 1:] <= full[:, :-1]).all())
-    if not right_padded:
-        return (f"attention_mask has left (or inner) padding: real tokens would attend to padding keys before them, "
-                f"and a CP layout is one split for every row, so keys cannot be masked per row: {pack}")
-    if not _is_causal(mask_function):
-        return ("attention_mask has padding in a bidirectional model: real tokens would attend to the padding "
-                "keys after them, and a CP layout is one split for every row, so keys cannot be masked per row: "
-                f"{pack}")
-    return None
+    if right_padded and _is_causal(mask_function):
+        return None
+    return shard.bool()
 
 
 def _is_causal(mask_function: object) -> bool:
@@ -227,10 +231,18 @@ def cpcompose_attention_forward(
     )
     if error:
         error = f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}): {error}"
+    key_padding = getattr(attention_mask, _KEY_PADDING_ATTR, None)
+    if error is None and key_padding is not None and softcap is not None:
+        error = (f"{type(module).__name__}: attention_mask has padding that masks keys per row (left or inner "
+                 f"padding, or padding in a bidirectional model), which CP attention cannot combine with a logit "
+                 f"softcap ({softcap}): build the batch with cpcompose.integrations.transformers.pack_batch")
     if isinstance(indices, Tensor):  # indexer-selected attention: only the selected rows move
         if error is None and (softcap is not None or sliding_window is not None):
             error = (f"{type(module).__name__}: indexer-selected attention with a softcap or a sliding window "
                      "is not supported under CP")
+        if error is None and key_padding is not None:
+            error = (f"{type(module).__name__}: indexer-selected attention with a per-row key mask (left padding, "
+                     "or padding in a bidirectional model) is not supported under CP: build the batch with pack_batch")
         region.routed += 1
         sinks = kwargs.get("s_aux")
         out = attend_selected(query, key, value, indices, mesh=region.mesh, is_causal=causal, scale=scaling,
@@ -240,12 +252,14 @@ def cpcompose_attention_forward(
     sinks = kwargs.get("s_aux")  # gpt-oss's attention sinks: one logit per head, joining every row's softmax
     out = region.attend(query, key, value, is_causal=causal, scale=scaling, softcap=softcap, caller_error=error,
                         sinks=sinks if isinstance(sinks, Tensor) and not error else None,
-                        window_size=None if error else window)
+                        window_size=None if error else window, key_padding=key_padding)
     return out.transpose(1, 2).contiguous(), None
 
 
 def _mask_refusal(attention_mask: object) -> str | None:
     if attention_mask is None or getattr(attention_mask, _NO_MASK_ATTR, False):
+        return None
+    if getattr(attention_mask, _KEY_PADDING_ATTR, None) is not None:
         return None
     reason = getattr(attention_mask, _REFUSAL_ATTR, None)
     if reason:

@@ -142,7 +142,8 @@ def _batch_error(
         if bool((mask[:, 1:] > mask[:, :-1]).any()):
             return (
                 "attention_mask has left (or inner) padding; pack_batch takes right-padded rows "
-                "(padding_side='right'): real tokens first"
+                "(padding_side='right'): real tokens first (or skip pack_batch: pass the padded batch with its "
+                "attention_mask as a context_parallel buffer, whose padding then masks keys per row)"
             )
     if isinstance(position_ids, Tensor):
         pos = position_ids.expand(input_ids.shape[0], -1)
