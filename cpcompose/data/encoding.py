@@ -16,7 +16,8 @@ from cpcompose.data.records import Record
 __all__ = ["ENCODE_BATCH", "encoded_documents"]
 
 ENCODE_BATCH = 256
-"""Texts per tokenizer call (a `tokenizers` batch is encoded on every core)."""
+"""Records encoded together (a `tokenizers` batch is encoded on every core); a batch also ends at CALL_CHARS
+characters of text."""
 
 Warn = Callable[[str], None]
 
