@@ -9,14 +9,16 @@ every core has a piece), which bounds the tokenizer's memory whatever the docume
 Exactness. A cut is placed only where a word ends and a space or a line break follows (``word| next``,
 ``word|\\n``): there BPE's merges never cross, as pre-tokenizers (GPT-2's and Llama 3's regexes, Metaspace) start
 a new pre-token at the space, and a piece that starts with a space gets no prefix space (ByteLevel's
-``add_prefix_space`` and Metaspace's ``prepend_scheme`` add one only to a text that lacks it). That is not true
-of every tokenizer (a normalizer that prepends "▁" to every string, one that strips whitespace, a vocabulary with
-tokens across a space), so every cut is checked before it is used: the text within ``WINDOW_CHARS`` of the cut
-is encoded whole and as its two halves, and the cut is kept only where the halves' ids put together are the
-whole window's. Tokenizers decide each token from a few characters around it, so a window of hundreds of
-characters sees everything that decides the ids at the cut. A cut that fails is moved to the next word boundary
-(up to ``TRIES``); a text that no cut passes is encoded whole, and the caller is told (it warns, naming the
-file), so ids are never silently different. Specials: the caller encodes without the post-processor's (BOS and
+``add_prefix_space`` and Metaspace's ``prepend_scheme`` add one only to a text that lacks it); a normalizer that
+prepends "▁" to every string (older SentencePiece conversions) is met by leaving the space out of the next
+piece, which the normalizer puts back. None of that holds for every tokenizer (one that strips whitespace, a
+vocabulary with tokens across a space), so every cut is checked before it is used: the text within
+``WINDOW_CHARS`` of the cut is encoded whole and as its two halves (the right one with and without its leading
+space), and the cut is kept only where the halves' ids put together are the whole window's. Tokenizers decide
+each token from a few characters around it, so a window of hundreds of characters sees everything that decides
+the ids at the cut. A cut that fails is moved to the next word boundary (up to ``TRIES``); a text that no cut
+passes is encoded whole, and the caller is told (it warns, naming the file), so ids are never silently
+different. Specials: the caller encodes without the post-processor's (BOS and
 EOS are added once per document by :class:`cpcompose.data.formats.RecordReader`), so none appears per piece.
 """
 
@@ -61,28 +63,37 @@ def encode_texts(tokenizer: Tokenizer, texts: list[str], *, uncut: Uncut | None 
     spans: list[tuple[int, int, int]] = []  # (text, start, end), in order
     for i, text in enumerate(texts):
         cuts = verified_cuts(tokenizer, text, piece_chars, window_chars) if len(text) > piece_chars else []
-        bounds = [0, *cuts, len(text)]
-        longest = max(b - a for a, b in zip(bounds, bounds[1:]))
+        starts = [0, *(c + skip for c, skip in cuts)]
+        ends = [*(c for c, _ in cuts), len(text)]
+        longest = max(b - a for a, b in zip(starts, ends))
         if uncut is not None and longest > 2 * piece_chars:
             uncut(i, longest)
-        spans += [(i, a, b) for a, b in zip(bounds, bounds[1:])]
+        spans += [(i, a, b) for a, b in zip(starts, ends)]
     ids: list[list[int]] = [[] for _ in texts]
     budget = max(call_chars, piece_chars * _cores())
     for call in _calls(spans, budget):
         for (i, _, _), piece_ids in zip(call, tokenizer.encode_batch([texts[i][a:b] for i, a, b in call])):
-            ids[i] += piece_ids
+            if ids[i]:
+                ids[i] += piece_ids
+            else:
+                ids[i] = piece_ids
     return ids
 
 
-def verified_cuts(tokenizer: Tokenizer, text: str, piece_chars: int, window_chars: int) -> list[int]:
-    """Where ``text`` is cut (sorted offsets strictly inside it), every cut checked: one near each multiple of
-    ``piece_chars``, at the first of up to TRIES word boundaries within half a piece after it that passes."""
+def verified_cuts(tokenizer: Tokenizer, text: str, piece_chars: int, window_chars: int) -> list[tuple[int, int]]:
+    """Where ``text`` is cut, every cut checked: (offset, 0) when the next piece starts at the offset, (offset, 1)
+    when it starts after the space there (see below). One cut near each multiple of ``piece_chars``, at the first
+    of up to TRIES word boundaries within half a piece after it that passes; sorted.
+
+    The space is left out where a tokenizer makes it again: a normalizer that prepends "▁" to every string (the
+    older SentencePiece conversions, Llama 2's among them) turns the piece "next ..." into "▁next", as it turned
+    " next" inside the whole text, where " next ..." would become "▁▁next". The same window check decides."""
     candidates: dict[int, Iterator[int]] = {}
     for target in range(piece_chars, len(text), piece_chars):
         end = min(target + piece_chars // 2, len(text) - 1)
         found = (m.start() for m in _BOUNDARY.finditer(text, target, end + 2) if m.start() <= end)
         candidates[target] = iter([c for c, _ in zip(found, range(TRIES))])
-    cuts: dict[int, int] = {}
+    cuts: dict[int, tuple[int, int]] = {}
     for _ in range(TRIES):  # each round checks the next boundary of every cut still open, in one call
         tried = [(target, c) for target, it in candidates.items() if target not in cuts
                  for c in [next(it, None)] if c is not None]
@@ -91,12 +102,14 @@ def verified_cuts(tokenizer: Tokenizer, text: str, piece_chars: int, window_char
         windows = []
         for _, c in tried:
             left, right = text[c - window_chars : c], text[c : c + window_chars]
-            windows += [left + right, left, right]
+            windows += [left + right, left, right, right[1:] if right.startswith(" ") else right]
         encoded = tokenizer.encode_batch(windows)
         for n, (target, c) in enumerate(tried):
-            whole, left, right = encoded[3 * n : 3 * n + 3]
+            whole, left, right, after_space = encoded[4 * n : 4 * n + 4]
             if whole == left + right:
-                cuts[target] = c
+                cuts[target] = (c, 0)
+            elif text[c] == " " and whole == left + after_space:
+                cuts[target] = (c, 1)
     return sorted(cuts.values())
 
 

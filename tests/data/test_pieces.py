@@ -4,7 +4,7 @@ Pieces of 64 characters (the check's window then 32 each side) cut texts of a fe
 of times, at word boundaries that sit next to long runs of spaces, line breaks, unicode, digits, special-token
 strings and an added token: every kind must give the ids of the whole-text encode, and the kinds that can be
 cut must actually have been cut (else the comparison could not fail). The one kind that cannot be cut (a
-normalizer prepending "▁" to every string) must be encoded whole and reported, never given other ids.
+normalizer stripping the whitespace of every string) must be encoded whole and reported, never given other ids.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ PIECE = 64
 PARTS = ["word", "the", "river", "café", "naïve", "Straße", "東京", "こんにちは", "🙂🚀", "12345", "3.14159", "2026",
          "   ", "        ", "\n", "\n\n", "      \n", "\t", "\r\n", "<|endoftext|>", "<s>", "<tool>", ".", ".\n\n",
          "'s", " ", " ", " ", "x", "def", "f(x):"]
-CUTTABLE = [k for k in KINDS if k != "prepend"]
+CUTTABLE = [k for k in KINDS if k != "strip"]
 
 
 def adversarial_text(seed: int, parts: int = 400) -> str:
@@ -74,16 +74,18 @@ def test_cuts_between_awkward_strings(tokenizers, kind):
     assert encode_texts(tok, [text], piece_chars=PIECE)[0] == tok.encode(text)
     cuts = verified_cuts(tok, text, PIECE, PIECE // 2)
     tried = len(range(PIECE, len(text), PIECE))
-    # Every cut passes but where a prefix space would be put before a line break (ByteLevel's add_prefix_space,
-    # Metaspace's prepend_scheme), or a "▁" before anything (prepend); the first block has no cut before it.
+    # Every cut passes but where a prefix space or "▁" would be put before a line break (ByteLevel's
+    # add_prefix_space, Metaspace's prepend_scheme, prepend's normalizer), and none where whitespace is stripped;
+    # the first block has no cut before it.
     spaces = len(PARTS) - 1
     expected = {"gpt2": tried, "llama3": tried, "gpt2_prefix": spaces, "metaspace": spaces,
-                "metaspace_whole": spaces, "prepend": 0}
+                "metaspace_whole": spaces, "prepend": spaces, "strip": 0}
     assert len(cuts) == expected[kind], cuts
 
 
 def test_plain_prose_is_cut_everywhere_and_reported_nowhere(tokenizers):
-    """Where a pre-tokenizer splits at spaces (not metaspace_whole, whose vocabulary has tokens across them)."""
+    """Where a pre-tokenizer splits at spaces (not metaspace_whole or prepend: trained on the text as one
+    pre-token, their vocabularies have tokens across spaces)."""
     text = " ".join(["the river runs past the mountain"] * 200 + ["end"])  # a word boundary every <= 9 characters
     for kind in ["gpt2", "gpt2_prefix", "llama3", "metaspace"]:
         told: list = []
@@ -93,7 +95,7 @@ def test_plain_prose_is_cut_everywhere_and_reported_nowhere(tokenizers):
         assert len(verified_cuts(tokenizers[kind], text, PIECE, PIECE // 2)) == len(range(PIECE, len(text), PIECE))
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "metaspace", "prepend"])
+@pytest.mark.parametrize("kind", ["gpt2", "metaspace", "prepend", "strip"])
 def test_a_documents_bos_and_eos_appear_once(tokenizers, kind, tmp_path):
     """Through the builder's loop: BOS, the whole text's ids, EOS; an uncuttable text is named in one line."""
     tok = tokenizers[kind]
@@ -105,7 +107,7 @@ def test_a_documents_bos_and_eos_appear_once(tokenizers, kind, tmp_path):
     assert tok.bos_id is not None
     assert docs[0][1].ids == [tok.bos_id, *tok.encode(text), tok.eos_id]
     assert docs[1][1].ids == [tok.bos_id, *tok.encode("a few words"), tok.eos_id]
-    if kind == "prepend":
+    if kind == "strip":
         assert len(lines) == 1 and f"{tmp_path / 'big.txt'} part 2" in lines[0] and "\n" not in lines[0]
 
 

@@ -9,7 +9,10 @@ tokenizer.json files: what the tests of exact piecewise encoding (cpcompose/data
 - ``metaspace_whole``: the same with ``split=False`` (the whole text one pre-token): trained so, its vocabulary
   has tokens across a space ("x▁"), where a cut gives other ids and must be refused.
 - ``prepend``: the older Llama 2 conversion: normalizers Prepend("▁") and Replace(" ", "▁"), no pre-tokenizer;
-  the "▁" prepended to every encoded string changes the ids at any cut, so the text cannot be cut.
+  the "▁" prepended to every encoded string changes the ids at a cut unless the next piece leaves out the space.
+- ``strip``: GPT-2's byte-level BPE behind a Strip normalizer (whitespace dropped at both ends of each encoded
+  string): a piece's first space is lost either way, so cuts fail (but before whitespace that ends at an
+  added token: the whole text's encode strips that too) and prose is encoded whole.
 
 Each has the specials ``<|endoftext|>`` and ``<s>`` (which its post-processor puts first), and a non-special
 added token ``<tool>``.
@@ -20,7 +23,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-KINDS = ("gpt2", "gpt2_prefix", "llama3", "metaspace", "metaspace_whole", "prepend")
+KINDS = ("gpt2", "gpt2_prefix", "llama3", "metaspace", "metaspace_whole", "prepend", "strip")
 
 LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                   r"|\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -40,10 +43,12 @@ def make_tokenizer_file(kind: str, folder: Path) -> str:
     from tokenizers import (AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers,
                             processors, trainers)
 
-    byte_level = kind in ("gpt2", "gpt2_prefix", "llama3")
+    byte_level = kind in ("gpt2", "gpt2_prefix", "llama3", "strip")
     tok = Tokenizer(models.BPE(unk_token=None if byte_level else "<unk>"))
-    if kind == "gpt2":
+    if kind in ("gpt2", "strip"):
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        if kind == "strip":
+            tok.normalizer = normalizers.Strip()
     elif kind == "gpt2_prefix":
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
     elif kind == "llama3":
