@@ -73,10 +73,7 @@ def encode_texts(tokenizer: Tokenizer, texts: list[str], *, uncut: Uncut | None 
     budget = max(call_chars, piece_chars * _cores())
     for call in _calls(spans, budget):
         for (i, _, _), piece_ids in zip(call, tokenizer.encode_batch([texts[i][a:b] for i, a, b in call])):
-            if ids[i]:
-                ids[i] += piece_ids
-            else:
-                ids[i] = piece_ids
+            ids[i] += piece_ids  # lists of our own, which RecordReader.document may extend in place
     return ids
 
 
