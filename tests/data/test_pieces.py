@@ -62,7 +62,7 @@ def test_pieces_give_the_whole_texts_ids(tokenizers, kind):
 
 def awkward_blocks() -> str:
     """Blocks of PIECE characters, each ``part a|SEP b part`` then "-" (no word boundary), SEP a space or a line
-    break: the one word boundary after each multiple of PIECE, so each cut is tried between two awkward strings."""
+    break: a word boundary right after each multiple of PIECE, so each cut is tried between two awkward strings."""
     blocks = [(part + "a" + sep + "b" + part).ljust(PIECE, "-") for sep in (" ", "\n") for part in PARTS]
     return "".join(blocks)
 
