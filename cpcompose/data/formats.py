@@ -75,10 +75,14 @@ class RecordReader:
         return [self._string(record, name) for name in names]
 
     def document(self, record: Record, encoded: list[list[int]]) -> Document:
-        """The record as a document; ``encoded`` is the tokenizer's ids of :meth:`texts`."""
+        """The record as a document; ``encoded`` is the tokenizer's ids of :meth:`texts` (a text's list is taken
+        over, BOS and EOS put into it in place: a long document's ids are never copied)."""
         eos = [self.tokenizer.eos_id]
         if self.format == "text":
-            return Document(self._bos + encoded[0] + eos, None, record.where)
+            ids = encoded[0]
+            ids[:0] = self._bos
+            ids += eos
+            return Document(ids, None, record.where)
         if self.format == "completion":
             prompt, completion = encoded
             ids = self._bos + prompt + completion + eos

@@ -28,7 +28,8 @@ from cpcompose.data.store.manifest import MANIFEST
 __all__ = ["FLUSH_TOKENS", "Opener", "Progress", "token_dtype", "write_store"]
 
 FLUSH_TOKENS = 1 << 20
-"""Tokens buffered in memory before they are appended to the files (the builder's memory does not grow)."""
+"""Tokens buffered in memory before they are appended to the files (the builder's memory does not grow; a
+longer document is appended in parts of this size)."""
 
 Opener = Callable[[Path], IO[bytes]]
 """Opens a store file for writing (a seam: tests give one that fails as a full disk does)."""
@@ -98,18 +99,19 @@ def _write_arrays(tmp: Path, documents: Iterable[tuple[Record, Document]], files
     has_mask = False
     try:
         for record, doc in documents:
-            ids.extend(doc.ids)
-            if doc.trained is not None:
-                has_mask = True
-                trained.extend(doc.trained)
+            has_mask = has_mask or doc.trained is not None
+            for start in range(0, len(doc.ids), FLUSH_TOKENS):  # a long document in parts: no copy of it whole
+                ids.extend(doc.ids[start : start + FLUSH_TOKENS])
+                if doc.trained is not None:
+                    trained.extend(doc.trained[start : start + FLUSH_TOKENS])
+                if len(ids) >= FLUSH_TOKENS:
+                    _flush(handles, ids, offsets, origin, trained, dtype)
+                    progress.update(text_bytes, total)
             total += len(doc.ids)
             docs += 1
             offsets.append(total)
             origin.extend((number[record.file], record.number))
             text_bytes += _text_bytes(record)
-            if len(ids) >= FLUSH_TOKENS:
-                _flush(handles, ids, offsets, origin, trained, dtype)
-                progress.update(text_bytes, total)
         _flush(handles, ids, offsets, origin, trained, dtype)
         for f in handles.values():
             _sync(f)
