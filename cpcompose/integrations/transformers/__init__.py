@@ -5,7 +5,7 @@ interfaces (`attention.py`) and routes the kernel functions of its hybrid models
 mixers (`kernels/`); `pack_batch` (`batch.py`) turns a batch into one packed row of
 documents for CP; `verify` (`probe.py`) checks a model is exact under CP, and runs by
 itself on a model's first forward in a CP region; `causal_lm_head` (`head.py`) cuts a causal LM at
-its output layer for a loss that never builds the logits; `weights.py` loads a checkpoint folder
+its output layer for a loss that never builds the logits; `weights/` loads a checkpoint folder
 straight into a sharded model and writes one back; `extend_context` (`context_length.py`) changes
 the RoPE settings for a longer context; transformers' activation checkpointing recomputes in the CP
 region its forward ran in (`checkpointing.py`). A user's whole change to a training step:
