@@ -235,8 +235,7 @@ def run_case(mesh: DeviceMesh, kind: str, seq_len: int, warmup: int, repeats: in
     baseline = single(kind, seq_len, device)
     meter, group, world = CommMeter(), mesh.get_group(), mesh.size()
 
-    def run_cp() -> None:
-        t = leaves(local)
+    def run_cp(t: dict[str, torch.Tensor]) -> None:
         if kind == "attention":
             out = cp_attention(t["q"], t["k"], t["v"], mesh=mesh, is_causal=True, meter=meter)
             out.backward(t["dout"])
@@ -252,10 +251,11 @@ def run_case(mesh: DeviceMesh, kind: str, seq_len: int, warmup: int, repeats: in
         t1 = baseline() if t1_first else (0.0, 0.0)
         meter.reset()
         SCAN_WORK.update(tokens=0.0, weighted=0.0)
+        t = leaves(local)
         sync(device)
         dist.barrier(group=group)
         start, cpu = time.perf_counter(), time.thread_time()
-        run_cp()
+        run_cp(t)
         sync(device)
         elapsed, cpu = time.perf_counter() - start, time.thread_time() - cpu
         work = (SCAN_WORK["tokens"], SCAN_WORK["weighted"])
@@ -282,7 +282,7 @@ def run_case(mesh: DeviceMesh, kind: str, seq_len: int, warmup: int, repeats: in
             "bytes_sent": max(slowest(2)), "t1_times": every_rank(3), "t1_cpu_times": every_rank(4),
             "scan_work": max(slowest(5)) / share, "scan_work_weighted": max(slowest(6)) / share,
             "gather_waited_s": slowest(7), "gather_alone_s": gather_alone(mesh, gathered, repeats),
-            "flops": count_flops(baseline_flops(kind, seq_len, device), run_cp, mesh)}
+            "flops": count_flops(baseline_flops(kind, seq_len, device), lambda: run_cp(leaves(local)), mesh)}
 
 
 def baseline_flops(kind: str, seq_len: int, device: str) -> int:
