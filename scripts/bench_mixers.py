@@ -19,10 +19,25 @@ Method. One "layer" of each kind, forward+backward, float32, B=1, at global leng
     transitions; a stretch that continues a document runs once with dk more value columns).
 T1: one process, one thread, the full sequence. T_P: P processes of one thread each
 (gloo), each on its zigzag shard; a barrier before every repeat; a repeat's time is the
-max over ranks; every rank runs the T1 baseline inside each repeat (rank 0's counts), as
-`bench_attention.py` does (the P processes stand in for P devices). Medians over
-`--repeats` after a warm-up. Efficiency = T1 / (P * T_P); 1.0 is perfect scaling. Bytes:
-what one rank sends per forward+backward (CommMeter, max over ranks).
+max over ranks; every rank runs the T1 baseline inside each repeat, as `bench_attention.py`
+does (the P processes stand in for P devices), and every rank's T1 is kept (P samples a
+repeat). T1 and T_P alternate which goes first from repeat to repeat, so drift and a warm
+cache favour neither. Efficiency = T1 / (P * T_P) of the medians over `--repeats` after
+`--warmup` repeats; 1.0 is perfect scaling. Noise, which only ever adds time, is reported
+rather than hidden:
+  best-of-N eff.: the fastest T1 over the fastest T_P (as `timeit` advises: the slower
+    repeats measure the machine's other load);
+  spread: (p75 - p25) / median of T1 and of T_P (wall): above a few percent, the machine
+    was not quiet and the efficiencies move by as much;
+  CPU eff.: the same from the main thread's CPU time (`time.thread_time`: gloo's threads
+    and waiting excluded; T_P is the max over ranks). It counts work, not waiting, so it
+    is steadier on a loaded machine, but it misses the ranks' waits for each other (an
+    upper bound where a rank idles, e.g. on the delta rule's first gather);
+  FLOP eff.: T1's matmul and conv FLOPs (`torch.utils.flop_counter`, forward+backward)
+    over P times the busiest rank's: deterministic, the redundancy and correction work
+    that CP adds, whatever the machine (elementwise work and the triangular solves are
+    not counted).
+Bytes: what one rank sends per forward+backward (CommMeter, max over ranks).
 
 Scan work per rank: the tokens the scan kernels processed in one CP forward (every kernel
 call counted, max over ranks), divided by L/P: 1.0 is no redundant pass (deterministic: it
@@ -54,6 +69,7 @@ import torch.distributed as dist
 import torch.multiprocessing as tmp
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
@@ -61,7 +77,7 @@ import transformers  # noqa: E402,F401
 from transformers.models.mamba2 import modeling_mamba2  # noqa: E402
 from transformers.models.qwen3_next import modeling_qwen3_next  # noqa: E402
 
-from cpcompose.comm import CPGroup, start_all_gather  # noqa: E402
+from cpcompose.comm import CPGroup, all_gather, start_all_gather  # noqa: E402
 from cpcompose.mixers.mamba_ssm import cp_mamba2_chunk_scan  # noqa: E402
 
 SCAN_WORK: dict[str, float] = {"tokens": 0.0, "weighted": 0.0}
@@ -184,22 +200,27 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def single(kind: str, seq_len: int, device: str) -> Callable[[], float]:
+def single(kind: str, seq_len: int, device: str) -> Callable[[], tuple[float, float]]:
+    """One process's forward+backward on the full sequence: `() -> (wall s, main thread's CPU s)`."""
     full = make_inputs(kind, seq_len, device)
 
-    def once() -> float:
+    def once() -> tuple[float, float]:
         t = leaves(full)
         sync(device)
-        start = time.perf_counter()
-        if kind == "attention":
-            out = F.scaled_dot_product_attention(t["q"], t["k"], t["v"], is_causal=True, enable_gqa=True)
-        else:
-            out = mixer(kind, t)
-        out.backward(t["dout"])
+        start, cpu = time.perf_counter(), time.thread_time()
+        run_single(kind, t)
         sync(device)
-        return time.perf_counter() - start
+        return time.perf_counter() - start, time.thread_time() - cpu
 
     return once
+
+
+def run_single(kind: str, t: dict[str, torch.Tensor]) -> None:
+    if kind == "attention":
+        out = F.scaled_dot_product_attention(t["q"], t["k"], t["v"], is_causal=True, enable_gqa=True)
+    else:
+        out = mixer(kind, t)
+    out.backward(t["dout"])
 
 
 SEQ_DIM = {"q": 2, "k": 2, "v": 2, "dout": 2, "x": 2, "dt": 1}  # everything else is a parameter
@@ -212,17 +233,9 @@ def run_case(mesh: DeviceMesh, kind: str, seq_len: int, warmup: int, repeats: in
         full["dout"] = full["dout"].transpose(1, 2)  # (B, D, L): its sequence on dim 2, as the others'
     local = {k: cp_shard(v, mesh, seq_dim=SEQ_DIM[k]) if k in SEQ_DIM else v for k, v in full.items()}
     baseline = single(kind, seq_len, device)
-    meter, group = CommMeter(), mesh.get_group()
+    meter, group, world = CommMeter(), mesh.get_group(), mesh.size()
 
-    def once() -> list[float]:
-        dist.barrier(group=group)
-        t1 = baseline() if mesh.get_local_rank() == 0 else (baseline(), 0.0)[1]
-        t = leaves(local)
-        meter.reset()
-        SCAN_WORK.update(tokens=0.0, weighted=0.0)
-        sync(device)
-        dist.barrier(group=group)
-        start = time.perf_counter()
+    def run_cp(t: dict[str, torch.Tensor]) -> None:
         if kind == "attention":
             out = cp_attention(t["q"], t["k"], t["v"], mesh=mesh, is_causal=True, meter=meter)
             out.backward(t["dout"])
@@ -230,23 +243,63 @@ def run_case(mesh: DeviceMesh, kind: str, seq_len: int, warmup: int, repeats: in
             with context_parallel(mesh, meter=meter, verify=False):
                 out = mixer(kind, t)
                 out.backward(t["dout"].transpose(1, 2))
-        sync(device)
-        elapsed = time.perf_counter() - start
-        stats = torch.tensor([elapsed, float(meter.total), t1, SCAN_WORK["tokens"], SCAN_WORK["weighted"],
-                              meter.waited_s["all_gather"], float(meter.bytes_sent["all_gather"])],
-                             dtype=torch.float64, device=device)
-        dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=group)
-        return stats.tolist()
 
-    for _ in range(warmup):
-        once()
-    samples = [once() for _ in range(repeats)]
-    share = seq_len / mesh.size()
-    gathered = int(max(s[6] for s in samples))
-    return {"kind": kind, "seq_len": seq_len, "times": [s[0] for s in samples],
-            "bytes_sent": max(s[1] for s in samples), "t1_times": [s[2] for s in samples],
-            "scan_work": max(s[3] for s in samples) / share, "scan_work_weighted": max(s[4] for s in samples) / share,
-            "gather_waited_s": [s[5] for s in samples], "gather_alone_s": gather_alone(mesh, gathered, repeats)}
+    def once(repeat: int) -> list[list[float]]:
+        """Every rank's [T_P wall, T_P CPU, bytes, T1 wall, T1 CPU, scan tokens, weighted, waited, gathered]."""
+        t1_first = repeat % 2 == 0  # alternate: neither T1 nor T_P always runs on a cache the other warmed
+        dist.barrier(group=group)
+        t1 = baseline() if t1_first else (0.0, 0.0)
+        meter.reset()
+        SCAN_WORK.update(tokens=0.0, weighted=0.0)
+        t = leaves(local)
+        sync(device)
+        dist.barrier(group=group)
+        start, cpu = time.perf_counter(), time.thread_time()
+        run_cp(t)
+        sync(device)
+        elapsed, cpu = time.perf_counter() - start, time.thread_time() - cpu
+        work = (SCAN_WORK["tokens"], SCAN_WORK["weighted"])
+        if not t1_first:
+            dist.barrier(group=group)
+            t1 = baseline()
+        mine = torch.tensor([elapsed, cpu, float(meter.total), *t1, *work, meter.waited_s["all_gather"],
+                             float(meter.bytes_sent["all_gather"])], dtype=torch.float64, device=device)
+        return all_gather(mine, CPGroup.from_mesh(mesh)).tolist()
+
+    for repeat in range(warmup):
+        once(repeat)
+    samples = [once(repeat) for repeat in range(repeats)]
+
+    def slowest(column: int) -> list[float]:
+        return [max(rank[column] for rank in sample) for sample in samples]
+
+    def every_rank(column: int) -> list[float]:
+        return [rank[column] for sample in samples for rank in sample]
+
+    share = seq_len / world
+    gathered = int(max(slowest(8)))
+    return {"kind": kind, "seq_len": seq_len, "times": slowest(0), "cpu_times": slowest(1),
+            "bytes_sent": max(slowest(2)), "t1_times": every_rank(3), "t1_cpu_times": every_rank(4),
+            "scan_work": max(slowest(5)) / share, "scan_work_weighted": max(slowest(6)) / share,
+            "gather_waited_s": slowest(7), "gather_alone_s": gather_alone(mesh, gathered, repeats),
+            "flops": count_flops(baseline_flops(kind, seq_len, device), lambda: run_cp(leaves(local)), mesh)}
+
+
+def baseline_flops(kind: str, seq_len: int, device: str) -> int:
+    """T1's matmul and conv FLOPs, forward+backward (`torch.utils.flop_counter`)."""
+    t = leaves(make_inputs(kind, seq_len, device))
+    with FlopCounterMode(display=False) as counter:
+        run_single(kind, t)
+    return int(counter.get_total_flops())
+
+
+def count_flops(t1: int, run_cp: Callable[[], None], mesh: DeviceMesh) -> dict[str, int]:
+    """T1's FLOPs and the busiest rank's under CP (one untimed CP forward+backward, counted)."""
+    with FlopCounterMode(display=False) as counter:
+        run_cp()
+    mine = torch.tensor([counter.get_total_flops()], dtype=torch.float64, device=mesh.device_type)
+    dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=mesh.get_group())
+    return {"t1": t1, "max_rank": int(mine.item())}
 
 
 def gather_alone(mesh: DeviceMesh, nbytes: int, repeats: int) -> float:
@@ -285,14 +338,36 @@ def worker(rank: int, world: int, store: str, cases: list[tuple[str, int]], opts
     os._exit(0)  # see bench_attention.py: no interpreter teardown after gloo
 
 
+def spread(times: list[float]) -> float:
+    """(p75 - p25) / median: how much the machine moved the repeats."""
+    q1, q2, q3 = statistics.quantiles(times, n=4) if len(times) > 1 else (times[0],) * 3
+    return (q3 - q1) / q2
+
+
+def summarize(r: dict[str, Any], world: int) -> None:
+    """Add the efficiencies (medians, best-of-N, CPU, FLOPs), the spread and the hidden share to a row."""
+    r["t1_s"], r["tp_s"] = statistics.median(r["t1_times"]), statistics.median(r["times"])
+    r["efficiency"] = r["t1_s"] / (world * r["tp_s"])
+    r["best_efficiency"] = min(r["t1_times"]) / (world * min(r["times"]))
+    r["t1_cpu_s"], r["tp_cpu_s"] = statistics.median(r["t1_cpu_times"]), statistics.median(r["cpu_times"])
+    r["cpu_efficiency"] = r["t1_cpu_s"] / (world * r["tp_cpu_s"])
+    r["spread_t1"], r["spread_tp"] = spread(r["t1_times"]), spread(r["times"])
+    r["spread"] = f"{r['spread_t1']:.0%}/{r['spread_tp']:.0%}"
+    flops = r["flops"]
+    r["flop_efficiency"] = flops["t1"] / (world * flops["max_rank"]) if flops["t1"] and flops["max_rank"] else None
+    r["sent_kib"] = r["bytes_sent"] / 1024
+    waited = statistics.median(r["gather_waited_s"])
+    r["hidden"] = None if r["gather_alone_s"] == 0 else max(0.0, 1 - waited / r["gather_alone_s"])
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 8192])
     p.add_argument("--kinds", nargs="+", default=["attention", "mamba2", "mamba2_linear", "gdn"],
                    choices=["attention", "mamba2", "mamba2_linear", "gdn"])
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=11, help="timed repeats (T1 and T_P alternate which goes first)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                    help="cuda: transformers' kernel functions run fla's and mamba-ssm's CUDA kernels where installed")
     p.add_argument("--out", default="bench_results/mixers.json")
@@ -304,17 +379,18 @@ def main() -> None:
                                 {"warmup": args.warmup, "repeats": args.repeats, "device": args.device}, result),
                   nprocs=args.world, join=True)
         rows = json.loads(Path(result).read_text())
-    print(f"{'kind':>13} {'L':>6} {'T1 (s)':>8} {'T_P (s)':>8} {'eff.':>5} {'sent (KiB)':>10} "
-          f"{'scan work':>9} {'weighted':>8} {'hidden':>6}")
+    columns = [("         kind", "kind", "{}"), ("L", "seq_len", "{}"), ("T1 (s)", "t1_s", "{:.3f}"),
+               ("T_P (s)", "tp_s", "{:.3f}"), ("eff.", "efficiency", "{:.2f}"),
+               ("best-of-N eff.", "best_efficiency", "{:.2f}"), ("spread T1/T_P", "spread", "{}"),
+               ("CPU eff.", "cpu_efficiency", "{:.2f}"), ("FLOP eff.", "flop_efficiency", "{:.2f}"),
+               ("sent (KiB)", "sent_kib", "{:.1f}"), ("scan work", "scan_work", "{:.2f}"),
+               ("weighted", "scan_work_weighted", "{:.2f}"), ("hidden", "hidden", "{:.2f}")]
+    print(" ".join(f"{name:>{max(len(name), 6)}}" for name, _, _ in columns))
     for r in rows:
-        t1, tp = statistics.median(r["t1_times"]), statistics.median(r["times"])
-        r["efficiency"] = t1 / (args.world * tp)
-        waited = statistics.median(r["gather_waited_s"])
-        r["hidden"] = None if r["gather_alone_s"] == 0 else max(0.0, 1 - waited / r["gather_alone_s"])
-        hidden = "-" if r["hidden"] is None else f"{r['hidden']:.2f}"
-        work = ("-", "-") if r["kind"] == "attention" else (f"{r['scan_work']:.2f}", f"{r['scan_work_weighted']:.2f}")
-        print(f"{r['kind']:>13} {r['seq_len']:>6} {t1:8.3f} {tp:8.3f} {r['efficiency']:5.2f} "
-              f"{r['bytes_sent'] / 1024:10.1f} {work[0]:>9} {work[1]:>8} {hidden:>6}")
+        summarize(r, args.world)
+        cells = ["-" if r.get(key) is None or (r["kind"] == "attention" and key.startswith("scan"))
+                 else fmt.format(r[key]) for _, key, fmt in columns]
+        print(" ".join(f"{cell:>{max(len(name), 6)}}" for (name, _, _), cell in zip(columns, cells)))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"machine": {"cpu": platform.processor() or platform.machine(),
                                                       "cores": os.cpu_count(), "torch": torch.__version__},

@@ -103,39 +103,47 @@ def _causal_conv(
 ) -> Tensor:
     """The conv on checked inputs. The halo exchange is posted first; the outputs that read only their own
     run's rows (all but each run's first `halo`) are computed while it travels, then each run's first ones
-    from [zeros before its document, the fetched halo, its first rows]."""
+    from [zeros before its document, the fetched halo, its first rows].
+
+    Everything runs channels-first, `(batch, channels, seq)`, the conv's own layout (and the one Mamba's
+    and GDN's callers hold: `x` is then a transposed view): rows are taken by slices or by indexing a few
+    positions, never by selecting along a strided dim, which would copy the whole shard through a transpose
+    (measured: about as long as the conv itself, several times per call).
+    """
     batch, seq_local, channels = x.shape
     halo, seq_len = weight.shape[1] - 1, seq_local * cp.world
     runs = layout.runs(cp.rank, seq_len)
     wanted = halo_positions(layout, seq_len, halo)
     posted = post_fetch(x, [sum(w, []) for w in wanted], cp=cp, layout=layout, seq_len=seq_len, meter=meter)
-    kernel = weight.unsqueeze(1)
+    kernel, xc = weight.unsqueeze(1), x.transpose(1, 2)
+    counts = [min(halo, run.length) for run in runs]  # each run's first rows, which read its halo
     # Output row r reads rows r-halo..r: inside its run for all but the run's first `halo` rows, and the
-    # runs are the local rows in order, so one conv over x (no padding) gives them: x's row r at r - halo.
-    inner = [r for run in runs for r in range(run.row + min(halo, run.length), run.row + run.length)]
-    pieces = []
-    if inner:
-        local = F.conv1d(x.transpose(1, 2), kernel, bias, groups=channels).transpose(1, 2)
-        pieces.append(local.index_select(1, torch.tensor([r - halo for r in inner], device=x.device)))
-    edge = [r for run in runs for r in range(run.row, run.row + min(halo, run.length))]
-    if edge:  # (none only at width 1, where nothing moves)
-        # One table [zero row, local rows, fetched rows]; each run's segment is `halo` rows of history
-        # (zeros before its document's start), then its first rows.
-        table = torch.cat([x.new_zeros(batch, 1, channels), x, posted.rows()], dim=1)
+    # runs are the local rows in order, so one conv over the shard (no padding) gives them: row r at r - halo.
+    inner = F.conv1d(xc, kernel, bias, groups=channels) if seq_local > halo else None
+    edges = None
+    if halo:  # (at width 1 nothing moves and every row is inner)
+        # One small table [zero column, each run's first rows, the fetched rows]; each run's segment is `halo`
+        # columns of history (zeros before its document's start), then its first rows.
+        firsts = [r for run, count in zip(runs, counts) for r in range(run.row, run.row + count)]
+        table = torch.cat([xc.new_zeros(batch, channels, 1), xc[..., torch.tensor(firsts, device=x.device)],
+                           posted.rows().transpose(1, 2)], dim=2)
         index: list[int] = []
-        keep: list[int] = []
-        first_fetched = 1 + seq_local
-        for run, before in zip(runs, wanted[cp.rank]):
-            count = min(halo, run.length)
-            # Output j of a padding-free conv reads inputs j..j+halo: the segment's outputs start where it does.
-            keep += range(len(index), len(index) + count)
-            index += [0] * (halo - len(before)) + list(range(first_fetched, first_fetched + len(before)))
-            index += range(1 + run.row, 1 + run.row + count)
-            first_fetched += len(before)
-        segments = table.index_select(1, torch.tensor(index, dtype=torch.long, device=x.device))
-        out = F.conv1d(segments.transpose(1, 2), kernel, bias, groups=channels).transpose(1, 2)
-        pieces.append(out.index_select(1, torch.tensor(keep, dtype=torch.long, device=x.device)))
-    order = torch.empty(seq_local, dtype=torch.long, device=x.device)
-    order[torch.tensor(inner + edge, dtype=torch.long, device=x.device)] = torch.arange(seq_local, device=x.device)
-    out = torch.cat(pieces, dim=1).index_select(1, order)
-    return F.silu(out) if activation == "silu" else out
+        fetched = 1 + len(firsts)
+        first = 1
+        for count, before in zip(counts, wanted[cp.rank]):
+            index += [0] * (halo - len(before)) + list(range(fetched, fetched + len(before)))
+            index += range(first, first + count)
+            fetched, first = fetched + len(before), first + count
+        # Output j of a padding-free conv reads columns j..j+halo: a segment's outputs start where it does.
+        edges = F.conv1d(table[..., torch.tensor(index, device=x.device)], kernel, bias, groups=channels)
+    pieces, segment = [], 0
+    for run, count in zip(runs, counts):
+        if count:
+            assert edges is not None
+            pieces.append(edges[..., segment:segment + count])
+        segment += halo + count
+        if run.length > count:
+            assert inner is not None
+            pieces.append(inner[..., run.row + count - halo:run.row + run.length - halo])
+    out = torch.cat(pieces, dim=2) if pieces else xc.new_zeros(batch, channels, 0)
+    return (F.silu(out) if activation == "silu" else out).transpose(1, 2)

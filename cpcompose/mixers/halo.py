@@ -77,7 +77,7 @@ def _start_exchange(
 ) -> Callable[[], list[Tensor]]:
     """Post sending `src[:, take[d]]` to each rank d; `wait()` gives, from each rank s, as many rows as `give[s]`."""
     batch = src.shape[0]
-    send = [[src.index_select(1, rows)] for rows in take]
+    send = [[src[:, rows]] for rows in take]  # indexing, not index_select: see `_Arrived`
     shapes = [[torch.Size((batch, len(where), *rest))] for where in give]
     wait = start_all_to_all_pieces(send, shapes, cp, meter)
     return lambda: [pieces[0] for pieces in wait()]
@@ -85,22 +85,28 @@ def _start_exchange(
 
 class _Arrived(torch.autograd.Function):
     """The fetched rows (this rank's own copied, the others' already received) in `x`'s graph; the backward
-    sends each row's gradient back to its owner, which adds it there."""
+    sends each row's gradient back to its owner, which adds it there.
+
+    `x` is often a transposed view (a conv's channels-first input seen as `(batch, seq, channels)`): its rows
+    are read by indexing, which copies only them, where `index_select` on a strided dim copies the whole
+    shard first; and its gradient is laid out as `x` is, so adding it to the conv's needs no transpose.
+    """
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, plan: FetchPlan, cp: CPGroup, meter: CommMeter | None,
                 *received: Tensor) -> Tensor:
-        ctx.plan, ctx.cp, ctx.meter, ctx.rows = plan, cp, meter, x.shape[1]
+        ctx.plan, ctx.cp, ctx.meter = plan, cp, meter
+        ctx.save_for_backward(x)  # for its shape and memory layout only
         out = x.new_zeros((x.shape[0], plan.count, *x.shape[2:]))
-        out.index_copy_(1, plan.local_slots, x.index_select(1, plan.local_rows))
+        out.index_copy_(1, plan.local_slots, x[:, plan.local_rows])
         for where, rows in zip(plan.recv_slots, received):
             out.index_copy_(1, where, rows)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        plan = ctx.plan
-        grad_x = grad.new_zeros((grad.shape[0], ctx.rows, *grad.shape[2:]))
+        plan, (x,) = ctx.plan, ctx.saved_tensors
+        grad_x = torch.zeros_like(x, dtype=grad.dtype)
         grad_x.index_add_(1, plan.local_rows, grad.index_select(1, plan.local_slots))
         if plan.moves:  # the forward's exchange reversed: each row's gradient goes home
             returned = _start_exchange(grad, plan.recv_slots, plan.send_rows, grad.shape[2:], ctx.cp, ctx.meter)()

@@ -59,15 +59,18 @@ def _prepared(api: str, seq: int, dim: int, device: str) -> dict[str, torch.Tens
 
 class Counted:
     """A kernel that counts the tokens it is given (dim 1 of its first argument), call by call, and of those the
-    tokens it ran widened (values wider than `value_dim`: the delta rule's correction pass)."""
+    tokens it ran widened (values wider than `value_dim`: the delta rule's correction pass) and the tokens it ran
+    from a given initial state (the stretches a first gather settled, or the delta rule's widened ones)."""
 
     def __init__(self, kernel: Callable[..., Any], value_dim: int | None = None) -> None:
-        self.kernel, self.value_dim, self.tokens, self.widened = kernel, value_dim, 0, 0
+        self.kernel, self.value_dim, self.tokens, self.widened, self.from_state = kernel, value_dim, 0, 0, 0
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.tokens += args[0].shape[1]
         if self.value_dim is not None and args[2].shape[-1] > self.value_dim:
             self.widened += args[0].shape[1]
+        if kwargs.get("initial_states", kwargs.get("initial_state")) is not None:
+            self.from_state += args[0].shape[1]
         return self.kernel(*args, **kwargs)
 
 
@@ -102,7 +105,8 @@ def api_cases(mesh, device: str) -> dict:
             out = _call(api, local, region, chunk, counted)
             out.sum().backward()
             results[spec, api] = {"out": out.detach().cpu(), "grads": {k: v.grad.cpu() for k, v in local.items()},
-                                  "tokens": counted.tokens, "widened": counted.widened}
+                                  "tokens": counted.tokens, "widened": counted.widened,
+                                  "from_state": counted.from_state}
     return results
 
 
@@ -138,6 +142,10 @@ def test_kernel_apis_through_cpcompose_directly(pools, device: str) -> None:
                 if spec == "zigzag" and api == "fla":  # chunk 0 plain + 3 widened; 1 widened + 2 plain from its state
                     assert got["widened"] == s_local // 2, f"rank {rank} widened {got['widened']} of {s_local} " \
                         "tokens: the middle rank's second chunk should run plainly after the first gather"
+                if spec == "zigzag" and api == "mamba_ssm":  # two gathers: rank 1 corrects chunk 1 only
+                    assert got["from_state"] == (s_local // 2 if rank == 1 else 0), f"rank {rank} ran " \
+                        f"{got['from_state']} tokens from a state: the middle rank's second chunk should run from " \
+                        "its true state after the first gather, the rest from zero"
                 scale = want.abs().max().item()
                 torch.testing.assert_close(got["out"], layout.shard(want, 1, rank), rtol=tol, atol=tol * scale,
                                            msg=lambda m, at=(spec, api, rank): f"{at} outputs: {m}")

@@ -36,6 +36,12 @@ def cp_mamba2_chunk_scan(
     Each run goes through the kernel once, from zero; a run that continues a document then
     gets what its true initial state adds, `y_t += exp(sum_{s<=t} dt_s A) * (C_t . h0)`
     (the kernel's own inter-chunk term, in float32 or wider), instead of a second pass.
+
+    The summaries travel in two gathers (`defer`, as the delta rule's): a stretch whose true
+    initial state the ranks' first stretches settle waits for the first gather and runs once
+    from that state, with no correction. Under zigzag that is the middle rank's second chunk,
+    so at P = 2 each rank corrects L/4 tokens instead of the middle rank L/2, and with a
+    superlinear kernel (transformers' torch SSD) two calls of L/4 cost less than one of L/2.
     """
     error = whole_pack_refusal("mamba2_chunk_scan", kwargs, state=initial_states, final=return_final_states)
     finals: dict[int, Tensor] = {}
@@ -59,9 +65,10 @@ def cp_mamba2_chunk_scan(
         return torch.exp(log_decay(rows).sum(dim=1))[..., None, None]  # (batch, heads, 1, 1)
 
     def correct(rows: slice, out: Tensor, init: Tensor) -> Tensor:
-        heads = hidden_states.shape[2]
-        readout = C[:, rows].to(acc).repeat_interleave(heads // C.shape[2], dim=2)  # (batch, run, heads, state)
-        carried = torch.einsum("blhn,bhpn->blhp", readout, init.to(acc))
+        (batch, length, heads, dim), groups = out.shape, C.shape[2]
+        # Each group's C reads the states of its heads in one product (no per-head copy of C).
+        grouped = init.to(acc).reshape(batch, groups, heads // groups, dim, init.shape[-1])
+        carried = torch.einsum("blgn,bgkpn->blgkp", C[:, rows].to(acc), grouped).reshape(batch, length, heads, dim)
         return out + (carried * torch.exp(torch.cumsum(log_decay(rows), dim=1))[..., None]).to(out.dtype)
 
     return cp_chunked_recurrence(
@@ -71,5 +78,5 @@ def cp_mamba2_chunk_scan(
         signature=[*tensor_fields("hidden_states", hidden_states), *tensor_fields("B", B),
                    ("chunk_size", int(chunk_size))],
         caller_error=error, meter=region.options.meter,
-        correction=Correction(final=lambda rows: finals[rows.start], apply=correct),
+        correction=Correction(final=lambda rows: finals[rows.start], apply=correct), defer=True,
     )
