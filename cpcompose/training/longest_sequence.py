@@ -38,9 +38,10 @@ def with_length(config: JobConfig, seq_len: int) -> JobConfig:
     return changed
 
 
-def plan_fits(config: JobConfig, world: int, budget_bytes: int) -> Callable[[int], bool]:
-    """Whether the CUDA memory plan of `config` at a length fits `budget_bytes` per rank."""
-    return lambda seq_len: plan_memory(with_length(config, seq_len), world, device_type="cuda").total <= budget_bytes
+def plan_fits(config: JobConfig, world: int, budget_bytes: int, device_type: str = "cuda") -> Callable[[int], bool]:
+    """Whether the memory plan of `config` at a length fits `budget_bytes` per rank of `device_type`."""
+    return lambda seq_len: plan_memory(with_length(config, seq_len), world,
+                                       device_type=device_type).total <= budget_bytes
 
 
 def longest(fits: Callable[[int], bool], unit: int, guess: int = 0, *, limit: int = 1 << 40) -> int:

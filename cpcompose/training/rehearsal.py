@@ -146,6 +146,8 @@ def rehearse(config: JobConfig, world: int) -> Rehearsal:
         import cpcompose.distributed.activation_checkpoint as checkpointing
         import cpcompose.distributed.tiled as tiled
 
+        if dims.dp_cp_size == 1:  # no FSDP on one rank over dp x cp: torch's tracker of a plain model
+            tracker_cls = _compat.plain_mem_tracker()
         tracker_cls = _device_peak_tracker(tracker_cls, c.training.offload_params)
         # The tracker's module hooks take the tiled MLP's tiles, cut without autograd, for autograd inputs: cut
         # detached (views, as before; the backward detaches its tiles anyway).
@@ -177,7 +179,11 @@ def _two_steps(c: JobConfig, dims: ParallelDims, mesh, tracker_cls, mod_stats) -
         return cp_linear_cross_entropy(hidden, weight, labels, mesh=loss_mesh, num_tokens=count,
                                        chunk_tokens=c.loss_chunk_tokens())
 
-    tracker = tracker_cls(model, optimizer)
+    if dims.dp_cp_size > 1:
+        tracker = tracker_cls(model, optimizer)
+    else:
+        tracker = tracker_cls()
+        tracker.track_external(model, optimizer)
     with tracker:
         for step in range(2):
             if output is not None:  # the fused loss reads its weight without calling it: stats for its backward
