@@ -91,9 +91,35 @@ def rehearsed_peak(args: list[str], config: JobConfig, gpus: int, timeout: float
     return {**got, "peak": got["tracked"] + extra, "wall_s": round(time.perf_counter() - start, 1)}
 
 
+def calibrated_total(config: JobConfig, gpus: int, seq_len: int, scale: float) -> float:
+    """The CUDA plan at `seq_len` with its tensors scaled by `scale` (a rehearsal's tracker over the plan's tensors):
+    what the rehearsal would count there if the plan's error were proportional."""
+    plan = plan_memory(with_length(config, seq_len), gpus, device_type="cuda")
+    tensors = plan.total - PROCESS_BYTES["cuda"] - plan.part("allocator slack")
+    return plan.total - (1 - scale) * tensors
+
+
+def rehearsal_record(args: list[str], config: JobConfig, gpus: int, timeout: float, budget: int) -> dict | None:
+    """One rehearsal of `config`, as the JSON keeps it (bytes and GiB), or None past `timeout`."""
+    got = rehearsed_peak(args, config, gpus, timeout)
+    if got is None:
+        return None
+    plan = plan_memory(config, gpus, device_type="cuda")
+    kinds = {k: round(v / GiB, 2) for k, v in got["by_kind"].items() if v}
+    return {"seq_len": config.training.seq_len, "tracked": got["tracked"], "planned": got["planned"],
+            "peak": got["peak"], "fits": got["peak"] <= budget,
+            "tracked_gib": round(got["tracked"] / GiB, 2), "peak_gib": round(got["peak"] / GiB, 2),
+            "plan_gib": round(plan.total / GiB, 2), "plan_tensors_gib": round(got["planned"] / GiB, 2),
+            "plan_over_tracker": round(got["planned"] / max(1, got["tracked"]), 3), "by_kind_gib": kinds,
+            "host_gib": round(plan.host_bytes / GiB, 1), "wall_s": got["wall_s"]}
+
+
 def run_cell(shape: str, gpus: int, options: str, budget: int, *, rehearse: bool, timeout: float,
-             rehearsals: int) -> dict:
-    """One cell: the plan's longest length, then (with `rehearse`) the rehearsal at it."""
+             rehearsals: int, reuse: dict[int, dict] | None = None) -> dict:
+    """One cell: the plan's longest length, then (with `rehearse`) rehearsals from it: each calibrates the plan
+    (its tensors scaled by the tracker's share) and the next is at the calibrated plan's answer, until that answer
+    is the longest length rehearsed to fit. `reuse`: earlier rehearsals of this cell, by length."""
+    reuse = reuse or {}
     args = cell_args(shape, gpus, options)
     cell: dict = {"shape": shape, "gpus": gpus, "options": options, "option_names": OPTIONS[options][0],
                   "cp": gpus, "budget_gib": round(budget / GiB, 2), "rehearsals": []}
@@ -113,25 +139,31 @@ def run_cell(shape: str, gpus: int, options: str, budget: int, *, rehearse: bool
         return {**cell, "longest": 0, "how": "none", "why": f"the plan at {unit} tokens is {plan.total / GiB:.1f} "
                 f"GiB per rank ({plan.phase}), over the budget", "wall_s": round(time.perf_counter() - start, 1)}
     cell.update(plan_longest=best, longest=best, how="plan")
+    tried: dict[int, dict] = {}
     for _ in range(rehearsals if rehearse else 0):
-        at = with_length(config, best)
-        plan = plan_memory(at, gpus, device_type="cuda")
-        got = rehearsed_peak(args, at, gpus, timeout)
-        if got is None:
+        record = reuse.get(best) or rehearsal_record(args, with_length(config, best), gpus, timeout, budget)
+        if record is None:
             cell["why"] = f"the rehearsal at {best} tokens ran past {timeout:.0f} s"
             break
-        cell["rehearsals"].append({"seq_len": best, "tracked_gib": round(got["tracked"] / GiB, 2),
-                                   "peak_gib": round(got["peak"] / GiB, 2), "plan_gib": round(plan.total / GiB, 2),
-                                   "plan_tensors_gib": round(got["planned"] / GiB, 2),
-                                   "plan_over_tracker": round(got["planned"] / max(1, got["tracked"]), 3),
-                                   "by_kind_gib": {k: round(v / GiB, 2) for k, v in got["by_kind"].items() if v},
-                                   "host_gib": round(plan.host_bytes / GiB, 1), "wall_s": got["wall_s"]})
-        if got["peak"] <= budget:
-            cell.update(longest=best, how="rehearsed" if best == cell["plan_longest"] else "rehearsed, lowered")
+        tried[best] = record
+        # The plan calibrated by this rehearsal: its tensors scaled by the tracker's share of them.
+        scale = record["tracked"] / record["planned"]
+        calibrated = longest(lambda n: calibrated_total(config, gpus, n, scale) <= budget, unit, guess=best)
+        cell["calibrated_longest"] = calibrated
+        if record["fits"] and calibrated <= best:
+            break  # the calibrated plan agrees: nothing longer to try
+        nxt = calibrated if record["fits"] else min(calibrated, best - unit)
+        if nxt in tried or nxt <= 0:
             break
-        excess = got["peak"] - plan.total  # the rehearsal above the plan: lower the plan's budget by it
-        best = longest(plan_fits(config, gpus, budget - excess), unit, guess=best)
-        cell.update(longest=best, how="plan, lowered by the rehearsal")
+        best = nxt
+    cell["rehearsals"] = [tried[n] for n in sorted(tried)]
+    fitting = [n for n, r in tried.items() if r["fits"]]
+    if fitting:
+        cell.update(longest=max(fitting), how="rehearsed")
+        over = [n for n, r in tried.items() if not r["fits"] and n > max(fitting)]
+        cell["shortest_rehearsed_over"] = min(over, default=None)
+    elif tried:
+        cell.update(longest=cell.get("calibrated_longest", best), how="plan calibrated by a rehearsal (not fitting)")
     return {**cell, "wall_s": round(time.perf_counter() - start, 1)}
 
 
@@ -155,6 +187,14 @@ def table(cells: list[dict]) -> str:
         lines.append(f"| {shape} | {gpus} | " + " | ".join(fmt(by.get((shape, gpus, k))) for k in keys)
                      + f" | {f'{alst / 1e6:.1f}M' if alst else ''} |")
     return "\n".join(lines)
+
+
+def _complete(record: dict, budget: int) -> dict:
+    """An earlier rehearsal record with its bytes (records before they were kept carry GiB to 0.01) and verdict."""
+    tracked = record.get("tracked", int(record["tracked_gib"] * GiB))
+    planned = record.get("planned", int(record["plan_tensors_gib"] * GiB))
+    peak = record.get("peak", int(record["peak_gib"] * GiB))
+    return {**record, "tracked": tracked, "planned": planned, "peak": peak, "fits": peak <= budget, "reused": True}
 
 
 def machine() -> str:
@@ -183,8 +223,13 @@ def main(argv: list[str] | None = None) -> int:
     old = json.loads(args.out.read_text())["cells"] if args.out and args.out.exists() else []
     cells = {(c["shape"], c["gpus"], c["options"]): c for c in old}
     for shape, gpus, options in todo:
+        earlier = cells.get((shape, gpus, options), {})
+        if args.plan_only and earlier.get("rehearsals"):
+            continue  # a rehearsed cell is not replaced by the plan alone
+        same = earlier.get("budget_gib") == round(budget / GiB, 2)
+        reuse = {r["seq_len"]: _complete(r, budget) for r in earlier.get("rehearsals", []) if same}
         cell = run_cell(shape, gpus, options, budget, rehearse=not args.plan_only, timeout=args.rehearsal_timeout,
-                        rehearsals=args.rehearsals)
+                        rehearsals=args.rehearsals, reuse=reuse)
         cells[(shape, gpus, options)] = cell
         print(json.dumps(cell), flush=True)
         if args.out:

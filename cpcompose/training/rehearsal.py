@@ -105,6 +105,24 @@ def _device_peak_tracker(tracker_cls: type, offload_params: bool) -> type:
 
 
 @contextlib.contextmanager
+def _as_on_a_gpu() -> Iterator[None]:
+    """Checkpoint offload as on a GPU (`_saved_on_host`), and the tiled MLP's tiles cut detached: the tracker's
+    module hooks would take the tiles its forward cuts without autograd for autograd inputs (views either way;
+    its backward detaches them too)."""
+    import cpcompose.distributed.activation_checkpoint as checkpointing
+    import cpcompose.distributed.tiled as tiled
+
+    cut = tiled._tiles_of
+
+    def detached_tiles(x: torch.Tensor, tiles: int, dim: int) -> list[torch.Tensor]:
+        return [t.detach() for t in cut(x, tiles, dim)]
+
+    with mock.patch.object(checkpointing, "offloaded_saved_inputs", _saved_on_host), \
+            mock.patch.object(tiled, "_tiles_of", detached_tiles):
+        yield
+
+
+@contextlib.contextmanager
 def _without_host_checks() -> Iterator[None]:
     import cpcompose.attention.call.orchestrate as checks
     import cpcompose.attention.local.merge as merge
@@ -143,19 +161,10 @@ def rehearse(config: JobConfig, world: int) -> Rehearsal:
         mesh = init_device_mesh("cpu", tuple(getattr(dims, n) for n in MESH_DIM_NAMES), mesh_dim_names=MESH_DIM_NAMES)
         for name in ("dp_shard_cp", "dp_cp", "dp"):  # flattened before the fake mode (it makes groups from values)
             flat_mesh(mesh, name)
-        import cpcompose.distributed.activation_checkpoint as checkpointing
-        import cpcompose.distributed.tiled as tiled
-
         if dims.dp_cp_size == 1:  # no FSDP on one rank over dp x cp: torch's tracker of a plain model
             tracker_cls = _compat.plain_mem_tracker()
         tracker_cls = _device_peak_tracker(tracker_cls, c.training.offload_params)
-        # The tracker's module hooks take the tiled MLP's tiles, cut without autograd, for autograd inputs: cut
-        # detached (views, as before; the backward detaches its tiles anyway).
-        detached_tiles = lambda x, tiles, dim: [t.detach() for t in tiled_tiles(x, tiles, dim)]  # noqa: E731
-        tiled_tiles = tiled._tiles_of
-        with _without_host_checks(), fake_mode(allow_non_fake_inputs=True), \
-                mock.patch.object(checkpointing, "offloaded_saved_inputs", _saved_on_host), \
-                mock.patch.object(tiled, "_tiles_of", detached_tiles):
+        with _without_host_checks(), _as_on_a_gpu(), fake_mode(allow_non_fake_inputs=True):
             tracked, by_kind = _two_steps(c, dims, mesh, tracker_cls, mod_stats)
     finally:
         dist.destroy_process_group()
