@@ -54,7 +54,7 @@ OPTIONS = {  # cumulative: each adds one option to the one before
     "e": ("+ checkpoint offload", ["--activation_checkpoint.offload=true"]),
     "f": ("+ offload_params", ["--training.offload_params=true"]),
 }
-CELLS = [(shape, gpus) for shape, counts in (("llama3-8b", (1, 8, 64)), ("llama3-70b", (1, 8, 64)))
+CELLS = [(shape, gpus) for shape, counts in (("llama3-8b", (1, 8, 32, 64)), ("llama3-70b", (1, 8, 64)))
          for gpus in counts]
 ALST = {("llama3-8b", 1): 500_000, ("llama3-8b", 8): 3_700_000, ("llama3-8b", 32): 15_000_000}
 """DeepSpeed ALST's published longest sequences for Llama-8B (arXiv 2506.13996; the DeepSpeed/Snowflake blog)."""
@@ -164,6 +164,9 @@ def run_cell(shape: str, gpus: int, options: str, budget: int, *, rehearse: bool
         cell["shortest_rehearsed_over"] = min(over, default=None)
     elif tried:
         cell.update(longest=cell.get("calibrated_longest", best), how="plan calibrated by a rehearsal (not fitting)")
+    if cell["longest"]:
+        cell["host_gib"] = round(plan_memory(with_length(config, cell["longest"]), gpus,
+                                             device_type="cuda").host_bytes / GiB, 1)
     return {**cell, "wall_s": round(time.perf_counter() - start, 1)}
 
 
@@ -179,13 +182,16 @@ def table(cells: list[dict]) -> str:
 
     keys = sorted({c["options"] for c in cells})
     rows = sorted({(c["shape"], c["gpus"]) for c in cells}, key=lambda r: (r[0], r[1]))
-    head = "| model | GPUs | " + " | ".join(f"({k}) {OPTIONS[k][0]}" for k in keys) + " | ALST |"
-    lines = [head, "|" + "---|" * 2 + "---:|" * (len(keys) + 1)]
+    head = ("| model | GPUs | " + " | ".join(f"({k}) {OPTIONS[k][0]}" for k in keys)
+            + f" | host memory per rank at ({keys[-1]}) | ALST |")
+    lines = [head, "|" + "---|" * 2 + "---:|" * (len(keys) + 2)]
     by = {(c["shape"], c["gpus"], c["options"]): c for c in cells}
     for shape, gpus in rows:
         alst = ALST.get((shape, gpus))
+        last = by.get((shape, gpus, keys[-1]), {})
+        host = f"{last['host_gib']:,.0f} GiB" if last.get("host_gib") else ""
         lines.append(f"| {shape} | {gpus} | " + " | ".join(fmt(by.get((shape, gpus, k))) for k in keys)
-                     + f" | {f'{alst / 1e6:.1f}M' if alst else ''} |")
+                     + f" | {host} | {f'{alst / 1e6:.1f}M' if alst else ''} |")
     return "\n".join(lines)
 
 

@@ -73,5 +73,5 @@ def test_the_scripts_plan_mode_writes_each_cell_and_how_it_was_obtained(tmp_path
     assert eight["longest"] % eight["grid_unit"] == 0 and eight["grid_unit"] == 16 * 512
     assert one["how"] == "refused" and "training.offload_params" in one["why"]  # FSDP2's offload needs FSDP
     table = capsys.readouterr().out.splitlines()[-2:]
-    assert table[0].startswith("| llama3-8b | 1 |") and "| refused | 0.5M |" in table[0]
-    assert table[1].startswith("| llama3-8b | 8 |") and "(plan) |  | 3.7M |" in table[1]  # (d) planned, no (f)
+    assert table[0].startswith("| llama3-8b | 1 |") and "| refused |  | 0.5M |" in table[0]
+    assert table[1].startswith("| llama3-8b | 8 |") and "(plan) |  |  | 3.7M |" in table[1]  # (d) planned, no (f)
