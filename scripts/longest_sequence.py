@@ -181,7 +181,7 @@ def table(cells: list[dict]) -> str:
         return f"{cell['longest'] / 1e6:.2f}M{mark}"
 
     keys = sorted({c["options"] for c in cells})
-    rows = sorted({(c["shape"], c["gpus"]) for c in cells}, key=lambda r: (r[0], r[1]))
+    rows = sorted({(c["shape"], c["gpus"]) for c in cells}, key=lambda r: (list(SHAPES).index(r[0]), r[1]))
     head = ("| model | GPUs | " + " | ".join(f"({k}) {OPTIONS[k][0]}" for k in keys)
             + f" | host memory per rank at ({keys[-1]}) | ALST |")
     lines = [head, "|" + "---|" * 2 + "---:|" * (len(keys) + 2)]
