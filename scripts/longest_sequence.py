@@ -177,8 +177,9 @@ def table(cells: list[dict]) -> str:
             return ""
         if cell["how"] in ("refused", "none"):
             return cell["how"]
-        mark = "" if cell["how"].startswith("rehearsed") else " (plan)"
-        return f"{cell['longest'] / 1e6:.2f}M{mark}"
+        if cell["how"].startswith("rehearsed"):
+            return f"**{cell['longest'] / 1e6:.2f}M** rehearsed (plan {cell['plan_longest'] / 1e6:.2f}M)"
+        return f"{cell['longest'] / 1e6:.2f}M (plan)"
 
     keys = sorted({c["options"] for c in cells})
     rows = sorted({(c["shape"], c["gpus"]) for c in cells}, key=lambda r: (list(SHAPES).index(r[0]), r[1]))
