@@ -28,7 +28,7 @@ __all__ = [
     "flatten_mesh",
     "function_mode_stack", "function_modes_suspended", "group_timeout", "has_flash_attn", "has_flash_attn_varlen",
     "import_flash_attn", "import_fused_linear_cross_entropy",
-    "in_backward", "reduce_scatter_flat", "register_opaque_type",
+    "in_backward", "plain_mem_tracker", "reduce_scatter_flat", "register_opaque_type",
 ]
 
 aten = torch.ops.aten
@@ -220,3 +220,10 @@ def fake_rehearsal_tools() -> tuple[Any, Any, Any, Any]:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     return FakeTensorMode, FakeStore, FSDPMemTracker, _ModMemStats
+
+
+def plain_mem_tracker() -> Any:
+    """torch's MemTracker (what FSDPMemTracker is to a model without FSDP: one rank over dp x cp), for a rehearsal."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    return MemTracker

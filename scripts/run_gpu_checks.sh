@@ -10,7 +10,9 @@
 # attention_cuda_packed.json, mixers_cuda.json and bench*.log. Uses the machine's own torch (no network):
 # cpcompose is installed without dependencies, or imported from the checkout. Each step has
 # a time limit (SUITE_S, KERNELS_S, BENCH_S seconds) so one hung step cannot eat the lease;
-# MAXFAIL caps the suite's failures, NO_BENCH=1 runs the suite only.
+# MAXFAIL caps the suite's failures, NO_BENCH=1 runs the suite only. Last, the longest sequence one GPU trains
+# (scripts/gpu_longest.py: real steps against the plan and the rehearsal, longest_gpu.json/.log, LONGEST_S
+# seconds, default 540; NO_LONGEST=1 skips it; alone: python3 scripts/gpu_longest.py --out "$OUT/longest_gpu.json").
 set -o pipefail
 out=${1:-${OUT:-gpu_results}}
 mkdir -p "$out"
@@ -38,3 +40,6 @@ timeout "${BENCH_S:-150}" python3 scripts/bench_attention.py --device cuda --out
 timeout "${BENCH_S:-150}" python3 scripts/bench_attention.py --device cuda --packed --out "$out/attention_cuda_packed.json" 2>&1 | tee "$out/bench_packed.log"
 timeout "${BENCH_S:-150}" python3 scripts/bench_mixers.py --device cuda --seq-lens 4096 16384 --kinds mamba2 mamba2_linear gdn \
   --repeats 3 --out "$out/mixers_cuda.json" 2>&1 | tee "$out/bench_mixers.log"
+[ -n "$NO_LONGEST" ] && exit 0
+timeout "${LONGEST_S:-540}" python3 scripts/gpu_longest.py --time-budget $(( ${LONGEST_S:-540} - 60 )) \
+  --out "$out/longest_gpu.json" 2>&1 | tee "$out/longest_gpu.log"

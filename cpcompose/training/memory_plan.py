@@ -24,7 +24,8 @@ L: blocks on this rank's pipeline stage, S: FSDP's shard degree dp_shard x cp wh
   recompute (checkpointing) and its gradients in flight; attention's received K/V and dK/dV
   buffers (the CP cost model's per-strategy count, `cpcompose.attention.cost.model`); one
   block's gradients being reduced.
-* "optimizer step": parameters, gradients, moments and the step's temporaries.
+* "optimizer step": parameters, gradients, moments and the step's temporaries (all in host memory with
+  `training.offload_params` on CUDA: FSDP2's CPUOffloadPolicy, the step on the CPU).
 * on CPU, while the per-token tensors are small enough for glibc's heap (`HEAP_CEILING`), every phase also holds
   what the heap keeps: the most any phase put there, plus holes, resident to the end of the step ("allocator
   slack"). The optimizer step is then often the peak at short lengths, and the per-token growth there is the
@@ -85,7 +86,8 @@ class MemoryPlan:
     phase: str
     """Where the peak falls: "forward", "loss", "backward", "embedding backward" (FSDP) or "optimizer step"."""
     host_bytes: int
-    """Checkpointed activations kept in host memory instead (`activation_checkpoint.offload`, CUDA)."""
+    """What is kept in host memory instead (CUDA): checkpointed activations (`activation_checkpoint.offload`) and the
+    parameter shards, their gradients and AdamW's moments (`training.offload_params`)."""
     tokens: int
     """Tokens per rank per forward (one micro-step's, or one pipeline microbatch's)."""
     phase_totals: tuple[tuple[str, int], ...] = ()
@@ -200,7 +202,10 @@ def _stage(c: JobConfig, dims: ParallelDims, prof: MemoryProfile, stage: int, T:
     embedding = (prof.root_params - prof.output_params) if first else 0  # with the final norm (a few numbers)
     head = prof.output_params if last else 0
     params = embedding + head + L * prof.block_params
-    state = 4 * params // shards
+    # FSDP2's CPUOffloadPolicy (`training.offload_params`, on CUDA): the float32 shards, their gradients, the moments
+    # and the optimizer's step live in host memory; the device holds only the units gathered and reduced.
+    offload_state = t.offload_params and fsdp and device_type == "cuda"
+    state = 0 if offload_state else 4 * params // shards
     moments = 2 * state
     units = _units(fsdp=fsdp, pp=dims.pp > 1, bf16=bf16, embedding=embedding, head=head, block=prof.block_params,
                    blocks=L)
@@ -211,7 +216,7 @@ def _stage(c: JobConfig, dims: ParallelDims, prof: MemoryProfile, stage: int, T:
     keep = prof.block_input if checkpointing else prof.block_saved
     kept_blocks = min(L, 2) if offload else L
     activations = int(keep * T * kept_blocks * in_flight)
-    host = int(keep * T * L * in_flight) if offload else 0
+    host = (int(keep * T * L * in_flight) if offload else 0) + (16 * params // shards if offload_state else 0)
     vocab = prof.output_params // c.model.dim
     # The pipeline's last stage computes the unfused loss on the logits its stage returns, and keeps them
     # (compute dtype) until that microbatch's backward; without pipelining the fused loss is the trainer's.

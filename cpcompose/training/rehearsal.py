@@ -13,8 +13,15 @@ What cannot run on fake tensors is routed around here, never in the training pat
   agreement assumed, the CUDA branch of the NaN rows);
 - torch.compile and the exactness probe (`parallelism.cp_verify`) are off;
 - the tracker gets statistics for the output layer, whose forward the fused loss never calls (it reads the
-  weight), so the tracker's backward hook finds them.
+  weight), so the tracker's backward hook finds them;
+- the tiled MLP's tiles are cut detached (views, as in the run), since the tracker's module hooks would take the
+  tiles its forward cuts without autograd for autograd inputs.
 One process, rank 0 of the fake group: it must be the only process group of the interpreter (a fresh one).
+
+The step runs on the CPU, where host and device are one memory; what a GPU run keeps in host memory is taken out
+of the measured peak as the GPU would: checkpointed block inputs (`activation_checkpoint.offload`) leave when saved
+and come back as new tensors at the recompute; with `training.offload_params` the tracker's sharded parameters,
+sharded gradients and optimizer state are not counted, and neither is the optimizer step (it runs on the host).
 """
 
 from __future__ import annotations
@@ -40,6 +47,9 @@ from cpcompose.training.memory_plan import PROCESS_BYTES, plan_memory
 
 __all__ = ["Rehearsal", "rehearse"]
 
+HOST_KINDS = ("Sharded Param", "Sharded Grad", "OptState")
+"""The tracker's kinds that FSDP2's CPUOffloadPolicy keeps in host memory."""
+
 
 @dataclass(frozen=True)
 class Rehearsal:
@@ -56,6 +66,60 @@ class Rehearsal:
     def ratio(self) -> float:
         """planned / tracked."""
         return self.planned / max(1, self.tracked)
+
+
+def _saved_on_host(*args: object) -> contextlib.AbstractContextManager:
+    """What `save_on_cpu` does to device memory: the saved tensor leaves at pack, a new one is made at unpack."""
+
+    def pack(t: torch.Tensor) -> tuple:
+        return t.size(), t.stride(), t.dtype, t.device
+
+    def unpack(saved: tuple) -> torch.Tensor:
+        size, stride, dtype, device = saved
+        return torch.empty_strided(size, stride, dtype=dtype, device=device)
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
+def _device_peak_tracker(tracker_cls: type, offload_params: bool) -> type:
+    """`tracker_cls` that also keeps the peak of what a GPU would hold: with `offload_params`, less HOST_KINDS and
+    outside the optimizer step (on the host)."""
+
+    class DevicePeak(tracker_cls):  # type: ignore[misc, valid-type]
+        device_peak = 0
+        device_parts: dict[str, int] = {}
+
+        def _update_peak_stats(self, peak_state) -> None:  # noqa: ANN001 (torch's private hook, after every op)
+            super()._update_peak_stats(peak_state)
+            if offload_params and self._in_opt:
+                return
+            for snap in self._curr_mem_snap.values():
+                parts = {str(getattr(k, "value", k)): int(v) for k, v in snap.items()}
+                total = parts.pop("Total")
+                if offload_params:
+                    total -= sum(parts.pop(k, 0) for k in HOST_KINDS)
+                if total > self.device_peak:
+                    self.device_peak, self.device_parts = total, parts
+
+    return DevicePeak
+
+
+@contextlib.contextmanager
+def _as_on_a_gpu() -> Iterator[None]:
+    """Checkpoint offload as on a GPU (`_saved_on_host`), and the tiled MLP's tiles cut detached: the tracker's
+    module hooks would take the tiles its forward cuts without autograd for autograd inputs (views either way;
+    its backward detaches them too)."""
+    import cpcompose.distributed.activation_checkpoint as checkpointing
+    import cpcompose.distributed.tiled as tiled
+
+    cut = tiled._tiles_of
+
+    def detached_tiles(x: torch.Tensor, tiles: int, dim: int) -> list[torch.Tensor]:
+        return [t.detach() for t in cut(x, tiles, dim)]
+
+    with mock.patch.object(checkpointing, "offloaded_saved_inputs", _saved_on_host), \
+            mock.patch.object(tiled, "_tiles_of", detached_tiles):
+        yield
 
 
 @contextlib.contextmanager
@@ -97,7 +161,10 @@ def rehearse(config: JobConfig, world: int) -> Rehearsal:
         mesh = init_device_mesh("cpu", tuple(getattr(dims, n) for n in MESH_DIM_NAMES), mesh_dim_names=MESH_DIM_NAMES)
         for name in ("dp_shard_cp", "dp_cp", "dp"):  # flattened before the fake mode (it makes groups from values)
             flat_mesh(mesh, name)
-        with _without_host_checks(), fake_mode(allow_non_fake_inputs=True):
+        if dims.dp_cp_size == 1:  # no FSDP on one rank over dp x cp: torch's tracker of a plain model
+            tracker_cls = _compat.plain_mem_tracker()
+        tracker_cls = _device_peak_tracker(tracker_cls, c.training.offload_params)
+        with _without_host_checks(), _as_on_a_gpu(), fake_mode(allow_non_fake_inputs=True):
             tracked, by_kind = _two_steps(c, dims, mesh, tracker_cls, mod_stats)
     finally:
         dist.destroy_process_group()
@@ -121,7 +188,11 @@ def _two_steps(c: JobConfig, dims: ParallelDims, mesh, tracker_cls, mod_stats) -
         return cp_linear_cross_entropy(hidden, weight, labels, mesh=loss_mesh, num_tokens=count,
                                        chunk_tokens=c.loss_chunk_tokens())
 
-    tracker = tracker_cls(model, optimizer)
+    if dims.dp_cp_size > 1:
+        tracker = tracker_cls(model, optimizer)
+    else:
+        tracker = tracker_cls()
+        tracker.track_external(model, optimizer)
     with tracker:
         for step in range(2):
             if output is not None:  # the fused loss reads its weight without calling it: stats for its backward
@@ -136,7 +207,5 @@ def _two_steps(c: JobConfig, dims: ParallelDims, mesh, tracker_cls, mod_stats) -
             optimizer.zero_grad(set_to_none=True)
             if step == 0:
                 tracker.reset_mod_stats()
-        peak = tracker.get_tracker_snapshot("peak")
-    by_device = next(iter(peak.values()))
-    by_kind = {str(getattr(k, "value", k)): int(v) for k, v in by_device.items()}
-    return by_kind.pop("Total"), by_kind
+                tracker.device_peak, tracker.device_parts = 0, {}
+    return tracker.device_peak, tracker.device_parts

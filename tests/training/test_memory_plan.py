@@ -144,6 +144,17 @@ def test_offload_moves_the_checkpoints_to_host_memory_on_cuda_only() -> None:
     assert cpu.host_bytes == 0 and cpu.part("activations") == 4 * 256 * 4 * 8192
 
 
+def test_offload_params_keeps_shards_gradients_and_moments_in_host_memory_on_cuda_only() -> None:
+    fsdp = ["--parallelism.cp=2", "--parallelism.dp_shard=2", "--training.batch_size=2"]
+    kept, cuda = _plan(fsdp, 4, "cuda"), _plan([*fsdp, "--training.offload_params=true"], 4, "cuda")
+    shards = kept.part("parameters")
+    assert shards > 0 and cuda.host_bytes == 4 * shards  # fp32 shards, their gradients, two moments
+    assert all(cuda.part(p) == 0 for p in ("parameters", "optimizer state", "gradients", "optimizer temporaries"))
+    assert cuda.part("gathered parameters") > 0 and cuda.total < kept.total
+    cpu = _plan([*fsdp, "--training.offload_params=true"], 4, "cpu")
+    assert cpu.host_bytes == 0 and cpu.part("parameters") == shards  # the host is the device
+
+
 def test_the_fused_loss_holds_one_chunk_of_logits() -> None:
     whole, fused = _plan([], 1), _plan(["--training.fused_loss=true", "--training.loss_chunk_tokens=1024"], 1)
     head, V, T = (4 * 3 * 256 + 12) * 8192, 4096, 8192
