@@ -101,6 +101,17 @@ class MemoryProfile:
     flight), per token: CP's received K/V and dK/dV buffers exist beside this, not beside the feed-forward's."""
     attention: tuple[int, int, int]
     """(heads, kv_heads, head_dim) of one attention call on this tensor-parallel rank, for the CP cost model."""
+    layers: int
+    """The model's blocks (all stages)."""
+    body_params: int
+    """All blocks' parameters together (a hybrid's blocks differ: the `block_*` figures are its largest block's)."""
+    body_saved: float
+    """Everything all blocks save for backward together, per token (no checkpointing)."""
+    vocab: int
+    """Logits per token (the output layer's rows)."""
+    attention_saved: float | None = None
+    """What the largest block with attention saves per token, where that is not the largest block (a hybrid's
+    linear-attention layers can save more): its recompute goes with CP's K/V buffers. None: `block_saved`."""
 
 
 class MemoryFn(Protocol):

@@ -190,7 +190,7 @@ def _stage(c: JobConfig, dims: ParallelDims, prof: MemoryProfile, stage: int, T:
     """The plan of one pipeline stage (the first holds the most microbatches, the last the loss)."""
     t, ac = c.training, c.activation_checkpoint
     last, first = stage == dims.pp - 1, stage == 0
-    L = c.model.n_layers // dims.pp
+    L = prof.layers // dims.pp
     micro = c.parallelism.pp_microbatches
     # Microbatches whose activations a stage holds at once: GPipe all of them, 1F1B at most pp - stage.
     in_flight = 1 if dims.pp == 1 else micro if c.parallelism.pp_schedule == "GPipe" else min(micro, dims.pp - stage)
@@ -199,7 +199,7 @@ def _stage(c: JobConfig, dims: ParallelDims, prof: MemoryProfile, stage: int, T:
     bf16 = t.mixed_precision == "bfloat16"
     embedding = (prof.root_params - prof.output_params) if first else 0  # with the final norm (a few numbers)
     head = prof.output_params if last else 0
-    params = embedding + head + L * prof.block_params
+    params = embedding + head + prof.body_params * L // prof.layers
     state = 4 * params // shards
     moments = 2 * state
     units = _units(fsdp=fsdp, pp=dims.pp > 1, bf16=bf16, embedding=embedding, head=head, block=prof.block_params,
@@ -208,11 +208,11 @@ def _stage(c: JobConfig, dims: ParallelDims, prof: MemoryProfile, stage: int, T:
     cast = 2 * (L * prof.block_cast_params + head) if bf16 and not fsdp else 0
     checkpointing = ac.mode == "full"
     offload = checkpointing and ac.offload and device_type == "cuda"
-    keep = prof.block_input if checkpointing else prof.block_saved
+    keep = prof.block_input if checkpointing else prof.body_saved / prof.layers  # per block, on average
     kept_blocks = min(L, 2) if offload else L
     activations = int(keep * T * kept_blocks * in_flight)
     host = int(keep * T * L * in_flight) if offload else 0
-    vocab = prof.output_params // c.model.dim
+    vocab = prof.vocab
     # The pipeline's last stage computes the unfused loss on the logits its stage returns, and keeps them
     # (compute dtype) until that microbatch's backward; without pipelining the fused loss is the trainer's.
     fused = t.fused_loss and dims.pp == 1
@@ -228,9 +228,13 @@ def _stage(c: JobConfig, dims: ParallelDims, prof: MemoryProfile, stage: int, T:
     # A checkpointed block holds all it would save while it runs: in forward, and again in its recompute.
     recompute = int((prof.block_saved if checkpointing else 0) * T)
     # A block's backward peaks in its feed-forward or in its attention; CP's buffers exist only beside the latter.
-    attention_side = int(prof.attention_backward * T) + attention
-    attention_wins = attention_side >= int(prof.block_backward * T)
-    backward_work = int((prof.attention_backward if attention_wins else prof.block_backward) * T)
+    # A hybrid's largest block may have no attention: the attention block's own recompute goes with CP's buffers.
+    attention_saved = prof.block_saved if prof.attention_saved is None else prof.attention_saved
+    attention_recompute = int((attention_saved if checkpointing else 0) * T)
+    attention_side = attention_recompute + int(prof.attention_backward * T) + attention
+    attention_wins = attention_side >= recompute + int(prof.block_backward * T)
+    backward_work = (attention_recompute + int(prof.attention_backward * T) if attention_wins
+                     else recompute + int(prof.block_backward * T))
     backward_attention = attention if attention_wins else 0
     grads_always = t.grad_accum_steps > 1
     process = PROCESS_BYTES[device_type]
@@ -239,7 +243,7 @@ def _stage(c: JobConfig, dims: ParallelDims, prof: MemoryProfile, stage: int, T:
     loss_heap = int((prof.head_saved + (prof.fused_loss_token if fused else 0)) * T) if last else 0
     heap_held = {"forward": activations + recompute + int(prof.block_forward * T) + attention,
                  "loss": activations + loss_heap,
-                 "backward": activations + recompute + backward_work + backward_attention,
+                 "backward": activations + backward_work + backward_attention,
                  "optimizer step": 0, "embedding backward": 0}
     # It grows to the most any phase holds there, plus the holes that one block's backward in flight (and a tiled
     # feed-forward's tile) leave between differently sized tensors, and keeps that resident through the step, the
@@ -275,7 +279,7 @@ def _stage(c: JobConfig, dims: ParallelDims, prof: MemoryProfile, stage: int, T:
         # The backward's start (the last block's): every activation kept, gradient shards yet to come; its end
         # (every shard made, no activation left) is "embedding backward". In between, one falls as the other grows.
         "backward": phase("backward", during, units.gathered["backward"], cast, activations,
-                          recompute + backward_work, backward_attention, 0, 0, units.reducing["backward"]),
+                          backward_work, backward_attention, 0, 0, units.reducing["backward"]),
         "optimizer step": phase("optimizer step", state, 0, 0, 0, 0, 0, 0, step_temps),
     }
     if units.reducing["embedding"]:  # the backward's end: the embedding gathered and its gradient reduced

@@ -44,6 +44,7 @@ class _Shape(Protocol):
     n_heads: int
     n_kv_heads: int
     ffn_hidden_dim: int
+    n_layers: int
 
 
 def llama_memory(model: _Shape, *, tp: int, precision: str, mlp_tiles: int) -> MemoryProfile:
@@ -89,5 +90,6 @@ def llama_memory(model: _Shape, *, tp: int, precision: str, mlp_tiles: int) -> M
         block_backward=max(ffn_backward, attn_backward) + d_grads, attention_backward=attn_backward + d_grads, tile_work=ffn_backward if tiled else 0,
         head_saved=head, loss=12 * V,
         fused_loss_chunk=4 * V + (2 * V if c == 2 else 0), fused_loss_token=4 + c * D,
-        attention=(heads, kv_heads, head_dim),
+        attention=(heads, kv_heads, head_dim), layers=model.n_layers,
+        body_params=model.n_layers * (block_linear + 2 * D), body_saved=model.n_layers * saved, vocab=V,
     )
