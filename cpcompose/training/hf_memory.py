@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from cpcompose.models.spec import MemoryProfile
+from cpcompose.models.spec import MemoryProfile, loss_bytes
 from cpcompose.training.hf_pieces import Attention, GatedDeltaNet, Layer, Moe, SwiGlu, norm_saved
 
 __all__ = ["hf_memory_profile", "profiled_families"]
@@ -116,7 +116,7 @@ def hf_memory_profile(hf_config: Any, *, tp: int, precision: str, mlp_tiles: int
         block_backward=max(layer.backward(c, mlp_tiles) for layer in kinds),
         tile_work=max(layer.tile_work(c, mlp_tiles) for layer in kinds),
         head_saved=norm_saved(D, c) + c * D + 8,  # the final norm, the output layer's input, the label
-        loss=12 * V, fused_loss_chunk=4 * V + (2 * V if c == 2 else 0), fused_loss_token=4 + c * D,
+        **loss_bytes(V, D, c),
         attention_backward=max((layer.mixer.backward(c) for layer in kinds if isinstance(layer.mixer, Attention)),
                                default=0) + 3 * c * D,
         attention=heads, layers=len(layers), body_params=sum(params), body_saved=sum(saved), vocab=V,
