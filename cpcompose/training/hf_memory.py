@@ -31,16 +31,20 @@ from cpcompose.training.hf_pieces import Attention, GatedDeltaNet, Layer, Moe, S
 __all__ = ["hf_memory_profile", "profiled_families"]
 
 
-def _attention(c: Any, *, qk_norm: bool, gated: bool = False, float_scale: bool = False) -> Attention:
+def _attention(c: Any, *, qk_norm: bool, gated: bool = False, float_scale: bool = False,
+               qkv_bias: bool | None = None) -> Attention:
+    """`attention_bias` puts a bias on all four projections; `qkv_bias` (Qwen2's) on q, k and v alone."""
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    bias = bool(getattr(c, "attention_bias", False))
     return Attention(dim=c.hidden_size, heads=c.num_attention_heads, kv_heads=c.num_key_value_heads,
-                     head_dim=head_dim, qk_norm=qk_norm, gated=gated,
-                     bias=bool(getattr(c, "attention_bias", False)), float_scale=float_scale)
+                     head_dim=head_dim, qk_norm=qk_norm, gated=gated, qkv_bias=bias if qkv_bias is None else qkv_bias,
+                     o_bias=bias, float_scale=float_scale)
 
 
-def _dense(c: Any, *, qk_norm: bool) -> list[Layer]:
+def _dense(c: Any, *, qk_norm: bool, qkv_bias: bool | None = None) -> list[Layer]:
     """Llama's layer and its kin: attention (with Qwen3's per-head q/k norms) and a SwiGLU."""
-    return [Layer(_attention(c, qk_norm=qk_norm), SwiGlu(c.hidden_size, c.intermediate_size))] * c.num_hidden_layers
+    attention = _attention(c, qk_norm=qk_norm, qkv_bias=qkv_bias)
+    return [Layer(attention, SwiGlu(c.hidden_size, c.intermediate_size))] * c.num_hidden_layers
 
 
 def _qwen3_next(c: Any) -> list[Layer]:
@@ -64,7 +68,7 @@ def _qwen3_next(c: Any) -> list[Layer]:
 _FAMILIES: dict[str, Callable[[Any], list[Layer]]] = {
     "llama": lambda c: _dense(c, qk_norm=False),
     "mistral": lambda c: _dense(c, qk_norm=False),
-    "qwen2": lambda c: _dense(c, qk_norm=False),
+    "qwen2": lambda c: _dense(c, qk_norm=False, qkv_bias=True),
     "qwen3": lambda c: _dense(c, qk_norm=True),
     "qwen3_next": _qwen3_next,
 }

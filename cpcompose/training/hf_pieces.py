@@ -87,12 +87,13 @@ class Attention:
     head_dim: int
     qk_norm: bool
     gated: bool = False
-    bias: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
     float_scale: bool = False
 
     def params(self) -> int:
         q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        bias = (q * (2 if self.gated else 1) + 2 * kv + self.dim) if self.bias else 0
+        bias = (q * (2 if self.gated else 1) + 2 * kv if self.qkv_bias else 0) + (self.dim if self.o_bias else 0)
         return self.dim * q * (2 if self.gated else 1) + 2 * self.dim * kv + q * self.dim + bias + (
             2 * self.head_dim if self.qk_norm else 0)
 

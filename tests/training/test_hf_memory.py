@@ -21,7 +21,9 @@ from cpcompose.training.memory_budget import describe_memory
 SMALL = dict(vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
              head_dim=16, intermediate_size=96, tie_word_embeddings=False)
 CONFIGS = {
-    "llama": lambda: hf.LlamaConfig(**SMALL),
+    "llama": lambda: hf.LlamaConfig(**SMALL, attention_bias=True),
+    "mistral": lambda: hf.MistralConfig(**SMALL),
+    "qwen2": lambda: hf.Qwen2Config(**SMALL),  # biases on q, k and v only
     "qwen3": lambda: hf.Qwen3Config(**SMALL),
     "qwen3_next": lambda: hf.Qwen3NextConfig(  # linear, linear, linear, full; MoE off the sparse step
         **SMALL, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=16,
