@@ -83,7 +83,8 @@ class MemoryPlan:
     parts: tuple[tuple[str, int], ...]
     """(part, bytes) at the peak phase, in a fixed order; parts of 0 bytes are kept (the table shows them)."""
     phase: str
-    """Where the peak falls: "forward", "loss", "backward", "embedding backward" (FSDP) or "optimizer step"."""
+    """Where the peak falls: "forward", "loss", "backward", "block end" or "embedding backward" (FSDP) or
+    "optimizer step"."""
     host_bytes: int
     """Checkpointed activations kept in host memory instead (`activation_checkpoint.offload`, CUDA)."""
     tokens: int
@@ -166,13 +167,16 @@ def _units(*, fsdp: bool, pp: bool, bf16: bool, embedding: int, head: int, block
 
     Gathered in the compute dtype (bf16 under mixed precision). A unit's gradient is made in that dtype, cast to
     float32 for the reduction (under bf16), copied into the reduce-scatter's input buffer, and the shard comes out:
-    4 + 4 (+ 2 under bf16) bytes per parameter of the unit in flight. The embedding runs alone in forward and is
+    4 + 4 (+ 2 under bf16) bytes per parameter of the unit in flight, at the block's end ("block end"). While a
+    block's backward works, the previous block's reduce-scatter input (float32) is still held and the block's own
+    gradients grow: 4 + c bytes per parameter beside its work ("backward"; torch's tracker at full size: the
+    mid-block peak of a 1.65 B-parameter MoE block holds 4). The embedding runs alone in forward and is
     gathered again at the backward's end; blocks two at a time (running, prefetched); the norm and the output stay
     gathered from their forward to their backward. With PP no unit is resharded: all stay gathered.
     """
     if not fsdp:
         return _Units(dict.fromkeys(("forward", "loss", "backward", "embedding"), 0),
-                      dict.fromkeys(("loss", "backward", "embedding"), 0))
+                      dict.fromkeys(("loss", "backward", "block end", "embedding"), 0))
     c = 2 if bf16 else 4
     reduce = 4 + 4 + (c if bf16 else 0)
     two = min(blocks, 2) * block
@@ -182,7 +186,8 @@ def _units(*, fsdp: bool, pp: bool, bf16: bool, embedding: int, head: int, block
     else:
         gathered = {"forward": c * max(embedding, two), "loss": c * head, "backward": c * two,
                     "embedding": c * embedding}
-    return _Units(gathered, {"loss": reduce * head, "backward": reduce * block, "embedding": reduce * embedding})
+    return _Units(gathered, {"loss": reduce * head, "backward": (4 + c) * block, "block end": reduce * block,
+                             "embedding": reduce * embedding})
 
 
 def _stage(c: JobConfig, dims: ParallelDims, prof: MemoryProfile, stage: int, T: int, attention: int,
@@ -244,7 +249,7 @@ def _stage(c: JobConfig, dims: ParallelDims, prof: MemoryProfile, stage: int, T:
     heap_held = {"forward": activations + recompute + int(prof.block_forward * T) + attention,
                  "loss": activations + loss_heap,
                  "backward": activations + backward_work + backward_attention,
-                 "optimizer step": 0, "embedding backward": 0}
+                 "optimizer step": 0, "embedding backward": 0, "block end": activations}
     # It grows to the most any phase holds there, plus the holes that one block's backward in flight (and a tiled
     # feed-forward's tile) leave between differently sized tensors, and keeps that resident through the step, the
     # optimizer's included (it trims only its top). Measured with `mallinfo2` on the 128k-vocabulary fused-loss
@@ -282,6 +287,9 @@ def _stage(c: JobConfig, dims: ParallelDims, prof: MemoryProfile, stage: int, T:
                           backward_work, backward_attention, 0, 0, units.reducing["backward"]),
         "optimizer step": phase("optimizer step", state, 0, 0, 0, 0, 0, 0, step_temps),
     }
+    if units.reducing["block end"]:  # a block's end: its gradients made, cast and copied for the reduce-scatter
+        phases["block end"] = phase("block end", during, units.gathered["backward"], cast, activations, 0, 0, 0, 0,
+                                    units.reducing["block end"])
     if units.reducing["embedding"]:  # the backward's end: the embedding gathered and its gradient reduced
         phases["embedding backward"] = phase("embedding backward", state, units.gathered["embedding"], cast, 0, 0, 0, 0,
                                              0, units.reducing["embedding"])
