@@ -9,10 +9,11 @@ L: blocks on this rank's pipeline stage, S: FSDP's shard degree dp_shard x cp wh
 * forward and backward also hold FSDP's gathered units, in the compute dtype (bf16 under FSDP2's mixed
   precision): the embedding while it runs, two blocks (the one running and the one prefetched), the final norm
   with the output layer from the loss into the backward; and each unit's gradient while it is reduced (made in
-  the compute dtype, cast to float32, copied into the reduce-scatter's input). The backward ends with the
-  embedding gathered and its gradient reduced, every other gradient shard already made ("embedding backward":
-  the peak where parameters dominate). Without FSDP, bfloat16 is autocast, which keeps a bf16 copy of every
-  linear weight until backward ends.
+  the compute dtype, cast to float32, copied into the reduce-scatter's input: a block's "block end", beside no
+  work; while a block works, the previous block's reduce-scatter input and its own growing gradients). The
+  backward ends with the embedding gathered and its gradient reduced, every other gradient shard already made
+  ("embedding backward": the peak where parameters dominate). Without FSDP, bfloat16 is autocast, which keeps a
+  bf16 copy of every linear weight until backward ends.
 * "loss": the activations every block keeps (all it saves, or its input alone with activation
   checkpointing; offloaded to host memory with `activation_checkpoint.offload` on CUDA), the
   final norm's, and the loss at its peak, forward or backward: unfused, the float32 log-softmax,
