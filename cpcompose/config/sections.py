@@ -51,6 +51,11 @@ class Job:
     """Seed for parameter init and data; identical on every rank so replicas start equal."""
     dry_run: bool = False
     """Validate the config and print the parallel plan, then exit without training."""
+    rehearse: bool = False
+    """With job.dry_run: also run one training step of the config at its full size on fake tensors (torch's
+    FakeTensorMode, its fake process group with this process as rank 0, its FSDPMemTracker) and print the
+    tracker's peak and parts beside the memory plan's tensors. No GPU, no weights (a Hugging Face model needs only
+    its config.json); minutes of CPU at full size. Pipelining (parallelism.pp > 1) is not rehearsed."""
 
 
 HF_MODEL = "hf"

@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from cpcompose.distributed import ParallelDims
 from cpcompose.parallel.style import ContextParallel
 
-__all__ = ["BuildFn", "MemoryFn", "MemoryProfile", "ModelSpec", "ParallelizeFn", "SplitForPipelineFn"]
+__all__ = ["BuildFn", "MemoryFn", "MemoryProfile", "ModelSpec", "ParallelizeFn", "SplitForPipelineFn", "loss_bytes"]
 
 
 class BuildFn(Protocol):
@@ -101,6 +101,30 @@ class MemoryProfile:
     flight), per token: CP's received K/V and dK/dV buffers exist beside this, not beside the feed-forward's."""
     attention: tuple[int, int, int]
     """(heads, kv_heads, head_dim) of one attention call on this tensor-parallel rank, for the CP cost model."""
+    layers: int
+    """The model's blocks (all stages)."""
+    body_params: int
+    """All blocks' parameters together (a hybrid's blocks differ: the `block_*` figures are its largest block's)."""
+    body_saved: float
+    """Everything all blocks save for backward together, per token (no checkpointing)."""
+    vocab: int
+    """Logits per token (the output layer's rows)."""
+    attention_saved: float | None = None
+    """What the largest block with attention saves per token, where that is not the largest block (a hybrid's
+    linear-attention layers can save more): its recompute goes with CP's K/V buffers. None: `block_saved`."""
+
+
+def loss_bytes(vocab: int, dim: int, c: int) -> dict[str, float]:
+    """The trainer's loss per token, whatever the model (`MemoryProfile`'s `loss`, `fused_loss_chunk` and
+    `fused_loss_token`; c: bytes of the compute dtype).
+
+    Unfused, at its peak in backward: the float32 log-softmax it saved, its gradient and the logits' gradient
+    (12 V). Fused (`cpcompose.parallel.chunked_loss`): per chunk token, the float32 logits in which it makes the
+    log-sum-exp and the softmax gradient in place, and under bf16 the chunk's bf16 matmul output or gradient
+    beside them (4 V or 6 V); per token of the shard, the saved float32 log-sum-exp and the hidden gradient.
+    """
+    return {"loss": 12 * vocab, "fused_loss_chunk": 4 * vocab + (2 * vocab if c == 2 else 0),
+            "fused_loss_token": 4 + c * dim}
 
 
 class MemoryFn(Protocol):

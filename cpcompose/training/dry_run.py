@@ -38,7 +38,12 @@ def describe_plan(config: JobConfig, world: int, lengths_png: Path | None = None
         f"{t.steps} steps, precision {t.mixed_precision}, activation checkpointing "
         f"{config.activation_checkpoint.mode}",
     ]
-    return "\n".join(lines + data_lines(config, lengths_png) + describe_memory(config, world))
+    lines += data_lines(config, lengths_png) + describe_memory(config, world)
+    if config.job.rehearse:  # minutes at full size: one step on fake tensors, torch's tracker beside the plan
+        from cpcompose.training.rehearsal import describe_rehearsal, rehearse
+
+        lines += describe_rehearsal(rehearse(config, world), world)
+    return "\n".join(lines)
 
 
 def _blocks(cp: int, alltoall_size: int | None) -> str:

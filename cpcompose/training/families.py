@@ -73,12 +73,15 @@ def memory_profile(config: JobConfig, *, tp: int, precision: str, mlp_tiles: int
     """What the configured model holds per token and per parameter, for the memory plan.
 
     Raises:
-        ValueError: the family has no profile (a Hugging Face model: not yet), so the plan cannot predict it.
+        ValueError: the family has no profile (`hf_memory.profiled_families` for Hugging Face models), so the
+            plan cannot predict it.
     """
     m = config.model
     if m.name == HF_MODEL:
-        raise ValueError("model.name = 'hf': no memory profile for Hugging Face models yet (the plan counts what "
-                         "each module saves, known for cpcompose's own families only)")
+        from cpcompose.training.hf_memory import hf_memory_profile
+        from cpcompose.training.hf_model import read_hf_config
+
+        return hf_memory_profile(read_hf_config(config), tp=tp, precision=precision, mlp_tiles=mlp_tiles)
     spec = get_model_spec(m.name)
     if spec.memory is None:
         raise ValueError(f"model.name: the {m.name!r} family has no memory profile; the plan cannot predict it")
@@ -138,8 +141,13 @@ def _build_own(config: JobConfig, *, dims: ParallelDims, mesh: DeviceMesh, devic
 
 
 def build_unfilled_model(config: JobConfig, *, dims: ParallelDims, mesh: DeviceMesh, stage: int = 0) -> TrainedModel:
-    """The trainer's model (cpcompose's own families), parallelized, its weights never set: for a rehearsal under
-    FakeTensorMode (`cpcompose.training.rehearsal`), where values do not exist and no module may move devices."""
+    """The trainer's model, parallelized, its weights never set (a Hugging Face model from its config.json alone):
+    for a rehearsal under FakeTensorMode (`cpcompose.training.rehearsal`), where values do not exist."""
+    if config.model.name == HF_MODEL:
+        from cpcompose.training.hf_model import build_unfilled_hf_model
+
+        built = build_unfilled_hf_model(config, dims=dims, mesh=mesh)
+        return TrainedModel(module=built.module, cp_scope=built.cp_scope)
     spec = get_model_spec(config.model.name)
     model = spec.build(config.model, max_seq_len=config.max_seq_len())
     if dims.pp_enabled:

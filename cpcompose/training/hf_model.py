@@ -39,7 +39,8 @@ from cpcompose.training.export import check_export_folder, export_folder
 from cpcompose.training.units import human_count
 from cpcompose.training.mixed_precision import compute_dtype
 
-__all__ = ["HFModel", "build_hf_model", "check_hf_model", "describe_hf_model"]
+__all__ = ["HFModel", "build_hf_model", "build_unfilled_hf_model", "check_hf_model", "describe_hf_model",
+           "read_hf_config"]
 
 
 def _hf() -> Any:
@@ -65,7 +66,7 @@ class _Prepared:
     plan: Any  # cphf.WeightPlan (None when only config.json was read)
 
 
-def _hf_config(config: JobConfig) -> Any:
+def read_hf_config(config: JobConfig) -> Any:
     """model.path's transformers config with model.rope_theta / rope_scaling / max_position_embeddings applied."""
     _hf()  # without transformers, the one line that says so
     from transformers import AutoConfig
@@ -96,7 +97,7 @@ def _prepare(config: JobConfig, *, weights: bool = True) -> _Prepared:
     cphf, m, t = _hf(), config.model, config.training  # first: without transformers, the one line that says so
     from transformers import AutoModelForCausalLM
 
-    hf_config = _hf_config(config)
+    hf_config = read_hf_config(config)
     model_type = getattr(hf_config, "model_type", None)
     if model_type in cphf.attention.OWN_ATTENTION:
         raise ConfigError(f"model.path: {cphf.attention.OWN_ATTENTION[model_type]}")
@@ -280,21 +281,9 @@ def build_hf_model(config: JobConfig, *, dims: ParallelDims, mesh: DeviceMesh, d
         TrainingError: (exit code 2) `parallelism.cp_verify`'s probe found a module that differs under CP (every
             rank).
     """
-    cphf, p, t = _hf(), config.parallelism, config.training
+    cphf, p = _hf(), config.parallelism
     prepared = _prepare(config)
-    model = prepared.model
-    model.__class__ = _trainer_class(type(model))
-    model.train()
-    layers = prepared.layers
-    apply_tiled_mlp([_mlp(layer) for layer in layers], tiles=t.tiled_mlp)
-    if config.activation_checkpoint.mode == "full":
-        # CP lives in a region (a TorchFunctionMode), not in hooks: the recomputation must re-enter it.
-        apply_activation_checkpointing(layers, offload=config.activation_checkpoint.offload,
-                                       context_fn=recompute_context)
-    if dims.dp_cp_size > 1:
-        embedding, head = _outer_units(model)
-        apply_fsdp(model, _unshared(layers), mesh=mesh, parallel_dims=dims, embedding=embedding, head=head,
-                   param_dtype=compute_dtype(config), offload_params=t.offload_params)
+    model = _parallelize(prepared, config, dims=dims, mesh=mesh)
     model.to_empty(device=device)
     cphf.init_non_persistent_buffers(model)
     cphf.load_pretrained_weights(model, config.model.path, prepared.plan)
@@ -304,6 +293,44 @@ def build_hf_model(config: JobConfig, *, dims: ParallelDims, mesh: DeviceMesh, d
             cphf.verify(model, mesh["cp"], options=options.replace(meter=None))
         except ValueError as e:  # raised on every rank alike: a configuration-like error, printed once
             raise TrainingError(f"parallelism.cp_verify: {e}", exit_code=2) from None
+    return HFModel(module=model, prepared=prepared, cp_scope=_cp_scope(config, dims=dims, mesh=mesh, options=options))
+
+
+def build_unfilled_hf_model(config: JobConfig, *, dims: ParallelDims, mesh: DeviceMesh) -> HFModel:
+    """model.path's model from its config.json alone, parallelized as `build_hf_model` does, its weights never read:
+    for a rehearsal under FakeTensorMode (`cpcompose.training.rehearsal`), which makes its tensors without storage.
+
+    Raises:
+        ConfigError: what `check_hf_model` raises for the folder's config.json.
+    """
+    prepared = _prepare(config, weights=False)
+    model = _parallelize(prepared, config, dims=dims, mesh=mesh)
+    model.to_empty(device=torch.device("cpu"))  # buffers left unset: their values are read, fake ones have none
+    options = config.parallelism.cp_options(meter=None).replace(verify=False)
+    return HFModel(module=model, prepared=prepared, cp_scope=_cp_scope(config, dims=dims, mesh=mesh, options=options))
+
+
+def _parallelize(prepared: _Prepared, config: JobConfig, *, dims: ParallelDims, mesh: DeviceMesh) -> nn.Module:
+    """The trainer's forward, tiled MLPs, activation checkpointing and FSDP2 on the meta model, in place."""
+    t, model, layers = config.training, prepared.model, prepared.layers
+    model.__class__ = _trainer_class(type(model))
+    model.train()
+    apply_tiled_mlp([_mlp(layer) for layer in layers], tiles=t.tiled_mlp)
+    if config.activation_checkpoint.mode == "full":
+        # CP lives in a region (a TorchFunctionMode), not in hooks: the recomputation must re-enter it.
+        apply_activation_checkpointing(layers, offload=config.activation_checkpoint.offload,
+                                       context_fn=recompute_context)
+    if dims.dp_cp_size > 1:
+        embedding, head = _outer_units(model)
+        apply_fsdp(model, _unshared(layers), mesh=mesh, parallel_dims=dims, embedding=embedding, head=head,
+                   param_dtype=compute_dtype(config), offload_params=t.offload_params)
+    return model
+
+
+def _cp_scope(config: JobConfig, *, dims: ParallelDims, mesh: DeviceMesh,
+              options: Any) -> Callable[[PackedLayout | None], contextlib.AbstractContextManager]:
+    """The `context_parallel` region of a micro-batch's split (cp > 1, or a pack), else nothing."""
+    p = config.parallelism
     cp_mesh = mesh["cp"]
 
     def cp_scope(packed: PackedLayout | None) -> contextlib.AbstractContextManager:
@@ -311,4 +338,4 @@ def build_hf_model(config: JobConfig, *, dims: ParallelDims, mesh: DeviceMesh, d
             return contextlib.nullcontext()
         return context_parallel(cp_mesh, options=options.replace(layout=packed if packed is not None else p.cp_layout))
 
-    return HFModel(module=model, prepared=prepared, cp_scope=cp_scope)
+    return cp_scope

@@ -9,10 +9,11 @@ L: blocks on this rank's pipeline stage, S: FSDP's shard degree dp_shard x cp wh
 * forward and backward also hold FSDP's gathered units, in the compute dtype (bf16 under FSDP2's mixed
   precision): the embedding while it runs, two blocks (the one running and the one prefetched), the final norm
   with the output layer from the loss into the backward; and each unit's gradient while it is reduced (made in
-  the compute dtype, cast to float32, copied into the reduce-scatter's input). The backward ends with the
-  embedding gathered and its gradient reduced, every other gradient shard already made ("embedding backward":
-  the peak where parameters dominate). Without FSDP, bfloat16 is autocast, which keeps a bf16 copy of every
-  linear weight until backward ends.
+  the compute dtype, cast to float32, copied into the reduce-scatter's input: a block's "block end", beside no
+  work; while a block works, the previous block's reduce-scatter input and its own growing gradients). The
+  backward ends with the embedding gathered and its gradient reduced, every other gradient shard already made
+  ("embedding backward": the peak where parameters dominate). Without FSDP, bfloat16 is autocast, which keeps a
+  bf16 copy of every linear weight until backward ends.
 * "loss": the activations every block keeps (all it saves, or its input alone with activation
   checkpointing; offloaded to host memory with `activation_checkpoint.offload` on CUDA), the
   final norm's, and the loss at its peak, forward or backward: unfused, the float32 log-softmax,
@@ -84,7 +85,8 @@ class MemoryPlan:
     parts: tuple[tuple[str, int], ...]
     """(part, bytes) at the peak phase, in a fixed order; parts of 0 bytes are kept (the table shows them)."""
     phase: str
-    """Where the peak falls: "forward", "loss", "backward", "embedding backward" (FSDP) or "optimizer step"."""
+    """Where the peak falls: "forward", "loss", "backward", "block end" or "embedding backward" (FSDP) or
+    "optimizer step"."""
     host_bytes: int
     """What is kept in host memory instead (CUDA): checkpointed activations (`activation_checkpoint.offload`) and the
     parameter shards, their gradients and AdamW's moments (`training.offload_params`)."""
@@ -168,13 +170,16 @@ def _units(*, fsdp: bool, pp: bool, bf16: bool, embedding: int, head: int, block
 
     Gathered in the compute dtype (bf16 under mixed precision). A unit's gradient is made in that dtype, cast to
     float32 for the reduction (under bf16), copied into the reduce-scatter's input buffer, and the shard comes out:
-    4 + 4 (+ 2 under bf16) bytes per parameter of the unit in flight. The embedding runs alone in forward and is
+    4 + 4 (+ 2 under bf16) bytes per parameter of the unit in flight, at the block's end ("block end"). While a
+    block's backward works, the previous block's reduce-scatter input (float32) is still held and the block's own
+    gradients grow: 4 + c bytes per parameter beside its work ("backward"; torch's tracker at full size: the
+    mid-block peak of a 1.65 B-parameter MoE block holds 4). The embedding runs alone in forward and is
     gathered again at the backward's end; blocks two at a time (running, prefetched); the norm and the output stay
     gathered from their forward to their backward. With PP no unit is resharded: all stay gathered.
     """
     if not fsdp:
         return _Units(dict.fromkeys(("forward", "loss", "backward", "embedding"), 0),
-                      dict.fromkeys(("loss", "backward", "embedding"), 0))
+                      dict.fromkeys(("loss", "backward", "block end", "embedding"), 0))
     c = 2 if bf16 else 4
     reduce = 4 + 4 + (c if bf16 else 0)
     two = min(blocks, 2) * block
@@ -184,7 +189,8 @@ def _units(*, fsdp: bool, pp: bool, bf16: bool, embedding: int, head: int, block
     else:
         gathered = {"forward": c * max(embedding, two), "loss": c * head, "backward": c * two,
                     "embedding": c * embedding}
-    return _Units(gathered, {"loss": reduce * head, "backward": reduce * block, "embedding": reduce * embedding})
+    return _Units(gathered, {"loss": reduce * head, "backward": (4 + c) * block, "block end": reduce * block,
+                             "embedding": reduce * embedding})
 
 
 def _stage(c: JobConfig, dims: ParallelDims, prof: MemoryProfile, stage: int, T: int, attention: int,
@@ -192,7 +198,7 @@ def _stage(c: JobConfig, dims: ParallelDims, prof: MemoryProfile, stage: int, T:
     """The plan of one pipeline stage (the first holds the most microbatches, the last the loss)."""
     t, ac = c.training, c.activation_checkpoint
     last, first = stage == dims.pp - 1, stage == 0
-    L = c.model.n_layers // dims.pp
+    L = prof.layers // dims.pp
     micro = c.parallelism.pp_microbatches
     # Microbatches whose activations a stage holds at once: GPipe all of them, 1F1B at most pp - stage.
     in_flight = 1 if dims.pp == 1 else micro if c.parallelism.pp_schedule == "GPipe" else min(micro, dims.pp - stage)
@@ -201,7 +207,7 @@ def _stage(c: JobConfig, dims: ParallelDims, prof: MemoryProfile, stage: int, T:
     bf16 = t.mixed_precision == "bfloat16"
     embedding = (prof.root_params - prof.output_params) if first else 0  # with the final norm (a few numbers)
     head = prof.output_params if last else 0
-    params = embedding + head + L * prof.block_params
+    params = embedding + head + prof.body_params * L // prof.layers
     # FSDP2's CPUOffloadPolicy (`training.offload_params`, on CUDA): the float32 shards, their gradients, the moments
     # and the optimizer's step live in host memory; the device holds only the units gathered and reduced.
     offload_state = t.offload_params and fsdp and device_type == "cuda"
@@ -213,11 +219,11 @@ def _stage(c: JobConfig, dims: ParallelDims, prof: MemoryProfile, stage: int, T:
     cast = 2 * (L * prof.block_cast_params + head) if bf16 and not fsdp else 0
     checkpointing = ac.mode == "full"
     offload = checkpointing and ac.offload and device_type == "cuda"
-    keep = prof.block_input if checkpointing else prof.block_saved
+    keep = prof.block_input if checkpointing else prof.body_saved / prof.layers  # per block, on average
     kept_blocks = min(L, 2) if offload else L
     activations = int(keep * T * kept_blocks * in_flight)
     host = (int(keep * T * L * in_flight) if offload else 0) + (16 * params // shards if offload_state else 0)
-    vocab = prof.output_params // c.model.dim
+    vocab = prof.vocab
     # The pipeline's last stage computes the unfused loss on the logits its stage returns, and keeps them
     # (compute dtype) until that microbatch's backward; without pipelining the fused loss is the trainer's.
     fused = t.fused_loss and dims.pp == 1
@@ -233,9 +239,13 @@ def _stage(c: JobConfig, dims: ParallelDims, prof: MemoryProfile, stage: int, T:
     # A checkpointed block holds all it would save while it runs: in forward, and again in its recompute.
     recompute = int((prof.block_saved if checkpointing else 0) * T)
     # A block's backward peaks in its feed-forward or in its attention; CP's buffers exist only beside the latter.
-    attention_side = int(prof.attention_backward * T) + attention
-    attention_wins = attention_side >= int(prof.block_backward * T)
-    backward_work = int((prof.attention_backward if attention_wins else prof.block_backward) * T)
+    # A hybrid's largest block may have no attention: the attention block's own recompute goes with CP's buffers.
+    attention_saved = prof.block_saved if prof.attention_saved is None else prof.attention_saved
+    attention_recompute = int((attention_saved if checkpointing else 0) * T)
+    attention_side = attention_recompute + int(prof.attention_backward * T) + attention
+    attention_wins = attention_side >= recompute + int(prof.block_backward * T)
+    backward_work = (attention_recompute + int(prof.attention_backward * T) if attention_wins
+                     else recompute + int(prof.block_backward * T))
     backward_attention = attention if attention_wins else 0
     grads_always = t.grad_accum_steps > 1
     process = PROCESS_BYTES[device_type]
@@ -244,8 +254,8 @@ def _stage(c: JobConfig, dims: ParallelDims, prof: MemoryProfile, stage: int, T:
     loss_heap = int((prof.head_saved + (prof.fused_loss_token if fused else 0)) * T) if last else 0
     heap_held = {"forward": activations + recompute + int(prof.block_forward * T) + attention,
                  "loss": activations + loss_heap,
-                 "backward": activations + recompute + backward_work + backward_attention,
-                 "optimizer step": 0, "embedding backward": 0}
+                 "backward": activations + backward_work + backward_attention,
+                 "optimizer step": 0, "embedding backward": 0, "block end": activations}
     # It grows to the most any phase holds there, plus the holes that one block's backward in flight (and a tiled
     # feed-forward's tile) leave between differently sized tensors, and keeps that resident through the step, the
     # optimizer's included (it trims only its top). Measured with `mallinfo2` on the 128k-vocabulary fused-loss
@@ -280,9 +290,12 @@ def _stage(c: JobConfig, dims: ParallelDims, prof: MemoryProfile, stage: int, T:
         # The backward's start (the last block's): every activation kept, gradient shards yet to come; its end
         # (every shard made, no activation left) is "embedding backward". In between, one falls as the other grows.
         "backward": phase("backward", during, units.gathered["backward"], cast, activations,
-                          recompute + backward_work, backward_attention, 0, 0, units.reducing["backward"]),
+                          backward_work, backward_attention, 0, 0, units.reducing["backward"]),
         "optimizer step": phase("optimizer step", state, 0, 0, 0, 0, 0, 0, step_temps),
     }
+    if units.reducing["block end"]:  # a block's end: its gradients made, cast and copied for the reduce-scatter
+        phases["block end"] = phase("block end", during, units.gathered["backward"], cast, activations, 0, 0, 0, 0,
+                                    units.reducing["block end"])
     if units.reducing["embedding"]:  # the backward's end: the embedding gathered and its gradient reduced
         phases["embedding backward"] = phase("embedding backward", state, units.gathered["embedding"], cast, 0, 0, 0, 0,
                                              0, units.reducing["embedding"])

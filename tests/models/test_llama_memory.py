@@ -21,7 +21,7 @@ from cpcompose.models.llama import Llama, LlamaConfig, TransformerBlock, llama_m
 from tests.support.cpu_kernels import NEEDS_BF16_CPU_FLASH
 from tests.support.live_storages import LiveWide
 
-SHAPE = SimpleNamespace(vocab_size=1000, dim=64, n_heads=4, n_kv_heads=2, ffn_hidden_dim=96)
+SHAPE = SimpleNamespace(vocab_size=1000, dim=64, n_heads=4, n_kv_heads=2, ffn_hidden_dim=96, n_layers=2)
 T = 128
 
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from cpcompose.models.spec import MemoryProfile
+from cpcompose.models.spec import MemoryProfile, loss_bytes
 
 __all__ = ["PRECISIONS", "llama_memory"]
 
@@ -44,6 +44,7 @@ class _Shape(Protocol):
     n_heads: int
     n_kv_heads: int
     ffn_hidden_dim: int
+    n_layers: int
 
 
 def llama_memory(model: _Shape, *, tp: int, precision: str, mlp_tiles: int) -> MemoryProfile:
@@ -87,7 +88,7 @@ def llama_memory(model: _Shape, *, tp: int, precision: str, mlp_tiles: int) -> M
         block_forward=8 * D + (4 * tile if tiled else 0),
         # + 3 D-wide gradients in flight: float32 where the residual stream is (float32, autocast), else bf16
         block_backward=max(ffn_backward, attn_backward) + d_grads, attention_backward=attn_backward + d_grads, tile_work=ffn_backward if tiled else 0,
-        head_saved=head, loss=12 * V,
-        fused_loss_chunk=4 * V + (2 * V if c == 2 else 0), fused_loss_token=4 + c * D,
-        attention=(heads, kv_heads, head_dim),
+        head_saved=head, **loss_bytes(V, D, c),
+        attention=(heads, kv_heads, head_dim), layers=model.n_layers,
+        body_params=model.n_layers * (block_linear + 2 * D), body_saved=model.n_layers * saved, vocab=V,
     )

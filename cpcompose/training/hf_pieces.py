@@ -1,0 +1,177 @@
+"""The pieces of a Hugging Face decoder layer, each counting its parameters and what it saves per token.
+
+c is the compute dtype's bytes (2: bf16, 4: float32). "saved" is what autograd keeps for backward per token of
+the rank's shard (checkpointing keeps the layer's input instead and recomputes it); "backward" the most its
+backward holds at once beyond that (gradients in flight). See `hf_memory` for how they are counted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["Attention", "GatedDeltaNet", "Layer", "Moe", "SwiGlu", "norm_saved"]
+
+DELTA_CHUNK = 64
+"""transformers' chunk length of the chunked delta rule (`torch_chunk_gated_delta_rule`'s default)."""
+
+
+def norm_saved(width: int, c: int, *, rows: int = 1, float_scale: bool = False) -> int:
+    """An RMSNorm's saved bytes per token: its float32 input, its normalized value (c; float32 where the weight
+    is applied in float32, Qwen3-Next's `1 + weight`) and one float32 scale per row."""
+    return 4 * width + (4 if float_scale else c) * width + 4 * rows
+
+
+@dataclass(frozen=True)
+class SwiGlu:
+    """gate, up and down projections with SiLU (Llama's MLP, a shared expert)."""
+
+    dim: int
+    ffn: int
+
+    def params(self) -> int:
+        return 3 * self.dim * self.ffn
+
+    def saved(self, c: int, tiles: int = 1) -> int:  # the gate's output, the SiLU's, up's and the product
+        return 0 if tiles > 1 else 4 * c * self.ffn
+
+    def backward(self, c: int, tiles: int = 1) -> float:
+        return 7 * c * self.ffn / tiles if tiles > 1 else 2 * c * self.ffn
+
+    def tile_work(self, c: int, tiles: int) -> float:
+        return 7 * c * self.ffn / tiles if tiles > 1 else 0
+
+
+@dataclass(frozen=True)
+class Moe:
+    """A router over `experts` SwiGLU experts, `top_k` of them per token (transformers' grouped_mm), and a shared
+    expert with a sigmoid gate (Qwen3-Next, Qwen2-MoE)."""
+
+    dim: int
+    experts: int
+    top_k: int
+    ffn: int
+    shared: SwiGlu | None
+
+    def params(self) -> int:
+        shared = self.shared.params() + self.dim if self.shared else 0
+        return self.experts * (3 * self.dim * self.ffn + self.dim) + shared
+
+    def largest(self) -> int:
+        """The stacked gate/up projections of every expert: one tensor."""
+        return 2 * self.experts * self.dim * self.ffn
+
+    def saved(self, c: int, tiles: int = 1) -> int:
+        router = 4 * self.experts + 12 * self.top_k  # float32 probabilities, the top-k values and indices
+        # per routed copy: the gathered input, gate/up's output, the SiLU, the product, the weighted output,
+        # the sort's permutation and weight
+        routed = self.top_k * (2 * c * self.dim + 4 * c * self.ffn + 16)
+        shared = self.shared.saved(c) + 2 * c + c * self.dim if self.shared else 0
+        return router + routed + shared
+
+    def backward(self, c: int, tiles: int = 1) -> float:
+        shared = self.shared.backward(c) if self.shared else 0
+        return self.top_k * (2 * c * self.dim + 3 * c * self.ffn) + shared
+
+    def tile_work(self, c: int, tiles: int) -> float:
+        return self.backward(c) / tiles if tiles > 1 else 0
+
+
+@dataclass(frozen=True)
+class Attention:
+    """CP attention with q/k/v/o projections; Qwen3's per-head q/k RMSNorms (`qk_norm`), Qwen3-Next's output
+    gate (`gated`: q_proj twice as wide, a sigmoid gate on the output)."""
+
+    dim: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    qk_norm: bool
+    gated: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    float_scale: bool = False
+
+    def params(self) -> int:
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        bias = (q * (2 if self.gated else 1) + 2 * kv if self.qkv_bias else 0) + (self.dim if self.o_bias else 0)
+        return self.dim * q * (2 if self.gated else 1) + 2 * self.dim * kv + q * self.dim + bias + (
+            2 * self.head_dim if self.qk_norm else 0)
+
+    def saved(self, c: int) -> int:
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        norms = (norm_saved(q, c, rows=self.heads, float_scale=self.float_scale)
+                 + norm_saved(kv, c, rows=self.kv_heads, float_scale=self.float_scale)) if self.qk_norm else 0
+        gate = 2 * c * q if self.gated else 0  # the sigmoid's output and the gated product (o_proj's input)
+        # the projections' input, q, k, v and the output, the log-sum-exp per head, o_proj's input
+        return c * self.dim + norms + c * (2 * q + 2 * kv) + 4 * self.heads + c * q + gate
+
+    def backward(self, c: int) -> float:
+        return (4 + c) * (self.heads + 2 * self.kv_heads) * self.head_dim
+
+
+@dataclass(frozen=True)
+class GatedDeltaNet:
+    """Qwen3-Next's linear attention: projections, a causal convolution, transformers' chunked gated delta
+    rule (float32, under CP cpcompose's one-pass stretches) and a gated RMSNorm."""
+
+    dim: int
+    k_heads: int
+    v_heads: int
+    k_dim: int
+    v_dim: int
+    conv: int
+
+    def params(self) -> int:
+        k, v = self.k_heads * self.k_dim, self.v_heads * self.v_dim
+        return (self.dim * (2 * k + 2 * v) + self.dim * 2 * self.v_heads + self.conv * (2 * k + v)
+                + 2 * self.v_heads + self.v_dim + v * self.dim)
+
+    def _kernel(self, v_dim: int) -> int:
+        """The chunked delta rule per token of one value head: float32 q and k at each step (cast, normalized,
+        scaled, beta-weighted, decayed, the triangular solve's keys: 8 k-wide), the values (cast, solved, per
+        chunk: 3 v-wide), the chunk's pairwise decays and products (5 chunk-wide), the state kept per chunk."""
+        k = self.k_dim
+        return 4 * (8 * k + 3 * v_dim + 5 * DELTA_CHUNK + k * v_dim // DELTA_CHUNK + 8)
+
+    def saved(self, c: int) -> int:
+        k, v = self.k_heads * self.k_dim, self.v_heads * self.v_dim
+        conv = 3 * c * (2 * k + v)  # the convolution's input, its output and the SiLU's
+        gates = 4 * 4 * self.v_heads  # beta, the softplus, the decay (float32)
+        # under CP most stretches run with the values widened by dk zero columns: half of them, on average
+        kernel = self.v_heads * (self._kernel(self.v_dim) + self._kernel(self.v_dim + self.k_dim)) // 2
+        norm = norm_saved(v, c, rows=self.v_heads) + 8 * v + c * v  # the float32 gate and its SiLU, the product
+        return c * self.dim + c * (2 * k + 2 * v) + conv + gates + kernel + c * v + norm + c * v
+
+    def backward(self, c: int) -> float:
+        # autograd frees the chunks' saved tensors as it walks back through them: what is in flight is the float32
+        # gradients of the kernel's inputs (q and k per value head, v, beta and the decay)
+        return 4 * self.v_heads * (2 * self.k_dim + self.v_dim + 2)
+
+
+@dataclass(frozen=True)
+class Layer:
+    """A decoder layer: two RMSNorms, a token mixer and a feed-forward."""
+
+    mixer: Attention | GatedDeltaNet
+    ffn: SwiGlu | Moe
+    float_scale: bool = False
+
+    def params(self) -> int:
+        return 2 * self.mixer.dim + self.mixer.params() + self.ffn.params()
+
+    def largest_param(self) -> int:
+        return self.ffn.largest() if isinstance(self.ffn, Moe) else self.mixer.dim * self.ffn.ffn
+
+    def saved(self, c: int, tiles: int) -> int:
+        D = self.mixer.dim
+        norms = 2 * norm_saved(D, c, float_scale=self.float_scale)
+        return norms + self.mixer.saved(c) + c * D + self.ffn.saved(c, tiles)  # c D: the feed-forward's input
+
+    def forward(self, c: int) -> float:
+        return 8 * self.mixer.dim
+
+    def backward(self, c: int, tiles: int) -> float:
+        return max(self.mixer.backward(c), self.ffn.backward(c, tiles)) + 3 * c * self.mixer.dim
+
+    def tile_work(self, c: int, tiles: int) -> float:
+        return self.ffn.tile_work(c, tiles)
