@@ -18,8 +18,7 @@ and its final state is affine in its initial one: `final = T(init) + final_0`. S
    one product per token, no second pass), else by a rerun from its true state (a stretch
    no later run continues skips its zero-state pass then: it runs once, from the true state).
 
-With `defer` (the delta rule's, whose correction costs more than a plain pass; and Mamba2's
-SSD, where it halves the middle rank's correction under zigzag and balances the ranks),
+With `defer` (a kernel whose correction costs more than a plain pass: the delta rule's),
 the summaries travel in two gathers: first those of every rank's first stretch, then the
 rest; a stretch whose true initial state the first settles waits for it and runs once,
 plainly, from that state (`stretch_plan.phased_stretches`). Every rank makes both gathers,
@@ -113,8 +112,7 @@ def cp_chunked_recurrence(
         defer: run the stretches that one gather of the ranks' first stretches settles
             plainly from their true initial state, after it, and gather the rest's summaries
             in a second gather (`stretch_plan.phased_stretches`): for a kernel whose
-            correction costs more than a plain pass, or whose correction work it balances
-            between the ranks. `kernel` is then given those
+            correction costs more than a plain pass. `kernel` is then given those
             stretches' true initial states, and returns their true final states.
 
     Raises:
