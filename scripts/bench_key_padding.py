@@ -17,10 +17,13 @@ kernels' score products by 8/D. Bytes: what one rank sends per forward+backward
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import platform
 import statistics
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -67,13 +70,24 @@ def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
     if rank == 0:
         print(f"P={args.world} B={args.batch} H={H} Hkv={KV} D={D} float32 bidirectional, median of {args.repeats}")
         print(f"{'strategy':<10} {'L':>6} {'plain s':>9} {'masked s':>9} {'ratio':>6} {'plain MB':>9} {'masked MB':>9}")
+    rows = []
     for seq in args.seq_lens:
         for strategy in args.strategies:
             plain, plain_bytes = _time(mesh, args, strategy, seq, False)
             masked, masked_bytes = _time(mesh, args, strategy, seq, True)
+            rows.append({"strategy": strategy, "seq_len": seq, "plain_s": plain, "masked_s": masked,
+                         "ratio": masked / plain, "plain_bytes": plain_bytes, "masked_bytes": masked_bytes})
             if rank == 0:
                 print(f"{strategy:<10} {seq:>6} {plain:>9.4f} {masked:>9.4f} {masked / plain:>6.3f} "
                       f"{plain_bytes / 2**20:>9.2f} {masked_bytes / 2**20:>9.2f}", flush=True)
+    if rank == 0 and args.out:
+        shape = {"world": args.world, "batch": args.batch, "heads": H, "kv_heads": KV, "head_dim": D,
+                 "dtype": "float32", "repeats": args.repeats}
+        machine = {"cores": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
+                   "processor": platform.processor() or platform.machine()}
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({"machine": machine, "shape": shape, "rows": rows}, indent=1) + "\n")
+        print(f"wrote {args.out}")
     dist.destroy_process_group()
 
 
@@ -87,6 +101,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--timeout", type=float, default=300.0, help="collective timeout, seconds")
     p.add_argument("--port", type=int, default=29531)
+    p.add_argument("--out", default=None, help="write the rows as JSON here")
     args = p.parse_args()
     mp.spawn(_worker, args=(args, args.port), nprocs=args.world, join=True)
 
