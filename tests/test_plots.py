@@ -8,24 +8,19 @@ are not compared (matplotlib's output differs between versions).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
-import sys
 from pathlib import Path
 from types import ModuleType
+
+from tests.support.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 RERUN = "run `python scripts/plot_bench.py` and commit docs/bench/plots/"
 
 
 def _script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("plot_bench", ROOT / "scripts" / "plot_bench.py")
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclass looks its module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_script("plot_bench")
 
 
 def _recorded() -> dict[str, dict]:

@@ -7,7 +7,6 @@ with `{% generation %}` markers), loaded from that script so the tests use what 
 from __future__ import annotations
 
 import functools
-import importlib.util
 import json
 import tempfile
 from pathlib import Path
@@ -16,17 +15,14 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support.scripts import load_script
+
 
 
 @functools.cache
 def tiny_model_script() -> ModuleType:
     """`scripts/make_tiny_hf_model.py` as a module."""
-    spec = importlib.util.spec_from_file_location("make_tiny_hf_model", ROOT / "scripts" / "make_tiny_hf_model.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("make_tiny_hf_model")
 
 
 @functools.cache

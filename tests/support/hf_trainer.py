@@ -8,7 +8,6 @@ from rank 0, the trained weights gathered whole (for the export round trip).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -17,19 +16,15 @@ import torch
 from cpcompose.config import load_config
 from cpcompose.training.errors import TrainingError
 from cpcompose.training.trainer import Trainer
+from tests.support.scripts import load_script
 
-ROOT = Path(__file__).resolve().parents[2]
 
 WORDS = ("context", "parallel", "ring", "zig", "zag", "token", "rank", "shard", "mask", "pack", "the", "fox")
 
 
 def tiny_model_script():
-    """`scripts/make_tiny_hf_model.py` as a module (scripts/ is not a package)."""
-    spec = importlib.util.spec_from_file_location("make_tiny_hf_model", ROOT / "scripts" / "make_tiny_hf_model.py")
-    module = importlib.util.module_from_spec(spec)
-    assert spec.loader is not None
-    spec.loader.exec_module(module)
-    return module
+    """`scripts/make_tiny_hf_model.py` as a module."""
+    return load_script("make_tiny_hf_model")
 
 
 def make_model(folder: Path, family: str) -> Path:

@@ -3,23 +3,18 @@ one rehearsal at the fixed length always happen; the bisection of real runs stop
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 from cpcompose.config import load_config
 from cpcompose.training.longest_sequence import with_length
 from cpcompose.training.memory_plan import PROCESS_BYTES, plan_memory
+from tests.support.scripts import load_script
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gpu_longest.py"
 
 
 def _script():  # noqa: ANN202
-    spec = importlib.util.spec_from_file_location("gpu_longest_script", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("gpu_longest")
 
 
 def test_the_toy_mode_measures_plans_and_rehearses_the_fixed_length(tmp_path: Path, capsys) -> None:  # noqa: ANN001

@@ -7,7 +7,6 @@ plan-only mode must write a cell that says how it was obtained.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -16,8 +15,8 @@ import pytest
 from cpcompose.config import load_config
 from cpcompose.training.longest_sequence import grid_unit, longest, plan_fits, with_length
 from cpcompose.training.memory_plan import plan_memory
+from tests.support.scripts import load_script
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "longest_sequence.py"
 TOY = ["--model.vocab_size=4096", "--model.dim=256", "--model.n_layers=2", "--model.n_heads=4",
        "--model.n_kv_heads=2", "--model.ffn_hidden_dim=768", "--parallelism.cp=2", "--training.batch_size=1",
        "--training.mixed_precision=bfloat16", "--training.seq_len=2048"]
@@ -55,11 +54,7 @@ def test_the_plans_answer_fits_and_one_unit_more_does_not() -> None:
 
 
 def _script():  # noqa: ANN202
-    spec = importlib.util.spec_from_file_location("longest_sequence_script", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("longest_sequence")
 
 
 def test_the_scripts_plan_mode_writes_each_cell_and_how_it_was_obtained(tmp_path: Path, capsys) -> None:  # noqa: ANN001

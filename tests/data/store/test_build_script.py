@@ -3,23 +3,18 @@ input with the trainer's one-line message."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 
 from cpcompose.data.store import TokenStore
+from tests.support.scripts import load_script
 from tests.support.token_stores import write_documents
 
-SCRIPT = Path(__file__).resolve().parents[3] / "scripts" / "build_token_store.py"
 
 
 def run_script(argv: list[str]) -> int:
-    spec = importlib.util.spec_from_file_location("build_token_store", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main(argv)
+    return load_script("build_token_store").main(argv)
 
 
 def test_the_script_builds_the_stores_and_a_bad_path_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
