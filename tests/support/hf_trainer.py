@@ -18,6 +18,7 @@ from cpcompose.training.errors import TrainingError
 from cpcompose.training.trainer import Trainer
 from tests.support.scripts import load_script
 
+ROOT = Path(__file__).resolve().parents[2]
 
 WORDS = ("context", "parallel", "ring", "zig", "zag", "token", "rank", "shard", "mask", "pack", "the", "fox")
 
