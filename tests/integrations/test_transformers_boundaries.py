@@ -125,17 +125,22 @@ def encoder_reference():
     return {"loss": loss.detach(), "logits": logits.detach(), "grads": grads}, state
 
 
-def cp_encoder(mesh, state, strategy):
-    model = _encoder("cpcompose", state)
-    ids, mask, labels, positions = _encoder_batch()
-    with context_parallel(mesh, buffers=[ids, mask, labels, positions], buffer_seq_dims=[1] * 4, strategy=strategy):
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+def _cp_padded_step(mesh, model, ids, mask, labels, positions, **forward):
+    """One CP forward+backward of a padded batch (every input a region buffer): the summed loss, the gathered
+    logits and the reduced gradients."""
+    with context_parallel(mesh, buffers=[ids, mask, labels, positions], buffer_seq_dims=[1] * 4,
+                          **forward.pop("region", {})):
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, **forward).logits
         loss = cp_cross_entropy(logits, labels, mesh=mesh)
         loss.backward()
         full = cp_unshard(logits.detach(), mesh, seq_dim=1)
     allreduce_gradients(model, mesh)
     dist.all_reduce(total := loss.detach().clone(), group=mesh.get_group())
     return {"loss": total, "logits": full, "grads": {n: p.grad.clone() for n, p in model.named_parameters()}}
+
+
+def cp_encoder(mesh, state, strategy):
+    return _cp_padded_step(mesh, _encoder("cpcompose", state), *_encoder_batch(), region={"strategy": strategy})
 
 
 @pytest.mark.parametrize("world,strategy", [(2, "ring"), (2, "alltoall")])
@@ -166,17 +171,9 @@ def causal_reference(left: bool):
 
 
 def cp_causal(mesh, state, left: bool):
-    model = _build(state)
     ids, mask, labels = _batch(left=left, inner=not left)
     positions = torch.arange(SEQ)[None].expand(len(ROWS), -1).clone()
-    with context_parallel(mesh, buffers=[ids, mask, labels, positions], buffer_seq_dims=[1] * 4):
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
-        loss = cp_cross_entropy(logits, labels, mesh=mesh)
-        loss.backward()
-        full = cp_unshard(logits.detach(), mesh, seq_dim=1)
-    allreduce_gradients(model, mesh)
-    dist.all_reduce(total := loss.detach().clone(), group=mesh.get_group())
-    return {"loss": total, "logits": full, "grads": {n: p.grad.clone() for n, p in model.named_parameters()}}
+    return _cp_padded_step(mesh, _build(state), ids, mask, labels, positions, use_cache=False)
 
 
 @pytest.mark.parametrize("left", [True, False], ids=["left", "inner"])
