@@ -11,17 +11,20 @@ behind them; a document start gets zeros, as if the convolution restarted there.
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 from torch.distributed.device_mesh import DeviceMesh
 
 from cpcompose.comm import CommMeter, CPGroup
-from cpcompose.layouts import Layout, LayoutSpec
+from cpcompose.layouts import Layout, LayoutSpec, Run
 from cpcompose.mixers._checks import agree, float_tensors_error, layout_fields, local_layout, shape_of
-from cpcompose.mixers.halo import post_fetch
+from cpcompose.mixers.halo import PostedFetch, assemble_rows, post_fetch, send_gradients_home
 
 __all__ = ["ACTIVATIONS", "cp_causal_conv1d", "halo_positions"]
 
@@ -101,49 +104,132 @@ def _causal_conv(
     x: Tensor, weight: Tensor, bias: Tensor | None, cp: CPGroup, layout: Layout, activation: str | None,
     meter: CommMeter | None,
 ) -> Tensor:
-    """The conv on checked inputs. The halo exchange is posted first; the outputs that read only their own
-    run's rows (all but each run's first `halo`) are computed while it travels, then each run's first ones
-    from [zeros before its document, the fetched halo, its first rows].
-
-    Everything runs channels-first, `(batch, channels, seq)`, the conv's own layout (and the one Mamba's
-    and GDN's callers hold: `x` is then a transposed view): rows are taken by slices or by indexing a few
-    positions, never by selecting along a strided dim, which would copy the whole shard through a transpose
-    (measured: about as long as the conv itself, several times per call).
-    """
-    batch, seq_local, channels = x.shape
+    """The conv on checked inputs: the halo exchange posted, then `_HaloConv`, then the activation."""
+    seq_local = x.shape[1]
     halo, seq_len = weight.shape[1] - 1, seq_local * cp.world
-    runs = layout.runs(cp.rank, seq_len)
     wanted = halo_positions(layout, seq_len, halo)
     posted = post_fetch(x, [sum(w, []) for w in wanted], cp=cp, layout=layout, seq_len=seq_len, meter=meter)
-    kernel, xc = weight.unsqueeze(1), x.transpose(1, 2)
-    counts = [min(halo, run.length) for run in runs]  # each run's first rows, which read its halo
-    # Output row r reads rows r-halo..r: inside its run for all but the run's first `halo` rows, and the
-    # runs are the local rows in order, so one conv over the shard (no padding) gives them: row r at r - halo.
-    inner = F.conv1d(xc, kernel, bias, groups=channels) if seq_local > halo else None
-    edges = None
-    if halo:  # (at width 1 nothing moves and every row is inner)
-        # One small table [zero column, each run's first rows, the fetched rows]; each run's segment is `halo`
-        # columns of history (zeros before its document's start), then its first rows.
-        firsts = [r for run, count in zip(runs, counts) for r in range(run.row, run.row + count)]
-        table = torch.cat([xc.new_zeros(batch, channels, 1), xc[..., torch.tensor(firsts, device=x.device)],
-                           posted.rows().transpose(1, 2)], dim=2)
-        index: list[int] = []
-        fetched = 1 + len(firsts)
-        first = 1
-        for count, before in zip(counts, wanted[cp.rank]):
-            index += [0] * (halo - len(before)) + list(range(fetched, fetched + len(before)))
-            index += range(first, first + count)
-            fetched, first = fetched + len(before), first + count
-        # Output j of a padding-free conv reads columns j..j+halo: a segment's outputs start where it does.
-        edges = F.conv1d(table[..., torch.tensor(index, device=x.device)], kernel, bias, groups=channels)
-    pieces, segment = [], 0
-    for run, count in zip(runs, counts):
-        if count:
-            assert edges is not None
-            pieces.append(edges[..., segment:segment + count])
-        segment += halo + count
-        if run.length > count:
-            assert inner is not None
-            pieces.append(inner[..., run.row + count - halo:run.row + run.length - halo])
-    out = torch.cat(pieces, dim=2) if pieces else xc.new_zeros(batch, channels, 0)
+    edges = _edges(layout.runs(cp.rank, seq_len), wanted[cp.rank], halo, x.device)
+    out = _HaloConv.apply(x, weight.unsqueeze(1), bias, posted, edges)
     return (F.silu(out) if activation == "silu" else out).transpose(1, 2)
+
+
+@dataclass(frozen=True)
+class _Edges:
+    """The output rows one conv over the shard gets wrong, and the small table that gets them right.
+
+    One conv over the whole shard (zero padding before row 0) is right for every row whose
+    `halo` rows before it in its document are the shard's rows before it. The first rows of a
+    run are not, unless the run continues the local run before it in rows and document: their
+    history is elsewhere (another rank, another local run) or zero (a document start). For
+    those runs the table holds, per run, a segment of `2 * halo` columns: its true history
+    (`halo` columns: zeros before its document's start, then fetched rows), then its first
+    `count` rows (then zeros): a conv over the table without padding gives the segment's `count`
+    right outputs at its start.
+    """
+
+    out_rows: Tensor  # the shard's rows to replace (channels-first columns), in table-output order
+    picks: Tensor  # their columns in the conv-over-the-table output
+    history: Tensor  # per segment column: 0 for zero, 1 + slot of a fetched row, -1 for a local first row
+    firsts: Tensor  # for the columns with history -1, in order: the local row they read
+    segments: int
+
+
+def _edges(runs: Sequence[Run], before: Sequence[Sequence[int]], halo: int, device: torch.device) -> _Edges:
+    """Which rows `_HaloConv` replaces on this rank (`before[i]`: the global positions before run i in its
+    document, at most `halo`, as `halo_positions` gives them; they are fetched in that order)."""
+    position = {}  # local row -> global position, for the rows just before each run
+    for run in runs:
+        for k in range(max(0, run.length - halo), run.length):
+            position[run.row + k] = run.pos + k
+    out_rows: list[int] = []
+    picks: list[int] = []
+    history: list[int] = []
+    firsts: list[int] = []
+    slot, segments = 0, 0
+    for run, positions in zip(runs, before):
+        count = min(halo, run.length)
+        slots = list(range(slot, slot + len(positions)))
+        slot += len(positions)
+        shard_history = [position.get(row) for row in range(run.row - halo, run.row)]
+        true_history = [None] * (halo - len(positions)) + list(positions)
+        if not halo or shard_history == true_history:  # the conv over the shard reads the right rows
+            continue
+        out_rows += range(run.row, run.row + count)
+        picks += range(segments * 2 * halo, segments * 2 * halo + count)
+        history += [0] * (halo - len(positions)) + [1 + k for k in slots]
+        history += [-1] * count + [0] * (halo - count)
+        firsts += range(run.row, run.row + count)
+        segments += 1
+
+    def index(values: list[int]) -> Tensor:
+        return torch.tensor(values, dtype=torch.long, device=device)
+
+    return _Edges(index(out_rows), index(picks), index(history), index(firsts), segments)
+
+
+class _HaloConv(torch.autograd.Function):
+    """The causal depthwise conv of a shard, `(batch, seq_local, channels)` in, `(batch, channels, seq_local)` out.
+
+    One conv over the whole shard, channels-first (the conv's own layout, and the one Mamba's
+    and GDN's callers hold: `x` is then a transposed view), computed while the halo travels;
+    then the few rows `_Edges` names are replaced by a conv over their table. The backward
+    writes `x`'s whole gradient once: the shard conv's, with the replaced rows' share added in
+    place (this rank's first rows) and the fetched rows' gradients sent home
+    (`send_gradients_home`). Composed from autograd ops instead, every piece that reads a few
+    rows of `x` (the table's indexing, the fetch) costs a zero gradient the size of the shard
+    and its addition, and concatenating the pieces one more copy: measured on Mamba2 at P = 2,
+    that made the CP conv cost almost twice the same conv on one process's share.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, kernel: Tensor, bias: Tensor | None, posted: PostedFetch,
+                edges: _Edges) -> Tensor:
+        halo = kernel.shape[-1] - 1
+        xc = x.transpose(1, 2)
+        out = F.conv1d(xc, kernel, bias, padding=halo, groups=kernel.shape[0])[..., :x.shape[1]]
+        table = _table(x, assemble_rows(x, posted.plan, posted.received()), edges)
+        if edges.segments:
+            fixed = F.conv1d(table, kernel, bias, groups=kernel.shape[0])
+            out.index_copy_(2, edges.out_rows, fixed.index_select(2, edges.picks))
+        ctx.save_for_backward(x, kernel, table)
+        ctx.posted, ctx.edges, ctx.has_bias = posted, edges, bias is not None
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        x, kernel, table = ctx.saved_tensors
+        edges, plan, posted = ctx.edges, ctx.posted.plan, ctx.posted
+        halo, channels, seq_local = kernel.shape[-1] - 1, kernel.shape[0], x.shape[1]
+        bias_sizes = [channels] if ctx.has_bias else None
+        mask = [True, ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2]]
+        whole = F.pad(grad, (0, halo))  # the conv's outputs past the shard read nothing back
+        whole.index_fill_(2, edges.out_rows, 0)  # replaced: their gradient goes to the table
+        grad_xc, grad_kernel, grad_bias = torch.ops.aten.convolution_backward(
+            whole, x.transpose(1, 2), kernel, bias_sizes, [1], [halo], [1], False, [0], channels, mask)
+        grad_x = grad_xc.transpose(1, 2)
+        fetched = x.new_zeros((x.shape[0], plan.count, channels))
+        if edges.segments:
+            picked = grad.new_zeros((*grad.shape[:2], table.shape[2] - halo))
+            picked.index_copy_(2, edges.picks, grad.index_select(2, edges.out_rows))
+            grad_table, grad_k, grad_b = torch.ops.aten.convolution_backward(
+                picked, table, kernel, bias_sizes, [1], [0], [1], False, [0], channels, mask)
+            grad_table = grad_table.transpose(1, 2)  # (batch, columns, channels)
+            own = edges.history < 0
+            grad_x.index_add_(1, edges.firsts, grad_table[:, own])
+            is_fetched = edges.history > 0
+            fetched.index_add_(1, edges.history[is_fetched] - 1, grad_table[:, is_fetched])
+            grad_kernel = grad_kernel + grad_k if mask[1] else None
+            grad_bias = grad_bias + grad_b if mask[2] else None
+        send_gradients_home(fetched, plan, grad_x, posted.cp, posted.meter)
+        return grad_x, grad_kernel, grad_bias, None, None
+
+
+def _table(x: Tensor, fetched: Tensor, edges: _Edges) -> Tensor:
+    """`_Edges`'s table, channels-first `(batch, channels, segments * 2 * halo)`."""
+    pool = torch.cat([x.new_zeros((x.shape[0], 1, x.shape[2])), fetched, x[:, edges.firsts]], dim=1)
+    # history 0 -> the zero row, 1 + slot -> fetched, -1 -> the next first row (in order)
+    own = (edges.history < 0).cumsum(0) - 1 + 1 + fetched.shape[1]
+    index = torch.where(edges.history < 0, own, edges.history)
+    return pool[:, index].transpose(1, 2)

@@ -21,7 +21,9 @@ from torch import Tensor
 from cpcompose.comm import CommMeter, CPGroup, start_all_to_all_pieces
 from cpcompose.layouts import Layout
 
-__all__ = ["FetchPlan", "PostedFetch", "fetch_positions", "plan_fetch", "post_fetch"]
+__all__ = [
+    "FetchPlan", "PostedFetch", "assemble_rows", "fetch_positions", "plan_fetch", "post_fetch", "send_gradients_home",
+]
 
 
 @dataclass(frozen=True)
@@ -97,22 +99,36 @@ class _Arrived(torch.autograd.Function):
                 *received: Tensor) -> Tensor:
         ctx.plan, ctx.cp, ctx.meter = plan, cp, meter
         ctx.save_for_backward(x)  # for its shape and memory layout only
-        out = x.new_zeros((x.shape[0], plan.count, *x.shape[2:]))
-        out.index_copy_(1, plan.local_slots, x[:, plan.local_rows])
-        for where, rows in zip(plan.recv_slots, received):
-            out.index_copy_(1, where, rows)
-        return out
+        return assemble_rows(x, plan, list(received))
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         plan, (x,) = ctx.plan, ctx.saved_tensors
         grad_x = torch.zeros_like(x, dtype=grad.dtype)
-        grad_x.index_add_(1, plan.local_rows, grad.index_select(1, plan.local_slots))
-        if plan.moves:  # the forward's exchange reversed: each row's gradient goes home
-            returned = _start_exchange(grad, plan.recv_slots, plan.send_rows, grad.shape[2:], ctx.cp, ctx.meter)()
-            for rows, g in zip(plan.send_rows, returned):
-                grad_x.index_add_(1, rows, g)
+        send_gradients_home(grad, plan, grad_x, ctx.cp, ctx.meter)
         return (grad_x, None, None, None, *([None] * len(plan.recv_slots) if plan.moves else []))
+
+
+def assemble_rows(x: Tensor, plan: FetchPlan, received: list[Tensor]) -> Tensor:
+    """The asked rows in order, `(batch, plan.count, ...)`: this rank's own copied from `x`, the others' as received
+    (outside autograd: `PostedFetch.rows` puts them in `x`'s graph, a caller with its own backward uses
+    `send_gradients_home`)."""
+    out = x.new_zeros((x.shape[0], plan.count, *x.shape[2:]))
+    out.index_copy_(1, plan.local_slots, x[:, plan.local_rows])
+    for where, rows in zip(plan.recv_slots, received):
+        out.index_copy_(1, where, rows)
+    return out
+
+
+def send_gradients_home(grad: Tensor, plan: FetchPlan, grad_x: Tensor, cp: CPGroup, meter: CommMeter | None) -> None:
+    """The fetch's backward: adds the gradient of each asked row (`grad`, `(batch, plan.count, ...)`) to its owner's
+    `grad_x` (`x`'s shape; this rank's rows here, the others' after the forward's exchange reversed). A collective
+    when the fetch moved rows: every rank calls it."""
+    grad_x.index_add_(1, plan.local_rows, grad.index_select(1, plan.local_slots))
+    if plan.moves:  # the forward's exchange reversed: each row's gradient goes home
+        returned = _start_exchange(grad, plan.recv_slots, plan.send_rows, grad.shape[2:], cp, meter)()
+        for rows, g in zip(plan.send_rows, returned):
+            grad_x.index_add_(1, rows, g)
 
 
 class PostedFetch:
@@ -123,9 +139,12 @@ class PostedFetch:
         self.wait = (_start_exchange(x.detach(), plan.send_rows, plan.recv_slots, x.shape[2:], cp, meter)
                      if plan.moves else None)
 
+    def received(self) -> list[Tensor]:
+        """The rows from each peer (waits for them), outside autograd."""
+        return self.wait() if self.wait is not None else []
+
     def rows(self) -> Tensor:
-        received = self.wait() if self.wait is not None else []
-        return _Arrived.apply(self.x, self.plan, self.cp, self.meter, *received)  # type: ignore[no-any-return]
+        return _Arrived.apply(self.x, self.plan, self.cp, self.meter, *self.received())  # type: ignore[no-any-return]
 
 
 def post_fetch(

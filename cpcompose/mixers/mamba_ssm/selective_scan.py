@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from cpcompose.mixers.decay import flushed_exp
 from cpcompose.mixers.kernel_calls import needs_grad, tensor_fields, whole_pack_refusal
 from cpcompose.mixers.chunked import Correction, cp_chunked_recurrence
 from cpcompose.mixers.region import Region
@@ -105,13 +106,13 @@ def cp_mamba_selective_scan(
     def final(rows: slice) -> Tensor:
         step, cum = summands(rows)
         # Every token's input decays over the run's rest: exp(cum_end - cum_t) <= 1, no overflow.
-        weight = torch.exp(cum[..., -1:, :] - cum)
+        weight = flushed_exp(cum[..., -1:, :] - cum)
         return torch.einsum("bdln,bdl,bnl->bdn", weight, step * hidden_states[..., rows].to(step.dtype),
                             B[..., rows].to(step.dtype))
 
     def apply(rows: slice, out: Tensor, init: Tensor) -> Tensor:
         cum = summands(rows)[1]
-        extra = torch.einsum("bdln,bdn,bnl->bdl", torch.exp(cum), init.to(cum.dtype), C[..., rows].to(cum.dtype))
+        extra = torch.einsum("bdln,bdn,bnl->bdl", flushed_exp(cum), init.to(cum.dtype), C[..., rows].to(cum.dtype))
         if z is not None:
             extra = extra * F.silu(z[..., rows].to(cum.dtype))
         return (out.to(cum.dtype) + extra).to(out.dtype)

@@ -7,15 +7,16 @@ GraniteMoeHybrid, Nemotron-H, Zamba2).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from cpcompose.mixers.decay import decay_since_start
 from cpcompose.mixers.kernel_calls import needs_grad, tensor_fields, whole_pack_refusal
-from cpcompose.mixers.chunked import Correction, cp_chunked_recurrence
+from cpcompose.mixers.chunked import Correction, Stretch, cp_chunked_recurrence, token_pieces
 from cpcompose.mixers.region import Region
 from cpcompose.precision import accumulation_dtype
 
@@ -44,10 +45,15 @@ def cp_mamba2_chunk_scan(
     """
     error = whole_pack_refusal("mamba2_chunk_scan", kwargs, state=initial_states, final=return_final_states)
     finals: dict[int, Tensor] = {}
+    pieces: dict[int, tuple[Tensor, ...]] = {}  # a stretch's first row -> its (hidden_states, dt, B, C)
+
+    def plan(spans: Sequence[Stretch]) -> None:
+        pieces.update(token_pieces(spans, hidden_states, dt, B, C))
 
     def kernel(rows: slice, init: Tensor | None) -> tuple[Tensor, Tensor]:
-        out, final = original(hidden_states[:, rows], dt[:, rows], A, B[:, rows], C[:, rows], chunk_size, D=D,
-                              dt_bias=dt_bias, initial_states=init, dt_softplus=dt_softplus, dt_limit=dt_limit,
+        x_rows, dt_rows, b_rows, c_rows = pieces[rows.start]
+        out, final = original(x_rows, dt_rows, A, b_rows, c_rows, chunk_size, D=D, dt_bias=dt_bias,
+                              initial_states=init, dt_softplus=dt_softplus, dt_limit=dt_limit,
                               return_final_states=True)
         finals[rows.start] = final
         return out, final
@@ -56,7 +62,8 @@ def cp_mamba2_chunk_scan(
 
     def log_decay(rows: slice) -> Tensor:
         """`dt * A` per token and head of the run, `(batch, run, heads)`, as the kernel computes it."""
-        step = dt[:, rows] if dt_bias is None else dt[:, rows] + dt_bias.to(dt.dtype)
+        step = pieces[rows.start][1]
+        step = step if dt_bias is None else step + dt_bias.to(dt.dtype)
         step = torch.clamp(F.softplus(step) if dt_softplus else step, min=dt_limit[0], max=dt_limit[1])
         return step.to(acc) * A.to(acc)
 
@@ -67,8 +74,9 @@ def cp_mamba2_chunk_scan(
         (batch, length, heads, dim), groups = out.shape, C.shape[2]
         # Each group's C reads the states of its heads in one product (no per-head copy of C).
         grouped = init.to(acc).reshape(batch, groups, heads // groups, dim, init.shape[-1])
-        carried = torch.einsum("blgn,bgkpn->blgkp", C[:, rows].to(acc), grouped).reshape(batch, length, heads, dim)
-        return out + (carried * torch.exp(torch.cumsum(log_decay(rows), dim=1))[..., None]).to(out.dtype)
+        c_rows = pieces[rows.start][3].to(acc)
+        carried = torch.einsum("blgn,bgkpn->blgkp", c_rows, grouped).reshape(batch, length, heads, dim)
+        return out + (carried * decay_since_start(log_decay(rows), dim=1)[..., None]).to(out.dtype)
 
     return cp_chunked_recurrence(
         kernel, transition, mesh=region.mesh, layout=region.options.layout, seq_local=hidden_states.shape[1],
@@ -77,5 +85,5 @@ def cp_mamba2_chunk_scan(
         signature=[*tensor_fields("hidden_states", hidden_states), *tensor_fields("B", B),
                    ("chunk_size", int(chunk_size))],
         caller_error=error, meter=region.options.meter,
-        correction=Correction(final=lambda rows: finals[rows.start], apply=correct),
+        correction=Correction(final=lambda rows: finals[rows.start], apply=correct), plan=plan,
     )
