@@ -3,7 +3,7 @@
 # the whole under TOTAL_S seconds (default 420), so the lease's one call returns with everything:
 #   a. env.txt: nvidia-smi, versions, which mixer kernels import (fla's GDN, mamba-ssm's Triton SSD);
 #   b. the mixer gpu tests (tests/mixers -m gpu) on those kernels, printing which ran;
-#   c. bench_mixers.py --device cuda at L = 4096 and 16384 (mamba2, gdn), few repeats;
+#   c. bench_mixers.py --device cuda at L = 4096, then 16384 (mamba2, gdn), few repeats;
 #   d. the whole gpu-marked suite, less (b)'s file;
 #   e. scripts/gpu_longest.py with the time left.
 # (scripts/run_gpu_checks.sh runs the same and the kernel/attention benchmarks, for a longer lease.)
@@ -79,10 +79,14 @@ export -f env_report
 # pytest-timeout (on the device image) ends one hung test with its traceback before the step's `timeout` kills all.
 has_timeout=""; python3 -c "import pytest_timeout" 2>/dev/null && has_timeout=1
 step a 45 env.txt bash -c env_report
-step b "${MIXERS_S:-120}" mixer_tests.log python3 -m pytest tests/mixers -m gpu -s -rA --durations=10 \
-  ${has_timeout:+--timeout=100} --junitxml="$work/mixer_tests.xml"
-step c "${BENCH_S:-90}" bench_mixers.log python3 scripts/bench_mixers.py --device cuda \
-  --seq-lens 4096 16384 --kinds mamba2 gdn --warmup 1 --repeats 3 --out "$work/mixers_cuda.json"
+# Two tests (fla, mamba_ssm), each printing its kernel and every comparison's error; the first compiles the kernels.
+step b "${MIXERS_S:-150}" mixer_tests.log python3 -m pytest tests/mixers -m gpu -s -rA --durations=10 \
+  ${has_timeout:+--timeout=130} --junitxml="$work/mixer_tests.xml"
+# One length a call, so a timeout at 16384 keeps 4096's table (the script prints it at its end).
+for n in 4096 16384; do
+  step c "${BENCH_S:-55}" "bench_mixers_$n.log" python3 scripts/bench_mixers.py --device cuda --seq-lens $n \
+    --kinds mamba2 gdn --warmup 1 --repeats 3 --out "$work/mixers_cuda_$n.json"
+done
 # transformers/torchtitan hold no gpu tests; (b)'s file already ran.
 step d "${SUITE_S:-170}" gpu_suite.log python3 -m pytest -m gpu --ignore=tests/integrations/test_torchtitan.py \
   --ignore=tests/integrations/test_transformers.py --ignore=tests/mixers/test_kernel_apis.py -rfE --durations=20 \
