@@ -12,7 +12,9 @@ is pure Triton and needs none of it. When the plain import fails, the look-up im
 SSD module from the installed package with the root's `__init__` skipped: it registers a
 bare package for `mamba_ssm` (its `__path__` only) while the submodules import, then removes
 it again, so a later `import mamba_ssm` behaves as it would have (and transformers, which
-tries that import, still falls back to its torch scan).
+tries that import, still falls back to its torch scan). Once the submodules are loaded (or when
+another package's guarded import left the subpackages in `sys.modules`), the plain import finds
+them without the root: the answer's name is the same either way, so every rank reports alike.
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ def mamba_chunk_scan_combined() -> FoundKernel:
     bare.__path__ = list(spec.submodule_search_locations)
     sys.modules["mamba_ssm"] = bare
     try:
-        return FoundKernel(_attribute(MAMBA_SSD), MAMBA_SSD + " (package root skipped)")
+        return FoundKernel(_attribute(MAMBA_SSD), MAMBA_SSD)
     except Exception as error:  # noqa: BLE001
         return FoundKernel(None, MAMBA_SSD, f"{first}; without the package root: {type(error).__name__}: {error}")
     finally:

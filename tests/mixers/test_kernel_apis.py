@@ -275,6 +275,6 @@ def test_cuda_kernel_lookups_name_the_kernel_or_say_why_not() -> None:
     """Each look-up gives a callable and no reason, or None and the import's error (never both, never neither)."""
     for found in (fla_chunk_gated_delta_rule(), mamba_chunk_scan_combined()):
         assert (found.kernel is None) == bool(found.reason), found
-        assert found.name.endswith(("chunk_gated_delta_rule", "mamba_chunk_scan_combined", "(package root skipped)"))
+        assert found.name.endswith(("chunk_gated_delta_rule", "mamba_chunk_scan_combined"))
     assert "mamba_ssm" not in sys.modules or hasattr(sys.modules["mamba_ssm"], "__version__"), \
         "the look-up left its bare mamba_ssm package registered"
