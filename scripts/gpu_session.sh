@@ -56,21 +56,23 @@ step() {
     timeout "$limit" "$@" > "$work/$log" 2>&1
   fi
   local rc=$?
-  echo "step $name: exit $rc$( [ $rc -eq 124 ] && echo ' (timed out)') in $(( SECONDS - start ))s (limit ${limit}s): $log" \
-    >> "$work/steps.txt"
+  local how="exit $rc"; [ $rc -eq 124 ] && how="$how (timed out)"
+  echo "step $name: $how in $(( SECONDS - start ))s (limit ${limit}s): $log" >> "$work/steps.txt"
   pack
 }
 
 env_report() {
   nvidia-smi
   python3 -c "import sys, torch; print(sys.version); print(torch.__version__, torch.version.cuda, torch.cuda.device_count())"
-  python3 -m pip list 2>/dev/null | grep -i -E "^(torch|transformers|triton|pytest|pytest-timeout|flash.linear.attention|fla.core|mamba.ssm|causal.conv1d|regex|huggingface.hub|tokenizers) "
+  python3 -m pip list 2>/dev/null | grep -i -E "^(torch|transformers|triton|pytest|pytest-timeout|regex|tokenizers) "
+  python3 -m pip list 2>/dev/null | grep -i -E "^(flash.linear.attention|fla.core|mamba.ssm|causal.conv1d|huggingface.hub) "
   python3 -c "import transformers; print('transformers imported from', transformers.__file__, transformers.__version__)"
   # Which scan kernels the mixer tests and the benchmark run on CUDA.
   python3 -c "
 from cpcompose.mixers.cuda_kernels import fla_chunk_gated_delta_rule, mamba_chunk_scan_combined
 for found in (fla_chunk_gated_delta_rule(), mamba_chunk_scan_combined()):
-    print('mixer kernels:', found.name, 'importable' if found.kernel else 'NOT importable (' + found.reason + '): torch fallback')
+    state = 'importable' if found.kernel else 'NOT importable (' + found.reason + '): torch fallback'
+    print('mixer kernels:', found.name, state)
 "
   nproc
 }
