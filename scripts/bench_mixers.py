@@ -17,6 +17,10 @@ Method. One "layer" of each kind, forward+backward, float32, B=1, at global leng
   gdn:           a Gated DeltaNet core: the same conv, then `torch_chunk_gated_delta_rule`
     (H=4 heads, dk=dv=64, chunks of 64; linear in L), routed the same way (matrix
     transitions; a stretch that continues a document runs once with dk more value columns).
+  On --device cuda, mamba2 and gdn run mamba-ssm's Triton `mamba_chunk_scan_combined` and
+  fla's `chunk_gated_delta_rule` where importable (`cpcompose.mixers.cuda_kernels`), through
+  the CP versions directly as mamba2_linear does; the `kernel` column names the scan kernel
+  each row ran (transformers' torch functions where the CUDA ones are absent).
 T1: one process, one thread, the full sequence. T_P: P processes of one thread each
 (gloo), each on its zigzag shard; a barrier before every repeat; a repeat's time is the
 max over ranks; every rank runs the T1 baseline inside each repeat, as `bench_attention.py`
@@ -78,6 +82,8 @@ from transformers.models.mamba2 import modeling_mamba2  # noqa: E402
 from transformers.models.qwen3_next import modeling_qwen3_next  # noqa: E402
 
 from cpcompose.comm import CPGroup, all_gather, start_all_gather  # noqa: E402
+from cpcompose.mixers.cuda_kernels import fla_chunk_gated_delta_rule, mamba_chunk_scan_combined  # noqa: E402
+from cpcompose.mixers.fla import cp_chunk_gated_delta_rule  # noqa: E402
 from cpcompose.mixers.mamba_ssm import cp_mamba2_chunk_scan  # noqa: E402
 
 SCAN_WORK: dict[str, float] = {"tokens": 0.0, "weighted": 0.0}
@@ -146,6 +152,37 @@ def linear_ssd(
 
 LINEAR_SSD = counted(linear_ssd)
 
+CUDA_SCANS: dict[str, tuple[str, Callable[..., Any]]] = {}
+"""Per kind, the CUDA scan kernel (name, counted kernel) that replaces transformers' function: filled by
+`find_cuda_scans` in a --device cuda worker, empty on the CPU."""
+
+
+def find_cuda_scans() -> list[str]:
+    """Fill CUDA_SCANS with fla's and mamba-ssm's kernels where importable; returns what was not, and why."""
+    missing = []
+    for kind, found, value_dim in (("gdn", fla_chunk_gated_delta_rule(), GDN_DIM),
+                                   ("mamba2", mamba_chunk_scan_combined(), None)):
+        if found.kernel is None:
+            missing.append(f"{kind}: {found.name} not importable ({found.reason}): transformers' torch kernel")
+        else:
+            CUDA_SCANS[kind] = (found.name, counted(found.kernel, value_dim))
+    return missing
+
+
+def kernel_name(kind: str) -> str:
+    """The scan kernel a kind's rows ran."""
+    if kind in CUDA_SCANS:
+        return CUDA_SCANS[kind][0]
+    return {"attention": "sdpa", "mamba2": "transformers mamba2_chunk_scan", "mamba2_linear": "linear_ssd",
+            "gdn": "transformers torch_chunk_gated_delta_rule"}[kind]
+
+
+def cuda_scan(kind: str, cp_version: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """The kind's CUDA kernel on the arguments: through its CP version inside a CP region, else alone."""
+    kernel = CUDA_SCANS[kind][1]
+    region = active_cp_region()
+    return kernel(*args, **kwargs) if region is None else cp_version(kernel, region, *args, **kwargs)
+
 
 def make_inputs(kind: str, seq_len: int, device: str = "cpu") -> dict[str, torch.Tensor]:
     return {k: v.to(device) for k, v in _cpu_inputs(kind, seq_len).items()}
@@ -175,7 +212,9 @@ def mixer(kind: str, t: dict[str, torch.Tensor]) -> torch.Tensor:
         b, s, _ = xbc.shape
         x, B, C = torch.split(xbc, [H * P, G * N, G * N], dim=-1)
         args = (x.reshape(b, s, H, P), t["dt"], t["A"], B.reshape(b, s, G, N), C.reshape(b, s, G, N))
-        if kind == "mamba2":
+        if kind == "mamba2" and kind in CUDA_SCANS:
+            y = cuda_scan(kind, cp_mamba2_chunk_scan, *args, chunk_size=CHUNK, dt_softplus=True)
+        elif kind == "mamba2":
             y = modeling_mamba2.mamba2_chunk_scan(*args, chunk_size=CHUNK, dt_softplus=True)
         elif (region := active_cp_region()) is not None:  # the CP version called directly, with its kernel
             y = cp_mamba2_chunk_scan(LINEAR_SSD, region, *args, chunk_size=CHUNK, dt_softplus=True)
@@ -186,8 +225,9 @@ def mixer(kind: str, t: dict[str, torch.Tensor]) -> torch.Tensor:
     b, s, _ = qkv.shape
     q, k, v = (z.reshape(b, s, GDN_HEADS, GDN_DIM) for z in qkv.split(GDN_HEADS * GDN_DIM, dim=-1))
     g = -F.softplus(t["dt"]) * (-t["A"])
-    out, _ = modeling_qwen3_next.torch_chunk_gated_delta_rule(q, k, v, g=g, beta=torch.sigmoid(t["dt"]),
-                                                              chunk_size=CHUNK, use_qk_l2norm_in_kernel=True)
+    gdn = modeling_qwen3_next.torch_chunk_gated_delta_rule if kind not in CUDA_SCANS else \
+        lambda *a, **kw: cuda_scan(kind, cp_chunk_gated_delta_rule, *a, **kw)
+    out, _ = gdn(q, k, v, g=g, beta=torch.sigmoid(t["dt"]), chunk_size=CHUNK, use_qk_l2norm_in_kernel=True)
     return out.reshape(b, s, GDN_HEADS * GDN_DIM)
 
 
@@ -278,7 +318,7 @@ def run_case(mesh: DeviceMesh, kind: str, seq_len: int, warmup: int, repeats: in
 
     share = seq_len / world
     gathered = int(max(slowest(8)))
-    return {"kind": kind, "seq_len": seq_len, "times": slowest(0), "cpu_times": slowest(1),
+    return {"kind": kind, "kernel": kernel_name(kind), "seq_len": seq_len, "times": slowest(0), "cpu_times": slowest(1),
             "bytes_sent": max(slowest(2)), "t1_times": every_rank(3), "t1_cpu_times": every_rank(4),
             "scan_work": max(slowest(5)) / share, "scan_work_weighted": max(slowest(6)) / share,
             "gather_waited_s": slowest(7), "gather_alone_s": gather_alone(mesh, gathered, repeats),
@@ -328,6 +368,8 @@ def worker(rank: int, world: int, store: str, cases: list[tuple[str, int]], opts
     dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=600))
     try:
+        for line in find_cuda_scans() if device == "cuda" else []:
+            print(f"rank {rank}: {line}", flush=True)
         mesh = init_device_mesh(device, (world,), mesh_dim_names=("cp",))
         results = [run_case(mesh, kind, n, opts["warmup"], opts["repeats"]) for kind, n in cases]
         if rank == 0:
@@ -369,7 +411,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=11, help="timed repeats (T1 and T_P alternate which goes first)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
-                   help="cuda: transformers' kernel functions run fla's and mamba-ssm's CUDA kernels where installed")
+                   help="cuda: mamba2 and gdn run mamba-ssm's and fla's CUDA kernels where importable")
     p.add_argument("--out", default="bench_results/mixers.json")
     args = p.parse_args()
     cases = [(kind, n) for n in args.seq_lens for kind in args.kinds]
@@ -384,7 +426,8 @@ def main() -> None:
                ("best-of-N eff.", "best_efficiency", "{:.2f}"), ("spread T1/T_P", "spread", "{}"),
                ("CPU eff.", "cpu_efficiency", "{:.2f}"), ("FLOP eff.", "flop_efficiency", "{:.2f}"),
                ("sent (KiB)", "sent_kib", "{:.1f}"), ("scan work", "scan_work", "{:.2f}"),
-               ("weighted", "scan_work_weighted", "{:.2f}"), ("hidden", "hidden", "{:.2f}")]
+               ("weighted", "scan_work_weighted", "{:.2f}"), ("hidden", "hidden", "{:.2f}"),
+               ("kernel", "kernel", "{}")]
     print(" ".join(f"{name:>{max(len(name), 6)}}" for name, _, _ in columns))
     for r in rows:
         summarize(r, args.world)

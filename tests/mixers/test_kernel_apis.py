@@ -1,11 +1,13 @@
 """flash-linear-attention's and mamba-ssm's kernel APIs called through `cpcompose.mixers` directly.
 
 No transformers routing and no `context_parallel` block: a `MixerRegion` names the mesh and
-the layout, and the CP versions run the kernel they are given on this rank's stretches. The
-kernels are transformers' module-level functions for those APIs (`torch_chunk_gated_delta_rule`,
-`mamba2_chunk_scan`): their torch fallbacks on the CPU, in float32 as they compute; on a GPU
-(`gpu` marker) the same functions, which run fla's and mamba-ssm's CUDA kernels where those
-packages are installed (transformers dispatches to them). Each rank's outputs and input
+the layout, and the CP versions run the kernel they are given on this rank's stretches. On the
+CPU the kernels are transformers' module-level torch functions for those APIs
+(`torch_chunk_gated_delta_rule`, `mamba2_chunk_scan`), in float32 as they compute; on a GPU
+(`gpu` marker) fla's `chunk_gated_delta_rule` and mamba-ssm's Triton `mamba_chunk_scan_combined`
+where importable (`cpcompose.mixers.cuda_kernels`), else the same torch functions: the test
+prints and records (junit property `kernel`) which ran, and prints every comparison's error
+against its tolerance (one GPU run shows all the margins). Each rank's outputs and input
 gradients are compared with its shard of the same kernel run on each document of the full
 sequence on one process, at P = 2 under zigzag (one document, both of rank 1's runs one
 stretch) and a pack.
@@ -21,6 +23,7 @@ more, checked on the same data. And each rank's kernel sees each of its tokens o
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -31,6 +34,7 @@ from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated
 
 from cpcompose.layouts import Layout, Run
 from cpcompose.mixers import MixerOptions, MixerRegion
+from cpcompose.mixers.cuda_kernels import FoundKernel, fla_chunk_gated_delta_rule, mamba_chunk_scan_combined
 from cpcompose.mixers.fla import cp_chunk_gated_delta_rule
 from cpcompose.mixers.mamba_ssm import cp_mamba2_chunk_scan
 from cpcompose.mixers.states import continued_runs
@@ -51,6 +55,18 @@ def _inputs(api: str, seq: int, dim: int) -> dict[str, torch.Tensor]:
                 "beta": torch.sigmoid(randn(1, seq, 4, seed=5))}
     return {"x": randn(1, seq, 4, dim, seed=1), "dt": 0.5 * randn(1, seq, 4, seed=2) - 1.0,
             "B": randn(1, seq, 2, dim, seed=4), "C": randn(1, seq, 2, dim, seed=5)}
+
+
+def kernels(device: str) -> dict[str, FoundKernel]:
+    """Per API, the kernel the test runs on `device`: the CUDA one where importable on CUDA, else transformers'
+    torch function (its name, and why the CUDA one is absent, in the answer)."""
+    torch_ones = {"fla": FoundKernel(torch_chunk_gated_delta_rule, "transformers torch_chunk_gated_delta_rule"),
+                  "mamba_ssm": FoundKernel(mamba2_chunk_scan, "transformers mamba2_chunk_scan")}
+    if device != "cuda":
+        return torch_ones
+    found = {"fla": fla_chunk_gated_delta_rule(), "mamba_ssm": mamba_chunk_scan_combined()}
+    return {api: f if f.kernel is not None else FoundKernel(torch_ones[api].kernel, torch_ones[api].name, f.reason)
+            for api, f in found.items()}
 
 
 def _prepared(api: str, seq: int, dim: int, device: str) -> dict[str, torch.Tensor]:
@@ -74,39 +90,37 @@ class Counted:
         return self.kernel(*args, **kwargs)
 
 
-def _call(api: str, t: dict[str, torch.Tensor], region: MixerRegion | None, chunk: int,
-          counted: Counted | None = None) -> torch.Tensor:
-    """The API on `t`: through its CP version under `region` (running `counted`'s kernel where given), or the
-    kernel itself when `region` is None."""
+def _call(api: str, kernel: Callable[..., Any], t: dict[str, torch.Tensor], region: MixerRegion | None,
+          chunk: int) -> torch.Tensor:
+    """The API on `t`: through its CP version under `region`, running `kernel` on the stretches, or `kernel`
+    itself when `region` is None."""
     if api == "fla":
         args = (t["q"], t["k"], t["v"], t["g"], t["beta"])
         if region is None:
-            return torch_chunk_gated_delta_rule(*args, chunk_size=chunk, use_qk_l2norm_in_kernel=True)[0]
-        return cp_chunk_gated_delta_rule(counted or torch_chunk_gated_delta_rule, region, *args, chunk_size=chunk,
-                                         use_qk_l2norm_in_kernel=True)[0]
+            return kernel(*args, chunk_size=chunk, use_qk_l2norm_in_kernel=True)[0]
+        return cp_chunk_gated_delta_rule(kernel, region, *args, chunk_size=chunk, use_qk_l2norm_in_kernel=True)[0]
     A = -torch.tensor([0.5, 1.0, 1.5, 2.0], device=t["x"].device)
     args = (t["x"], t["dt"], A, t["B"], t["C"])
     if region is None:
-        return mamba2_chunk_scan(*args, chunk_size=chunk, dt_softplus=True)
-    return cp_mamba2_chunk_scan(counted or mamba2_chunk_scan, region, *args, chunk_size=chunk, dt_softplus=True)
+        return kernel(*args, chunk_size=chunk, dt_softplus=True)
+    return cp_mamba2_chunk_scan(kernel, region, *args, chunk_size=chunk, dt_softplus=True)
 
 
-def api_cases(mesh, device: str) -> dict:
+def api_cases(mesh, device: str, api: str) -> dict:
     rank, world, results = mesh.get_local_rank(), mesh.size(), {}
     s_local, chunk, dim = SIZES[device]
+    found = kernels(device)[api]
     for spec in SPECS:
         layout = make_layout(spec, world, s_local)
         region = MixerRegion(mesh, MixerOptions(layout=layout))
-        for api in ("fla", "mamba_ssm"):
-            full = _prepared(api, world * s_local, dim, device)
-            local = {k: layout.shard(v, 1, rank).requires_grad_() for k, v in full.items()}
-            counted = Counted(torch_chunk_gated_delta_rule, local["v"].shape[-1]) if api == "fla" \
-                else Counted(mamba2_chunk_scan)
-            out = _call(api, local, region, chunk, counted)
-            out.sum().backward()
-            results[spec, api] = {"out": out.detach().cpu(), "grads": {k: v.grad.cpu() for k, v in local.items()},
-                                  "tokens": counted.tokens, "widened": counted.widened,
-                                  "from_state": counted.from_state}
+        full = _prepared(api, world * s_local, dim, device)
+        local = {k: layout.shard(v, 1, rank).requires_grad_() for k, v in full.items()}
+        counted = Counted(found.kernel, local["v"].shape[-1] if api == "fla" else None)
+        out = _call(api, counted, local, region, chunk)
+        out.sum().backward()
+        results[spec] = {"out": out.detach().cpu(), "grads": {k: v.grad.cpu() for k, v in local.items()},
+                         "tokens": counted.tokens, "widened": counted.widened, "from_state": counted.from_state,
+                         "kernel": found.name}
     return results
 
 
@@ -115,49 +129,65 @@ def _reference(api: str, layout: Layout, device: str) -> tuple[torch.Tensor, dic
     s_local, chunk, dim = SIZES[device]
     seq = layout.world * s_local
     full = {k: v.requires_grad_() for k, v in _prepared(api, seq, dim, device).items()}
-    docs = layout.global_runs(seq)
-    out = torch.cat([_call(api, {k: v[:, d.pos:d.pos + d.length] for k, v in full.items()}, None, chunk)
+    docs, kernel = layout.global_runs(seq), kernels(device)[api].kernel
+    out = torch.cat([_call(api, kernel, {k: v[:, d.pos:d.pos + d.length] for k, v in full.items()}, None, chunk)
                      for d in docs], 1)
     out.sum().backward()
     return out.detach().cpu(), {k: v.grad.cpu() for k, v in full.items()}
 
 
+def _error(got: torch.Tensor, want: torch.Tensor, scale: float) -> float:
+    """The largest difference relative to the reference's largest value (what `atol = tol * scale` bounds)."""
+    return (got - want).abs().max().item() / max(scale, torch.finfo(torch.float32).tiny)
+
+
+@pytest.mark.parametrize("api", ["fla", "mamba_ssm"])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_kernel_apis_through_cpcompose_directly(pools, device: str) -> None:
+def test_kernel_apis_through_cpcompose_directly(pools, record_property, device: str, api: str) -> None:
     world = 2
     s_local, chunk, dim = SIZES[device]
     seq = world * s_local
-    results = pools.get(world, device).run(api_cases, device)
+    found = kernels(device)[api]
+    ran = found.name + (f" (CUDA kernel not importable: {found.reason})" if found.reason else "")
+    record_property("kernel", ran)
+    print(f"\nmixer kernel on {device} for {api}: {ran}")
+    results = pools.get(world, device).run(api_cases, device, api)
+    # rounding chains of at most `seq` steps, relative to the largest value (module docstring)
+    tol = torch.finfo(torch.float32).eps * seq if device == "cpu" else 2.0 ** -10 * seq ** 0.5
+    misses = []  # every comparison is made and printed before any fails: one GPU run shows all the margins
     for spec in SPECS:
         layout = make_layout(spec, world, s_local)
-        for api in ("fla", "mamba_ssm"):
-            want, grads = _reference(api, layout, device)
-            # rounding chains of at most `seq` steps, relative to the largest value (module docstring)
-            tol = torch.finfo(torch.float32).eps * seq if device == "cpu" else 2.0 ** -10 * seq ** 0.5
-            zero_state = []  # every document restarting at every run: what the CP version would give uncorrected
-            for rank in range(world):
-                got = results[rank][spec, api]
-                assert got["tokens"] == s_local, f"{spec} {api} rank {rank}: the kernel saw {got['tokens']} tokens " \
-                    f"for a shard of {s_local}: one pass per token, no rerun"
-                if spec == "zigzag" and api == "fla":  # chunk 0 plain + 3 widened; 1 widened + 2 plain from its state
-                    assert got["widened"] == s_local // 2, f"rank {rank} widened {got['widened']} of {s_local} " \
-                        "tokens: the middle rank's second chunk should run plainly after the first gather"
-                if spec == "zigzag" and api == "mamba_ssm":  # one gather: every stretch from zero, then corrected
-                    assert got["from_state"] == 0, f"rank {rank} ran {got['from_state']} tokens from a state: " \
-                        "the SSD runs each stretch once from zero and adds what its true state contributes"
-                scale = want.abs().max().item()
-                torch.testing.assert_close(got["out"], layout.shard(want, 1, rank), rtol=tol, atol=tol * scale,
-                                           msg=lambda m, at=(spec, api, rank): f"{at} outputs: {m}")
-                for name, grad in grads.items():
-                    torch.testing.assert_close(got["grads"][name], layout.shard(grad, 1, rank), rtol=tol,
-                                               atol=tol * grad.abs().max().item(),
-                                               msg=lambda m, at=(spec, api, rank, name): f"{at} grad: {m}")
-                runs = layout.runs(rank, seq)
-                local = {k: layout.shard(v, 1, rank) for k, v in _prepared(api, seq, dim, device).items()}
-                zero_state.append(torch.cat([_call(api, {k: v[:, r.row:r.row + r.length] for k, v in local.items()},
-                                                   None, chunk) for r in runs], 1).cpu())
-            missed = max((z - layout.shard(want, 1, r)).abs().max().item() for r, z in enumerate(zero_state))
-            assert missed > 10 * tol * want.abs().max().item(), f"{spec} {api}: the check cannot tell a dropped state"
+        want, grads = _reference(api, layout, device)
+        zero_state = []  # every document restarting at every run: what the CP version would give uncorrected
+        for rank in range(world):
+            got = results[rank][spec]
+            assert got["kernel"] == found.name, f"rank {rank} ran {got['kernel']}, this process {found.name}"
+            assert got["tokens"] == s_local, f"{spec} {api} rank {rank}: the kernel saw {got['tokens']} tokens " \
+                f"for a shard of {s_local}: one pass per token, no rerun"
+            if spec == "zigzag" and api == "fla":  # chunk 0 plain + 3 widened; 1 widened + 2 plain from its state
+                assert got["widened"] == s_local // 2, f"rank {rank} widened {got['widened']} of {s_local} " \
+                    "tokens: the middle rank's second chunk should run plainly after the first gather"
+            if spec == "zigzag" and api == "mamba_ssm":  # one gather: every stretch from zero, then corrected
+                assert got["from_state"] == 0, f"rank {rank} ran {got['from_state']} tokens from a state: " \
+                    "the SSD runs each stretch once from zero and adds what its true state contributes"
+            pairs = {"out": (got["out"], layout.shard(want, 1, rank), want.abs().max().item())}
+            pairs.update({f"grad {name}": (got["grads"][name], layout.shard(grad, 1, rank), grad.abs().max().item())
+                          for name, grad in grads.items()})
+            for name, (mine, ref, scale) in pairs.items():
+                error = _error(mine, ref, scale)
+                print(f"{device} {api} {spec} rank {rank} {name}: max error {error:.2e} of the largest value "
+                      f"(tolerance {tol:.2e})")
+                if error > tol:
+                    misses.append(f"{spec} rank {rank} {name}: {error:.2e} > {tol:.2e}")
+            runs = layout.runs(rank, seq)
+            local = {k: layout.shard(v, 1, rank) for k, v in _prepared(api, seq, dim, device).items()}
+            zero_state.append(torch.cat([_call(api, found.kernel, {k: v[:, r.row:r.row + r.length]
+                                                                  for k, v in local.items()}, None, chunk)
+                                         for r in runs], 1).cpu())
+        missed = max(_error(z, layout.shard(want, 1, r), want.abs().max().item()) for r, z in enumerate(zero_state))
+        print(f"{device} {api} {spec}: dropping the carried state would miss by {missed:.2e}")
+        assert missed > 10 * tol, f"{spec} {api}: the check cannot tell a dropped state"
+    assert not misses, f"{api} on {device} ({found.name}): " + "; ".join(misses)
 
 
 def test_mixer_region_reports_a_bad_layout() -> None:
@@ -239,3 +269,12 @@ def test_phased_stretches_defer_what_the_first_gather_settles() -> None:
     assert [(s.rows, s.runs, s.continues, s.continued, s.deferred) for s in hand[1]] == [
         (slice(0, 4), (0,), False, False, False), (slice(4, 8), (1,), True, True, True)]
     assert [(s.rows, s.runs, s.deferred) for s in hand[2]] == [(slice(0, 8), (0, 1), False)]
+
+
+def test_cuda_kernel_lookups_name_the_kernel_or_say_why_not() -> None:
+    """Each look-up gives a callable and no reason, or None and the import's error (never both, never neither)."""
+    for found in (fla_chunk_gated_delta_rule(), mamba_chunk_scan_combined()):
+        assert (found.kernel is None) == bool(found.reason), found
+        assert found.name.endswith(("chunk_gated_delta_rule", "mamba_chunk_scan_combined"))
+    assert "mamba_ssm" not in sys.modules or hasattr(sys.modules["mamba_ssm"], "__version__"), \
+        "the look-up left its bare mamba_ssm package registered"
