@@ -264,14 +264,16 @@ def run_single(kind: str, t: dict[str, torch.Tensor]) -> None:
 
 
 SEQ_DIM = {"q": 2, "k": 2, "v": 2, "dout": 2, "x": 2, "dt": 1}  # everything else is a parameter
+MIXER_DOUT_SEQ_DIM = 1
+"""A mixer's output gradient is `(B, L, D)`, contiguous, as the next layer's backward gives it (and as T1 gets it):
+a transposed view instead slowed every elementwise op of the CP backward that met it (mismatched strides)."""
 
 
 def run_case(mesh: DeviceMesh, kind: str, seq_len: int, warmup: int, repeats: int) -> dict[str, Any]:
     device = mesh.device_type
     full = make_inputs(kind, seq_len, device)
-    if kind != "attention":
-        full["dout"] = full["dout"].transpose(1, 2)  # (B, D, L): its sequence on dim 2, as the others'
-    local = {k: cp_shard(v, mesh, seq_dim=SEQ_DIM[k]) if k in SEQ_DIM else v for k, v in full.items()}
+    seq_dims = SEQ_DIM if kind == "attention" else {**SEQ_DIM, "dout": MIXER_DOUT_SEQ_DIM}
+    local = {k: cp_shard(v, mesh, seq_dim=seq_dims[k]).contiguous() if k in seq_dims else v for k, v in full.items()}
     baseline = single(kind, seq_len, device)
     meter, group, world = CommMeter(), mesh.get_group(), mesh.size()
 
@@ -282,7 +284,7 @@ def run_case(mesh: DeviceMesh, kind: str, seq_len: int, warmup: int, repeats: in
         else:
             with context_parallel(mesh, meter=meter, verify=False):
                 out = mixer(kind, t)
-                out.backward(t["dout"].transpose(1, 2))
+                out.backward(t["dout"])
 
     def once(repeat: int) -> list[list[float]]:
         """Every rank's [T_P wall, T_P CPU, bytes, T1 wall, T1 CPU, scan tokens, weighted, waited, gathered]."""

@@ -255,10 +255,16 @@ def _cuda_case(mesh, kernel: str) -> dict[str, Any]:
     """float32 on the GPU by `kernel` and by the PyTorch path, and float64 on the host."""
     data = _flat(_data(batch=2))
 
+    # One rank: the global token count is this rank's. The float64 truth lives on the host, which the pool's
+    # one-rank NCCL group cannot all-reduce (torch: "No backend type associated with device type cpu"), so every
+    # call is given the count instead of asking the group.
+    count = float((data["labels"] != IGNORE).sum())
+
     def loss(kernel: str, device: str, dtype: torch.dtype):  # type: ignore[no-untyped-def]
         moved = {k: v.to(device, dtype) if v.is_floating_point() else v.to(device) for k, v in data.items()}
         return _run(lambda h, w, b, y: cp_linear_cross_entropy(h, w, y, mesh=mesh, ignore_index=IGNORE, bias=b,
-                                                               softcap=2.5, chunk_tokens=8, kernel=kernel),
+                                                               softcap=2.5, chunk_tokens=8, kernel=kernel,
+                                                               num_tokens=count),
                     moved, with_bias=True)
 
     return {"kernel": loss(kernel, "cuda", torch.float32), "torch": loss("torch", "cuda", torch.float32),
