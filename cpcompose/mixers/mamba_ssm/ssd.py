@@ -76,7 +76,10 @@ def cp_mamba2_chunk_scan(
         grouped = init.to(acc).reshape(batch, groups, heads // groups, dim, init.shape[-1])
         c_rows = pieces[rows.start][3].to(acc)
         carried = torch.einsum("blgn,bgkpn->blgkp", c_rows, grouped).reshape(batch, length, heads, dim)
-        return out + (carried * decay_since_start(log_decay(rows), dim=1)[..., None]).to(out.dtype)
+        decay = decay_since_start(log_decay(rows), dim=1)[..., None]
+        if out.dtype == acc:  # one pass over the outputs: out + carried * decay
+            return torch.addcmul(out, carried, decay)
+        return out + (carried * decay).to(out.dtype)
 
     return cp_chunked_recurrence(
         kernel, transition, mesh=region.mesh, layout=region.options.layout, seq_local=hidden_states.shape[1],
