@@ -1,29 +1,63 @@
-"""The checks every mixer entry point shares, and its one cross-rank agreement.
+"""The checks every mixer entry point shares, and its cross-rank agreement.
 
-Each entry point validates its arguments on this rank, then calls `agree` once:
-a bad input on one rank then raises the same ValueError on every rank before any
-data moves, instead of leaving the others blocked in a collective. `agree` is the
-only place in the package that talks to `agree_across_ranks`, so switching the
-mixers to the library's per-call agreement cache later is a one-function change.
+Each entry point validates its arguments on this rank, then agrees once: a bad input
+on one rank then raises the same ValueError on every rank before any data moves,
+instead of leaving the others blocked in a collective.
+
+Two ways to agree. `agree` is the blocking all-gather of every call's signature
+(`agree_across_ranks`). `agreed` is the library's agreement cache
+(`cpcompose.agreement.expected`), used by the two calls every hybrid layer makes (the
+causal conv and the chunked recurrence): the full agreement runs once per call every
+rank expects, later calls send a flag to each peer instead and read it after the call,
+and a rank that deviates replays the expected call's collectives on zeros (its
+`CallSpec`) before all ranks agree in full and raise alike. Flags travel only where the
+data lives on the host; on a GPU every call agrees in full (a flag read there would be
+a device sync per call, as the blocking agreement is).
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Callable
+from typing import Sequence, TypeVar
 
 import torch
 from torch import Tensor
 
 from cpcompose.comm import CPGroup
 from cpcompose.layouts import Layout, LayoutSpec, layout_error, resolve_layout
-from cpcompose.agreement import Field, agree_across_ranks, dtype_code, shape_fields
+from cpcompose.agreement import CallSpec, Field, agree_across_ranks, agreed_call, dtype_code, shape_fields
 
-__all__ = ["agree", "float_tensors_error", "layout_fields", "local_layout", "seq_layout", "shape_of"]
+__all__ = ["agree", "agreed", "float_tensors_error", "layout_fields", "local_layout", "seq_layout", "shape_of"]
+
+R = TypeVar("R")
+
+_CACHED_CALLS = ("cp_causal_conv1d", "chunked_recurrence")
+"""The mixer calls that go through the agreement cache; their index tags the cached signature."""
+
+_MIXER_TAG = -0x6D6978  # "mix": first field of a cached mixer signature, so it never equals an attention call's
 
 
 def agree(cp: CPGroup, error: str | None, signature: Sequence[Field], *, what: str, device: torch.device) -> None:
     """Raise the same ValueError on every rank if any rank's input is bad or the signatures differ."""
     agree_across_ranks(cp, error, signature, what=what, device=device)
+
+
+def agreed(
+    cp: CPGroup, error: str | None, signature: Sequence[Field], *, what: str, cached_as: str, device: torch.device,
+    spec: Callable[[], CallSpec], run: Callable[[], R],
+) -> R:
+    """`run()` once every rank is known to make this call (`agree`'s guarantee), agreeing in full only when the
+    call is not the one every rank expects (see the module).
+
+    Args:
+        cached_as: which of `_CACHED_CALLS` this is (tags the signature: a conv never stands for a recurrence).
+        spec: what a rank that later deviates from this call replays on zeros: its forward's collectives.
+        run: the call itself, after the agreement.
+    """
+    fields = [("mixer", _MIXER_TAG - _CACHED_CALLS.index(cached_as)), *signature]
+    result, _ = agreed_call(cp, error, fields, what=what, device=device, every_call=device.type != "cpu",
+                            spec=spec, run=run)
+    return result
 
 
 def local_layout(spec: LayoutSpec, cp: CPGroup, seq_local: int) -> tuple[Layout | None, str | None]:

@@ -34,6 +34,7 @@ rule's transition and corrected readout, `cpcompose.mixers.fla`).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -41,14 +42,17 @@ import torch
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
-from cpcompose.agreement import Field
+from cpcompose.agreement import CallSpec, Field
 from cpcompose.comm import CommMeter, CPGroup
 from cpcompose.layouts import Layout, LayoutSpec
-from cpcompose.mixers._checks import agree, layout_fields, local_layout
+from cpcompose.mixers._checks import agreed, layout_fields, local_layout
 from cpcompose.mixers.states import Kind, compose_posted, continued_runs, post_summaries, tie
 from cpcompose.mixers.stretch_plan import Stretch, phased_stretches, stretches
 
 __all__ = ["Correction", "RunKernel", "Stretch", "cp_chunked_recurrence", "stretches", "token_pieces"]
+
+Template = tuple[tuple[torch.Size, torch.dtype], tuple[torch.Size, torch.dtype]]
+"""A call's summary rows, per run: (final state's shape, dtype), (transition's shape, dtype)."""
 
 RunKernel = Callable[[slice, Tensor | None], tuple[Tensor, Tensor | None]]
 """`(local rows of one stretch, its initial state or None for zero) -> (its outputs, its final state)`; the final
@@ -135,19 +139,65 @@ def cp_chunked_recurrence(
     """
     cp = CPGroup.from_mesh(mesh)
     split, error = local_layout(layout, cp, seq_local)
-    fields = [*layout_fields(split, dtype, grad), ("kind", ("diagonal", "matrix").index(kind)), *signature]
-    agree(cp, caller_error or error, fields, what=what, device=device)
-    assert split is not None
-    seq_len = seq_local * cp.world
-    every = [split.runs(r, seq_len) for r in range(cp.world)]
+    fields = [*layout_fields(split, dtype, grad), ("kind", ("diagonal", "matrix").index(kind)),
+              ("defer", int(defer)), *signature]
+    posted: list[Template] = []  # the summaries' per-run templates, once posted (for `spec`)
+
+    def run() -> Tensor:
+        assert split is not None
+        return _recurrence(kernel, transition, cp, split, seq_local, kind, out_dim, grad, meter, correction, plan,
+                           defer, posted)
+
+    def spec() -> CallSpec:
+        assert split is not None
+        return CallSpec((), dtype, device, functools.partial(_replay_gathers, split, seq_local, defer, device, posted))
+
+    return agreed(cp, caller_error or error, fields, what=what, cached_as="chunked_recurrence", device=device,
+                  spec=spec, run=run)
+
+
+def _phases(split: Layout, seq_len: int, rank: int, defer: bool
+            ) -> tuple[list[Stretch], list[list[Stretch]] | None, list[list[int]]]:
+    """This rank's stretches, every rank's for two phases (or None: one gather), and every rank's continued runs."""
+    every = [split.runs(r, seq_len) for r in range(split.world)]
     sent_all = continued_runs(every)
-    sent = sent_all[cp.rank]
     starts = {run.doc: run.pos for run in split.global_runs(seq_len)}
-    spans = stretches(every[cp.rank], starts, set(sent))
+    spans = stretches(every[rank], starts, set(sent_all[rank]))
     phased = phased_stretches(every, starts, sent_all) if defer and any(sent_all) else None
     if phased is not None and not any(s.deferred for ranks in phased for s in ranks):
         phased = None  # nothing would wait for a first gather (every rank knows): one gather
-    spans = phased[cp.rank] if phased is not None else spans
+    return (phased[rank] if phased is not None else spans), phased, sent_all
+
+
+def _carried(phased: Sequence[Sequence[Stretch]], sent_all: Sequence[Sequence[int]]) -> list[list[list[int]]]:
+    """The two gathers' rows: per gather, per rank, its continued runs in (then out of) its first stretch."""
+    return [[[i for i in sent if (i in ranks[0].runs) == first] for sent, ranks in zip(sent_all, phased)]
+            for first in (True, False)]
+
+
+def _replay_gathers(split: Layout, seq_local: int, defer: bool, device: torch.device, posted: list[Template],
+                    cp: CPGroup) -> None:
+    """The recurrence's forward collectives on zeros (what a rank that deviates from this call posts): its one or
+    two summary gathers, of the sizes the call posted (`posted` holds its per-run templates)."""
+    seq_len = seq_local * cp.world
+    _, phased, sent_all = _phases(split, seq_len, cp.rank, defer)
+    if not any(sent_all) or not posted:
+        return
+    runs = len(split.runs(cp.rank, seq_len))
+    zeros = [torch.zeros((runs, *shape), dtype=dtype, device=device) for shape, dtype in posted[0]]
+    for carried in ([None] if phased is None else _carried(phased, sent_all)):
+        post_summaries(*zeros, cp=cp, layout=split, seq_len=seq_len, carried=carried).arrived()
+
+
+def _recurrence(
+    kernel: RunKernel, transition: Callable[[slice], Tensor], cp: CPGroup, split: Layout, seq_local: int, kind: Kind,
+    out_dim: int, grad: bool, meter: CommMeter | None, correction: Correction | None,
+    plan: Callable[[Sequence[Stretch]], None] | None, defer: bool, posted: list[Template],
+) -> Tensor:
+    """`cp_chunked_recurrence` once every rank agreed (its arguments, checked)."""
+    seq_len = seq_local * cp.world
+    spans, phased, sent_all = _phases(split, seq_len, cp.rank, defer)
+    sent = sent_all[cp.rank]
     if plan is not None:
         plan(spans)
     outputs: dict[int, Tensor] = {}
@@ -166,10 +216,10 @@ def cp_chunked_recurrence(
         return torch.cat([outputs[k] for k in range(len(spans))], dim=out_dim)
     if phased is not None:
         inits = _two_phases(spans, phased, run_stretch, sent_all, finals, transition, kind, grad, cp=cp,
-                            layout=split, seq_len=seq_len, meter=meter, rerun=correction is None)
+                            layout=split, seq_len=seq_len, meter=meter, rerun=correction is None, posted=posted)
     else:
         inits = _one_phase(spans, sent, run_stretch, finals, transition, kind, grad, cp=cp, layout=split,
-                           seq_len=seq_len, meter=meter, rerun=correction is None)
+                           seq_len=seq_len, meter=meter, rerun=correction is None, posted=posted)
     exact = []
     for k, span in enumerate(spans):  # 3. the true initial state's contribution
         init = inits[span.runs[0]]
@@ -185,7 +235,7 @@ def cp_chunked_recurrence(
 def _one_phase(
     spans: Sequence[Stretch], sent: Sequence[int], run_stretch: Callable[..., None], finals: dict[int, Tensor],
     transition: Callable[[slice], Tensor], kind: Kind, grad: bool, *, cp: CPGroup, layout: Layout, seq_len: int,
-    meter: CommMeter | None, rerun: bool,
+    meter: CommMeter | None, rerun: bool, posted: list[Template],
 ) -> Tensor:
     """One gather: the continued stretches first, their summaries posted, the rest while they travel."""
     for k, span in enumerate(spans):  # 1. the summaries first: every rank waits for them
@@ -193,30 +243,38 @@ def _one_phase(
             run_stretch(k, True)
     if not finals:  # this rank sends placeholders only: their shapes are a final state's
         run_stretch(0, True)
-    posted = post_summaries(*_summaries(spans, sent, finals, transition, kind, grad), cp=cp, layout=layout,
-                            seq_len=seq_len, meter=meter)
+    summaries = _summaries(spans, sent, finals, transition, kind, grad)
+    _keep_templates(posted, *summaries)
+    gather = post_summaries(*summaries, cp=cp, layout=layout, seq_len=seq_len, meter=meter)
     for k, span in enumerate(spans):  # 2. what needs no initial state, while the summaries travel
         if k not in finals and (not rerun or not span.continues):
             run_stretch(k, False)
-    inits = posted.states(kind)
+    inits = gather.states(kind)
     if meter is not None:
-        meter.note_wait("all_gather", posted.waited_s)
+        meter.note_wait("all_gather", gather.waited_s)
     return inits
+
+
+def _keep_templates(posted: list[Template], ends: Tensor, trans: Tensor) -> None:
+    """Remember the summaries' per-run shapes and dtypes once, for the call's replay on zeros (`_replay_gathers`)."""
+    if not posted:
+        posted.append(((ends.shape[1:], ends.dtype), (trans.shape[1:], trans.dtype)))
 
 
 def _two_phases(
     spans: Sequence[Stretch], phased: Sequence[Sequence[Stretch]], run_stretch: Callable[..., None],
     sent_all: Sequence[Sequence[int]], finals: dict[int, Tensor], transition: Callable[[slice], Tensor], kind: Kind,
     grad: bool, *, cp: CPGroup, layout: Layout, seq_len: int, meter: CommMeter | None, rerun: bool,
+    posted: list[Template],
 ) -> Tensor:
     """Two gathers (`stretch_plan.phased_stretches`): the first stretch's summaries, then the deferred stretches
     from their true states and every other summary. Every rank makes both, in this order."""
-    carried = [[[i for i in sent if (i in ranks[0].runs) == first] for sent, ranks in zip(sent_all, phased)]
-               for first in (True, False)]
+    carried = _carried(phased, sent_all)
     sent = sent_all[cp.rank]
     run_stretch(0, True)  # phase 1 (its final state also gives the placeholders' shapes)
-    first = post_summaries(*_summaries(spans, sent, finals, transition, kind, grad, {0}), cp=cp, layout=layout,
-                           seq_len=seq_len, meter=meter, carried=carried[0])
+    summaries = _summaries(spans, sent, finals, transition, kind, grad, {0})
+    _keep_templates(posted, *summaries)
+    first = post_summaries(*summaries, cp=cp, layout=layout, seq_len=seq_len, meter=meter, carried=carried[0])
     for k, span in enumerate(spans[1:], 1):  # what needs no initial state, while the first gather travels
         if not span.deferred and (span.continued or not rerun or not span.continues):
             run_stretch(k, span.continued)

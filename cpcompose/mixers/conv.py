@@ -11,6 +11,7 @@ behind them; a document start gets zeros, as if the convolution restarted there.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -21,9 +22,10 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 from torch.distributed.device_mesh import DeviceMesh
 
+from cpcompose.agreement import CallSpec
 from cpcompose.comm import CommMeter, CPGroup
 from cpcompose.layouts import Layout, LayoutSpec, Run
-from cpcompose.mixers._checks import agree, float_tensors_error, layout_fields, local_layout, shape_of
+from cpcompose.mixers._checks import agreed, float_tensors_error, layout_fields, local_layout, shape_of
 from cpcompose.mixers.halo import PostedFetch, assemble_rows, post_fetch, send_gradients_home
 
 __all__ = ["ACTIVATIONS", "cp_causal_conv1d", "halo_positions"]
@@ -95,9 +97,24 @@ def cp_causal_conv1d(
     signature += [("bias", int(bias is not None)), ("activation", ACTIVATIONS.index(activation)
                                                      if activation in ACTIVATIONS else -1)]
     device = x.device if isinstance(x, Tensor) else torch.device("cpu")
-    agree(cp, error, signature, what="cp_causal_conv1d", device=device)
-    assert split is not None
-    return _causal_conv(x, weight.reshape(weight.shape[0], weight.shape[-1]), bias, cp, split, activation, meter)
+
+    def run() -> Tensor:
+        assert split is not None
+        return _causal_conv(x, weight.reshape(weight.shape[0], weight.shape[-1]), bias, cp, split, activation, meter)
+
+    def spec() -> CallSpec:  # what a rank that deviates from this call later replays on zeros
+        assert split is not None
+        return CallSpec((x.shape,), x.dtype, x.device, functools.partial(_replay_halo, split, weight.shape[-1] - 1))
+
+    return agreed(cp, error, signature, what="cp_causal_conv1d", cached_as="cp_causal_conv1d", device=device,
+                  spec=spec, run=run)
+
+
+def _replay_halo(layout: Layout, halo: int, cp: CPGroup, x: Tensor) -> None:
+    """The conv's one forward collective, the halo exchange, on zeros shaped like the call's `x`."""
+    seq_len = x.shape[1] * cp.world
+    wanted = halo_positions(layout, seq_len, halo)
+    post_fetch(x, [sum(w, []) for w in wanted], cp=cp, layout=layout, seq_len=seq_len).received()
 
 
 def _causal_conv(
@@ -130,8 +147,11 @@ class _Edges:
 
     out_rows: Tensor  # the shard's rows to replace (channels-first columns), in table-output order
     picks: Tensor  # their columns in the conv-over-the-table output
-    history: Tensor  # per segment column: 0 for zero, 1 + slot of a fetched row, -1 for a local first row
-    firsts: Tensor  # for the columns with history -1, in order: the local row they read
+    pool_index: Tensor  # per table column, its row of [a zero row, the fetched rows, `firsts`' rows]
+    firsts: Tensor  # the local first rows the table reads, in column order
+    own_columns: Tensor  # the columns that read `firsts` (index lists, not masks: fake tensors have no `nonzero`)
+    fetched_columns: Tensor  # the columns that read a fetched row ...
+    fetched_slots: Tensor  # ... and the fetched slot each reads
     segments: int
 
 
@@ -165,7 +185,14 @@ def _edges(runs: Sequence[Run], before: Sequence[Sequence[int]], halo: int, devi
     def index(values: list[int]) -> Tensor:
         return torch.tensor(values, dtype=torch.long, device=device)
 
-    return _Edges(index(out_rows), index(picks), index(history), index(firsts), segments)
+    # history per column: 0 for zero, 1 + slot of a fetched row, -1 for a local first row (in order)
+    own = [c for c, h in enumerate(history) if h < 0]
+    fetched = [c for c, h in enumerate(history) if h > 0]
+    pool = list(history)
+    for k, c in enumerate(own):
+        pool[c] = 1 + slot + k  # `slot` ends as the number of fetched rows
+    return _Edges(index(out_rows), index(picks), index(pool), index(firsts), index(own), index(fetched),
+                  index([history[c] - 1 for c in fetched]), segments)
 
 
 class _HaloConv(torch.autograd.Function):
@@ -216,10 +243,8 @@ class _HaloConv(torch.autograd.Function):
             grad_table, grad_k, grad_b = torch.ops.aten.convolution_backward(
                 picked, table, kernel, bias_sizes, [1], [0], [1], False, [0], channels, mask)
             grad_table = grad_table.transpose(1, 2)  # (batch, columns, channels)
-            own = edges.history < 0
-            grad_x.index_add_(1, edges.firsts, grad_table[:, own])
-            is_fetched = edges.history > 0
-            fetched.index_add_(1, edges.history[is_fetched] - 1, grad_table[:, is_fetched])
+            grad_x.index_add_(1, edges.firsts, grad_table.index_select(1, edges.own_columns))
+            fetched.index_add_(1, edges.fetched_slots, grad_table.index_select(1, edges.fetched_columns))
             grad_kernel = grad_kernel + grad_k if mask[1] else None
             grad_bias = grad_bias + grad_b if mask[2] else None
         send_gradients_home(fetched, plan, grad_x, posted.cp, posted.meter)
@@ -229,7 +254,4 @@ class _HaloConv(torch.autograd.Function):
 def _table(x: Tensor, fetched: Tensor, edges: _Edges) -> Tensor:
     """`_Edges`'s table, channels-first `(batch, channels, segments * 2 * halo)`."""
     pool = torch.cat([x.new_zeros((x.shape[0], 1, x.shape[2])), fetched, x[:, edges.firsts]], dim=1)
-    # history 0 -> the zero row, 1 + slot -> fetched, -1 -> the next first row (in order)
-    own = (edges.history < 0).cumsum(0) - 1 + 1 + fetched.shape[1]
-    index = torch.where(edges.history < 0, own, edges.history)
-    return pool[:, index].transpose(1, 2)
+    return pool[:, edges.pool_index].transpose(1, 2)

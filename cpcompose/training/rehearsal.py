@@ -45,7 +45,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from cpcompose import _compat
-from cpcompose.agreement import agree_across_ranks
+from cpcompose.agreement import agree_across_ranks, agreed_call
 from cpcompose.config import HF_MODEL, JobConfig
 from cpcompose.distributed import ParallelDims, flat_mesh
 from cpcompose.distributed.parallel_dims import MESH_DIM_NAMES
@@ -158,7 +158,8 @@ def _without_host_checks() -> Iterator[None]:
                       mock.patch.object(checks, "nonfinite_note", lambda v: 0),
                       mock.patch.object(merge, "keep_nan_rows", nan_rows),
                       mock.patch.object(_compat, "group_timeout", lambda group: datetime.timedelta(minutes=10)),
-                      *_everywhere(agree_across_ranks, assumed_across_ranks), *_hf_checks()):
+                      *_everywhere(agree_across_ranks, assumed_across_ranks),
+                      *_everywhere(agreed_call, assumed_agreement), *_hf_checks()):
             stack.enter_context(patch)
         yield
 

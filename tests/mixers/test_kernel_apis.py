@@ -32,8 +32,9 @@ import torch
 from transformers.models.mamba2.modeling_mamba2 import mamba2_chunk_scan
 from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
 
+from cpcompose.agreement import agreement_cache
 from cpcompose.layouts import Layout, Run
-from cpcompose.mixers import MixerOptions, MixerRegion
+from cpcompose.mixers import MixerOptions, MixerRegion, cp_causal_conv1d
 from cpcompose.mixers.cuda_kernels import FoundKernel, fla_chunk_gated_delta_rule, mamba_chunk_scan_combined
 from cpcompose.mixers.fla import cp_chunk_gated_delta_rule
 from cpcompose.mixers.mamba_ssm import cp_mamba2_chunk_scan
@@ -278,3 +279,58 @@ def test_cuda_kernel_lookups_name_the_kernel_or_say_why_not() -> None:
         assert found.name.endswith(("chunk_gated_delta_rule", "mamba_chunk_scan_combined"))
     assert "mamba_ssm" not in sys.modules or hasattr(sys.modules["mamba_ssm"], "__version__"), \
         "the look-up left its bare mamba_ssm package registered"
+
+
+def cached_agreement_cases(mesh) -> dict:
+    """Repeated calls of the conv and of a recurrence skip the blocking agreement (the library's agreement cache);
+    then bad input on rank 1 alone (its peers run the expected call, it replays that call's collectives on zeros)
+    still raises the same error on every rank, and a valid call runs after it."""
+    rank, world = mesh.get_local_rank(), mesh.size()
+    s_local, chunk, dim = SIZES["cpu"]
+    layout = make_layout("packed", world, s_local)  # documents that cross ranks: the calls move halos and states
+    region = MixerRegion(mesh, MixerOptions(layout=layout))
+    t = {k: layout.shard(v, 1, rank) for k, v in _prepared("mamba_ssm", world * s_local, dim, "cpu").items()}
+    conv_x, conv_w = t["x"].flatten(2), randn(4 * dim, 3, seed=7).float()
+    cache = agreement_cache(mesh.get_group())
+
+    def conv(x: torch.Tensor = conv_x, w: torch.Tensor = conv_w) -> torch.Tensor:
+        return cp_causal_conv1d(x, w, mesh=mesh, layout=layout, activation="silu")
+
+    def ssd(x: torch.Tensor = t["x"]) -> torch.Tensor:
+        return _call("mamba_ssm", mamba2_chunk_scan, {**t, "x": x}, region, chunk)
+
+    first = {"conv": conv(), "ssd": ssd()}
+    for _ in range(2):  # the tape learns the pair
+        conv(), ssd()
+    agreements, skipped = cache.agreements, cache.skipped
+    again = {"conv": conv(), "ssd": ssd()}
+    out = {"skipped": cache.skipped - skipped, "agreements": cache.agreements - agreements,
+           "same": all(torch.equal(first[k], again[k]) for k in first)}
+    deviations = cache.deviations
+    wide = randn(4 * dim, 5, seed=8).float()  # a width only rank 1 uses: its halo differs from the expected call's
+    def warm_then(bad: Callable[[], object], *before: Callable[[], object]) -> Callable[[], object]:
+        """A refusal forgets the tape: learn it again, make the calls `before` the bad one, then the bad one (so
+        the one every rank expects is the call rank 1 deviates from)."""
+        def call() -> object:
+            for f in (conv, ssd, conv, ssd, *before):
+                f()
+            return bad()
+        return call
+
+    out["messages"] = value_errors({
+        "conv": warm_then(lambda: conv(w=wide if rank == 1 else conv_w)),
+        "ssd": warm_then(lambda: ssd(t["x"][:, :-1] if rank == 1 else t["x"]), conv),
+    })
+    out["deviations"] = cache.deviations - deviations  # each refusal came through the flags, not a full agreement
+    out["after"] = all(torch.equal(first[k], v) for k, v in {"conv": conv(), "ssd": ssd()}.items())
+    return out
+
+
+def test_repeated_calls_skip_the_agreement_and_a_late_deviation_is_still_refused(pools) -> None:
+    results = pools.get(2).run(cached_agreement_cases)
+    for r in results:
+        assert (r["skipped"], r["agreements"], r["same"], r["after"], r["deviations"]) == (2, 0, True, True, 2), r
+    for name, needle in (("conv", "inputs differ between CP ranks"), ("ssd", "rank 1: global length")):
+        messages = [r["messages"][name] for r in results]
+        assert messages[0] is not None and needle in messages[0], messages
+        assert all(m == messages[0] for m in messages), f"{name}: ranks disagree: {messages}"
