@@ -274,7 +274,10 @@ def _two_phases(
     run_stretch(0, True)  # phase 1 (its final state also gives the placeholders' shapes)
     summaries = _summaries(spans, sent, finals, transition, kind, grad, {0})
     _keep_templates(posted, *summaries)
-    first = post_summaries(*summaries, cp=cp, layout=layout, seq_len=seq_len, meter=meter, carried=carried[0])
+    # In the backward, a rank whose other stretches do not read the first gather (zigzag's rank 0) runs their
+    # backward before joining its reduce-scatter, which its peers join only after their deferred stretches'.
+    first = post_summaries(*summaries, cp=cp, layout=layout, seq_len=seq_len, meter=meter, carried=carried[0],
+                           early=True)
     for k, span in enumerate(spans[1:], 1):  # what needs no initial state, while the first gather travels
         if not span.deferred and (span.continued or not rerun or not span.continues):
             run_stretch(k, span.continued)

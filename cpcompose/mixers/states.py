@@ -49,6 +49,36 @@ class _Gathered(torch.autograd.Function):
         return start_reduce_scatter(grad.contiguous(), ctx.cp, ctx.meter).wait(), None, None, None
 
 
+class _Anchor(torch.autograd.Function):
+    """`_Gathered`'s backward (the reduce-scatter), entered into autograd when the gather is posted: its output is
+    a placeholder shaped like the gathered table, which `_Join` replaces by the data once it has arrived.
+
+    A blocking collective in the backward runs when it is the latest-created node whose gradient is ready; created
+    at the post, it runs after the backward of everything computed while the gather travelled.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, cp: CPGroup, meter: CommMeter | None, world: int) -> Tensor:
+        ctx.cp, ctx.meter = cp, meter
+        return x.new_empty((world, *x.shape))
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
+        return start_reduce_scatter(grad.contiguous(), ctx.cp, ctx.meter).wait(), None, None, None
+
+
+class _Join(torch.autograd.Function):
+    """The arrived table in place of `_Anchor`'s placeholder; the gradient goes to the placeholder unchanged."""
+
+    @staticmethod
+    def forward(ctx: Any, placeholder: Tensor, arrived: Tensor) -> Tensor:
+        return arrived.view_as(arrived)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return grad, None
+
+
 class _Tie(torch.autograd.Function):
     """`out` unchanged, with `dep` in its graph.
 
@@ -161,7 +191,7 @@ class PostedSummaries:
     """
 
     def __init__(self, final: Tensor, transition: Tensor, cp: CPGroup, layout: Layout, seq_len: int,
-                 meter: CommMeter | None, carried: list[list[int]] | None = None) -> None:
+                 meter: CommMeter | None, carried: list[list[int]] | None = None, early: bool = False) -> None:
         self.final, self.transition, self.cp, self.meter = final, transition, cp, meter
         self.every = [layout.runs(r, seq_len) for r in range(cp.world)]
         self.sent = continued_runs(self.every) if carried is None else carried
@@ -169,6 +199,7 @@ class PostedSummaries:
         self.summary: Tensor | None = None
         self.table: Tensor | None = None
         self.pending = None
+        self.anchor: Tensor | None = None
         self.waited_s = 0.0  # how long `states` blocked on the all-gather (the part of it not hidden)
         if self.most == 0:  # no rank sends a row (every rank knows): nothing moves
             return
@@ -177,6 +208,8 @@ class PostedSummaries:
         # `most` rows from every rank, as all-gather needs
         self.summary = F.pad(summary[mine], (0, 0, 0, self.most - len(mine))).contiguous()
         self.pending = start_all_gather(self.summary.detach(), cp, meter)
+        # `early`: the reduce-scatter's node enters autograd now (`_Anchor`), the data once it has arrived (`_Join`)
+        self.anchor = _Anchor.apply(self.summary, cp, meter, cp.world) if early else None
 
     def arrived(self) -> Tensor | None:
         """Every rank's rows (`world x most`), in autograd once (blocks until they have arrived); None if none."""
@@ -184,7 +217,8 @@ class PostedSummaries:
             start = time.perf_counter()
             arrived = self.pending.wait()
             self.waited_s = time.perf_counter() - start
-            self.table = _Gathered.apply(self.summary, arrived, self.cp, self.meter)
+            self.table = (_Gathered.apply(self.summary, arrived, self.cp, self.meter) if self.anchor is None
+                          else _Join.apply(self.anchor, arrived))
         return self.table
 
     def states(self, kind: Kind) -> Tensor:
@@ -215,7 +249,7 @@ def compose_posted(parts: list[PostedSummaries], kind: Kind) -> Tensor:
 
 def post_summaries(
     final: Tensor, transition: Tensor, *, cp: CPGroup, layout: Layout, seq_len: int, meter: CommMeter | None = None,
-    carried: list[list[int]] | None = None,
+    carried: list[list[int]] | None = None, early: bool = False,
 ) -> PostedSummaries:
     """Start the all-gather of this rank's summaries (`final`, `transition`: one row per run, as
     `cp_initial_states` takes them); `.states(kind)` later waits and composes.
@@ -223,8 +257,12 @@ def post_summaries(
     `carried`: per rank, the runs whose summaries this gather carries (the same list on every
     rank; default: every run a later run continues). Two gathers that split those runs between
     them are composed together by `compose_posted`.
+
+    `early`: the gather's reduce-scatter enters autograd now rather than when the data has
+    arrived (`_Anchor`), so in the backward it waits until the work computed after this point
+    has run its backward (a blocking collective runs when it is the latest-created node ready).
     """
-    return PostedSummaries(final, transition, cp, layout, seq_len, meter, carried)
+    return PostedSummaries(final, transition, cp, layout, seq_len, meter, carried, early)
 
 
 def continued_runs(every: list[list[Run]]) -> list[list[int]]:
