@@ -140,9 +140,11 @@ def linear_ssd(
     state = (initial_states.float() if initial_states is not None
              else u.new_zeros(batch, heads, dim, Bh.shape[-1]))
     carried = []
-    for c in range(chunks):
-        carried.append(torch.einsum("bthn,bhpn->bthp", Ch[:, c], state) * cum[:, c].exp()[..., None])
-        state = cum[:, c, -1].exp()[..., None, None] * state + own[:, c]
+    # One unbind per tensor, not a select per chunk: a select's backward writes a zero tensor of the whole
+    # sequence, which made this loop's backward quadratic in the chunk count (10 s at L = 16384, against 0.5 s at 4096).
+    for c_chunk, cum_chunk, own_chunk in zip(Ch.unbind(1), cum.unbind(1), own.unbind(1)):
+        carried.append(torch.einsum("bthn,bhpn->bthp", c_chunk, state) * cum_chunk.exp()[..., None])
+        state = cum_chunk[:, -1].exp()[..., None, None] * state + own_chunk
     y = (y + torch.stack(carried, 1)).reshape(batch, -1, heads, dim)[:, :length]
     if D is not None:
         y = y + D[:, None] * x.float()

@@ -94,9 +94,10 @@ def _draw_mixers(figure: Any, runs: list[tuple[Path, dict[str, Any]]]) -> bool:
                       linestyle="-" if run == 0 else ":", label=f"{kind} ({path.stem})")
     axis.axhline(1.0, color="grey", linewidth=0.8)
     _lengths(axis, [r["seq_len"] for _, d in runs for r in d.get("rows", [])])
-    axis.set(xlabel="sequence length L (tokens)", ylabel="efficiency T1 / (P T_P)", ylim=(0, 1.6),
+    top = max([1.6] + [r["efficiency"] + 0.1 for _, d in runs for r in d.get("rows", [])])
+    axis.set(xlabel="sequence length L (tokens)", ylabel="efficiency T1 / (P T_P)", ylim=(0, top),
              title=f"one layer's token mixer, P = {runs[0][1].get('world', '?')}\n{_machine(runs[0][1])}")
-    axis.legend(fontsize=7)
+    axis.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the axes: many runs
     return True
 
 
