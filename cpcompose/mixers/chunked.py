@@ -213,7 +213,7 @@ def _recurrence(
     if not any(sent_all):  # every run is a whole document (every rank knows): nothing moves
         for k in range(len(spans)):
             run_stretch(k, False)
-        return torch.cat([outputs[k] for k in range(len(spans))], dim=out_dim)
+        return _joined([outputs[k] for k in range(len(spans))], out_dim)
     if phased is not None:
         inits = _two_phases(spans, phased, run_stretch, sent_all, finals, transition, kind, grad, cp=cp,
                             layout=split, seq_len=seq_len, meter=meter, rerun=correction is None, posted=posted)
@@ -229,7 +229,12 @@ def _recurrence(
             exact.append(correction.apply(span.rows, outputs[k], init))
         else:
             exact.append(kernel(span.rows, init)[0])
-    return tie(torch.cat(exact, dim=out_dim), inits)
+    return tie(_joined(exact, out_dim), inits)
+
+
+def _joined(pieces: list[Tensor], dim: int) -> Tensor:
+    """The stretches' outputs in local order (one stretch: itself, not a concatenation's copy)."""
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
 
 
 def _one_phase(
