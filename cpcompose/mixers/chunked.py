@@ -76,9 +76,9 @@ def token_pieces(spans: Sequence[Stretch], *tensors: Tensor, dim: int = 1) -> di
     per stretch and per use, then sums them; a split's backward is one concatenation. (Measured on Mamba2's SSD
     at P = 2: the zero fills and sums were a tenth of a rank's CP overhead.)
     """
-    sizes = [span.rows.stop - span.rows.start for span in spans]
     if len(spans) == 1:  # the whole shard: the tensors themselves (a split's backward would copy the gradient)
         return {spans[0].rows.start: tensors}
+    sizes = [span.rows.stop - span.rows.start for span in spans]
     cut = [t.split(sizes, dim=dim) for t in tensors]
     return {span.rows.start: tuple(parts[i] for parts in cut) for i, span in enumerate(spans)}
 

@@ -112,9 +112,16 @@ def cp_causal_conv1d(
 
 def _replay_halo(layout: Layout, halo: int, cp: CPGroup, x: Tensor) -> None:
     """The conv's one forward collective, the halo exchange, on zeros shaped like the call's `x`."""
+    _post_halo(x, layout, halo, cp, None)[0].received()
+
+
+def _post_halo(x: Tensor, layout: Layout, halo: int, cp: CPGroup, meter: CommMeter | None
+               ) -> tuple[PostedFetch, list[list[int]]]:
+    """Post the exchange of every run's `halo` positions before it (same document); also this rank's, per run."""
     seq_len = x.shape[1] * cp.world
     wanted = halo_positions(layout, seq_len, halo)
-    post_fetch(x, [sum(w, []) for w in wanted], cp=cp, layout=layout, seq_len=seq_len).received()
+    posted = post_fetch(x, [sum(w, []) for w in wanted], cp=cp, layout=layout, seq_len=seq_len, meter=meter)
+    return posted, wanted[cp.rank]
 
 
 def _causal_conv(
@@ -122,11 +129,9 @@ def _causal_conv(
     meter: CommMeter | None,
 ) -> Tensor:
     """The conv on checked inputs: the halo exchange posted, then `_HaloConv`, then the activation."""
-    seq_local = x.shape[1]
-    halo, seq_len = weight.shape[1] - 1, seq_local * cp.world
-    wanted = halo_positions(layout, seq_len, halo)
-    posted = post_fetch(x, [sum(w, []) for w in wanted], cp=cp, layout=layout, seq_len=seq_len, meter=meter)
-    edges = _edges(layout.runs(cp.rank, seq_len), wanted[cp.rank], halo, x.device)
+    halo = weight.shape[1] - 1
+    posted, before = _post_halo(x, layout, halo, cp, meter)
+    edges = _edges(layout.runs(cp.rank, x.shape[1] * cp.world), before, halo, x.device)
     out = _HaloConv.apply(x, weight.unsqueeze(1), bias, posted, edges)
     return (F.silu(out) if activation == "silu" else out).transpose(1, 2)
 
@@ -228,7 +233,7 @@ class _HaloConv(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         x, kernel, table = ctx.saved_tensors
         edges, plan, posted = ctx.edges, ctx.posted.plan, ctx.posted
-        halo, channels, seq_local = kernel.shape[-1] - 1, kernel.shape[0], x.shape[1]
+        halo, channels = kernel.shape[-1] - 1, kernel.shape[0]
         bias_sizes = [channels] if ctx.has_bias else None
         mask = [True, ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2]]
         whole = F.pad(grad, (0, halo))  # the conv's outputs past the shard read nothing back

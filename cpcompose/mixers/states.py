@@ -46,7 +46,12 @@ class _Gathered(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
-        return start_reduce_scatter(grad.contiguous(), ctx.cp, ctx.meter).wait(), None, None, None
+        return _reduce_home(grad, ctx.cp, ctx.meter), None, None, None
+
+
+def _reduce_home(grad: Tensor, cp: CPGroup, meter: CommMeter | None) -> Tensor:
+    """The gathered table's gradient summed back to each rank's own rows (the all-gather's backward)."""
+    return start_reduce_scatter(grad.contiguous(), cp, meter).wait()
 
 
 class _Anchor(torch.autograd.Function):
@@ -64,7 +69,7 @@ class _Anchor(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
-        return start_reduce_scatter(grad.contiguous(), ctx.cp, ctx.meter).wait(), None, None, None
+        return _reduce_home(grad, ctx.cp, ctx.meter), None, None, None
 
 
 class _Join(torch.autograd.Function):
