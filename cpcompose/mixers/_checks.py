@@ -8,7 +8,7 @@ Two ways to agree. `agree` is the blocking all-gather of every call's signature
 (`agree_across_ranks`). `agreed` is the library's agreement cache
 (`cpcompose.agreement.expected`), used by the two calls every hybrid layer makes (the
 causal conv and the chunked recurrence): the full agreement runs once per call every
-rank expects, later calls send a flag to each peer instead and read it after the call,
+rank expects, later calls gather a flag from every rank instead and read it after the call,
 and a rank that deviates replays the expected call's collectives on zeros (its
 `CallSpec`) before all ranks agree in full and raise alike. Flags travel only where the
 data lives on the host; on a GPU every call agrees in full (a flag read there would be

@@ -31,7 +31,12 @@ def _qkv(rank: int, seq: int, heads: int = 4, kv_heads: int = 2, dim: int = 8) -
 
 
 class CountCollectives(TorchDispatchMode):
-    """Counts the c10d ops that run inside it (forward and backward), by name; passes everything through."""
+    """Counts the c10d ops that run inside it (forward and backward), by name; passes everything through.
+
+    The agreement cache's flags (one int64 per rank, gathered around each predicted call on
+    the host) are counted apart, as "flags": they are not an agreement, and the counts
+    below ask how many agreement and K/V all-gathers ran.
+    """
 
     def __init__(self) -> None:
         super().__init__()
@@ -39,7 +44,10 @@ class CountCollectives(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         if func.namespace == "c10d":
-            self.counts[func.__name__.split(".")[0]] += 1
+            name = func.__name__.split(".")[0]
+            sent = args[1] if name == "_allgather_base_" else None
+            flags = isinstance(sent, torch.Tensor) and sent.dtype == torch.int64 and sent.numel() == 1
+            self.counts["flags" if flags else name] += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -60,7 +68,7 @@ def two_steps(mesh, strategy: str, validate: str, alltoall_size: int | None = No
             out = cp_attention(h, k, v, mesh=mesh, is_causal=True, **opts)
             out.sum().backward()
         after = _counts(mesh)
-        return after[0] - before[0], after[1] - before[1], comm.counts["_allgather_base_"]
+        return after[0] - before[0], after[1] - before[1], comm.counts["_allgather_base_"], comm.counts["flags"]
 
     return {"step1": step(), "step2": step()}
 
@@ -74,6 +82,9 @@ def test_steady_state_does_no_agreement(pools, strategy: str, world: int, alltoa
         # No all-gather at all in step 2, except the all-gather strategy's own K/V (per layer: forward, backward).
         assert r["step2"][2] == (4 if strategy == "allgather" else 0), f"rank {rank}: {r}"
         assert r["step1"][2] == r["step2"][2] + 1, f"rank {rank}: step 1 had the one agreement all-gather: {r}"
+        # Each call gathers one flag per rank once there is an expected call: both layers' in step 2 (in step 1,
+        # the first layer's too where an earlier case in this process left an expectation).
+        assert r["step2"][3] == 2 and r["step1"][3] in (1, 2), f"rank {rank}: {r}"
 
 
 def test_every_call_agrees_every_call(pools) -> None:
