@@ -26,7 +26,7 @@ from cpcompose.agreement import CallSpec
 from cpcompose.comm import CommMeter, CPGroup
 from cpcompose.layouts import Layout, LayoutSpec, Run
 from cpcompose.mixers._checks import agreed, float_tensors_error, layout_fields, local_layout, shape_of
-from cpcompose.mixers.halo import PostedFetch, assemble_rows, post_fetch, send_gradients_home
+from cpcompose.mixers.halo import PostedFetch, assemble_rows, post_fetch, post_gradients_home
 
 __all__ = ["ACTIVATIONS", "cp_causal_conv1d", "halo_positions"]
 
@@ -207,8 +207,8 @@ class _HaloConv(torch.autograd.Function):
     and GDN's callers hold: `x` is then a transposed view), computed while the halo travels;
     then the few rows `_Edges` names are replaced by a conv over their table. The backward
     writes `x`'s whole gradient once: the shard conv's, with the replaced rows' share added in
-    place (this rank's first rows) and the fetched rows' gradients sent home
-    (`send_gradients_home`). Composed from autograd ops instead, every piece that reads a few
+    place (this rank's first rows) and the fetched rows' gradients sent home, posted before the
+    shard conv's backward so they travel while it runs (`post_gradients_home`). Composed from autograd ops instead, every piece that reads a few
     rows of `x` (the table's indexing, the fetch) costs a zero gradient the size of the shard
     and its addition, and concatenating the pieces one more copy: measured on Mamba2 at P = 2,
     that made the CP conv cost almost twice the same conv on one process's share.
@@ -236,23 +236,28 @@ class _HaloConv(torch.autograd.Function):
         halo, channels = kernel.shape[-1] - 1, kernel.shape[0]
         bias_sizes = [channels] if ctx.has_bias else None
         mask = [True, ctx.needs_input_grad[1], ctx.has_bias and ctx.needs_input_grad[2]]
-        whole = F.pad(grad, (0, halo))  # the conv's outputs past the shard read nothing back
-        whole.index_fill_(2, edges.out_rows, 0)  # replaced: their gradient goes to the table
-        grad_xc, grad_kernel, grad_bias = torch.ops.aten.convolution_backward(
-            whole, x.transpose(1, 2), kernel, bias_sizes, [1], [halo], [1], False, [0], channels, mask)
-        grad_x = grad_xc.transpose(1, 2)
+        # The table's few columns first: the fetched rows' gradients travel home during the shard's conv backward.
         fetched = x.new_zeros((x.shape[0], plan.count, channels))
+        grad_k = grad_b = own = None
         if edges.segments:
             picked = grad.new_zeros((*grad.shape[:2], table.shape[2] - halo))
             picked.index_copy_(2, edges.picks, grad.index_select(2, edges.out_rows))
             grad_table, grad_k, grad_b = torch.ops.aten.convolution_backward(
                 picked, table, kernel, bias_sizes, [1], [0], [1], False, [0], channels, mask)
             grad_table = grad_table.transpose(1, 2)  # (batch, columns, channels)
-            grad_x.index_add_(1, edges.firsts, grad_table.index_select(1, edges.own_columns))
+            own = grad_table.index_select(1, edges.own_columns)
             fetched.index_add_(1, edges.fetched_slots, grad_table.index_select(1, edges.fetched_columns))
+        add_home = post_gradients_home(fetched, plan, posted.cp, posted.meter)
+        whole = F.pad(grad, (0, halo))  # the conv's outputs past the shard read nothing back
+        whole.index_fill_(2, edges.out_rows, 0)  # replaced: their gradient goes to the table
+        grad_xc, grad_kernel, grad_bias = torch.ops.aten.convolution_backward(
+            whole, x.transpose(1, 2), kernel, bias_sizes, [1], [halo], [1], False, [0], channels, mask)
+        grad_x = grad_xc.transpose(1, 2)
+        if own is not None:
+            grad_x.index_add_(1, edges.firsts, own)
             grad_kernel = grad_kernel + grad_k if mask[1] else None
             grad_bias = grad_bias + grad_b if mask[2] else None
-        send_gradients_home(fetched, plan, grad_x, posted.cp, posted.meter)
+        add_home(grad_x)
         return grad_x, grad_kernel, grad_bias, None, None
 
 

@@ -22,7 +22,8 @@ from cpcompose.comm import CommMeter, CPGroup, start_all_to_all_pieces
 from cpcompose.layouts import Layout
 
 __all__ = [
-    "FetchPlan", "PostedFetch", "assemble_rows", "fetch_positions", "plan_fetch", "post_fetch", "send_gradients_home",
+    "FetchPlan", "PostedFetch", "assemble_rows", "fetch_positions", "plan_fetch", "post_fetch", "post_gradients_home",
+    "send_gradients_home",
 ]
 
 
@@ -124,11 +125,23 @@ def send_gradients_home(grad: Tensor, plan: FetchPlan, grad_x: Tensor, cp: CPGro
     """The fetch's backward: adds the gradient of each asked row (`grad`, `(batch, plan.count, ...)`) to its owner's
     `grad_x` (`x`'s shape; this rank's rows here, the others' after the forward's exchange reversed). A collective
     when the fetch moved rows: every rank calls it."""
-    grad_x.index_add_(1, plan.local_rows, grad.index_select(1, plan.local_slots))
-    if plan.moves:  # the forward's exchange reversed: each row's gradient goes home
-        returned = _start_exchange(grad, plan.recv_slots, plan.send_rows, grad.shape[2:], cp, meter)()
-        for rows, g in zip(plan.send_rows, returned):
+    post_gradients_home(grad, plan, cp, meter)(grad_x)
+
+
+def post_gradients_home(
+    grad: Tensor, plan: FetchPlan, cp: CPGroup, meter: CommMeter | None
+) -> Callable[[Tensor], None]:
+    """`send_gradients_home` posted: the exchange starts now, the returned `add(grad_x)` waits for it and adds, so
+    a backward computes the rest of `x`'s gradient while the fetched rows' gradients travel."""
+    returned = (_start_exchange(grad, plan.recv_slots, plan.send_rows, grad.shape[2:], cp, meter)
+                if plan.moves else None)  # the forward's exchange reversed: each row's gradient goes home
+
+    def add(grad_x: Tensor) -> None:
+        grad_x.index_add_(1, plan.local_rows, grad.index_select(1, plan.local_slots))
+        for rows, g in zip(plan.send_rows, returned() if returned is not None else []):
             grad_x.index_add_(1, rows, g)
+
+    return add
 
 
 class PostedFetch:
