@@ -116,8 +116,9 @@ class _CarriedIn(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         c, h0, decay = ctx.saved_tensors
-        wide = grad.to(c.dtype).view(*c.shape[:3], *h0.shape[2:4])  # (batch, run, groups, heads/groups, dim)
-        per_head = decay.view(wide.shape[:4])
+        # (batch, run, groups, heads/groups, dim); reshape, not view: whatever strides the gradient arrives with
+        wide = grad.to(c.dtype).reshape(*c.shape[:3], *h0.shape[2:4])
+        per_head = decay.reshape(wide.shape[:4])
         through = torch.einsum("blgkp,bgkpn->blgkn", wide, h0)  # the gradient read through the state
         grad_c = torch.einsum("blgkn,blgk->blgn", through, per_head) if ctx.needs_input_grad[1] else None
         grad_h0 = (torch.einsum("blgkp,blgn->bgkpn", wide * per_head[..., None], c)
