@@ -101,7 +101,8 @@ class _CarriedIn(torch.autograd.Function):
     buffer (one shard-sized buffer forward, where `addcmul` takes two) and is not kept for the
     backward, which instead reads the output gradient through the state once, `G = grad . h0`
     (batch, run, heads, state): `C`'s gradient and the decay's are small contractions of `G`.
-    Measured alone on 2,048 tokens a rank (forward and backward): 8.5 ms against autograd's 11.1.
+    Measured alone on 2,048 tokens a rank, forward and backward with `C` a strided view as the conv
+    gives it: 10.5 ms against autograd's 13.2 (docs/benchmarks/mixers.md).
     """
 
     @staticmethod
