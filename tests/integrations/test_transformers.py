@@ -65,12 +65,15 @@ def test_architecture_is_exact(pools, name: str, world: int) -> None:
 def test_packed_rows_are_exact(pools, name: str, world: int) -> None:
     """A row from transformers' flattening collator: documents from its restarting position_ids.
 
-    The reference is transformers' own packed path (its document mask from position_ids).
+    Two references: transformers' own packed path (its document mask from position_ids), and each
+    document run alone (what a pack means; the two differ for DSA models, test_transformers_indexer.py).
     The split is the balanced packed split of those documents, padded only at the end of the pack.
     """
     want, state = cases.reference_packed(name)
     per_rank = pools.get(world).run(cases.cp_packed, name, state, "packed")
     assert_matches(want, per_rank, name)
+    if name not in cases.MASKED_LM:  # an encoder's reference already runs each document alone
+        assert_matches(cases.reference_packed(name, alone=True)[0], per_rank, name)
     cu = torch.tensor([0, *cases.DOCS]).cumsum(0).tolist()
     expected = PackedLayout.build(cu, world)
     for got in per_rank[0].values():

@@ -3,12 +3,17 @@
 Tiny models, plain batches (zigzag) and packed rows (pack_batch), P = 2 (region strategy
 "ring": the selected rows move, or every row where that is fewer bytes) and P = 4 ("allgather":
 every row). The reference is transformers' own single process (sdpa, the indexer's top-k folded
-into its mask); loss and every gradient must match it. The indexers' weights get no
+into its mask): for a plain batch its rows; for a packed row each document run alone (one row each,
+one mean over every document's targets), since transformers' own packed row is not that: its
+indexer's `topk` over the whole row breaks ties among equal scores (many are exactly 0: sums of
+ReLU'd products) by the row's length and positions, so a packed document selects other keys than
+the same document alone (DeepSeek-V3.2 on these 32 tokens in float64, one process, no cpcompose:
+the loss 3.5e-4 relative apart, a gradient off by 10% of the largest gradient). Loss and every gradient must match the reference. The indexers' weights get no
 gradient in either (transformers runs the indexer under no_grad).
 
 Ties: a second GLM-5 model has its indexer's head weights zeroed, so every score of every
 row is exactly 0 and the whole selection is decided by how `topk` breaks ties, which
-the CP run must reproduce from the same full row.
+the CP run must reproduce from the document's own row.
 """
 
 from __future__ import annotations
@@ -23,23 +28,10 @@ import transformers as hf
 
 import cpcompose.integrations.transformers as cphf
 from cpcompose import allreduce_gradients, context_parallel, cp_cross_entropy, cp_unshard
+from tests.support.dsa_cases import CONFIGS, REFERENCE_IMPL, V
 
-B, SEQ, V = 2, 32, 64
+B, SEQ = 2, 32
 DOCS = (5, 17, 1, 3, 6)  # 32 tokens, a document of length 1
-_MLA = dict(vocab_size=V, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=2,
-            num_experts_per_tok=1, n_group=1, topk_group=1, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=4,
-            qk_nope_head_dim=8, v_head_dim=8, index_topk=6, index_head_dim=8, index_n_heads=2,
-            first_k_dense_replace=1, pad_token_id=0, bos_token_id=1, eos_token_id=1, attention_dropout=0.0)
-_NO_DENSE = {k: v for k, v in _MLA.items() if k != "first_k_dense_replace"}
-CONFIGS = {
-    "deepseek_v32": lambda: hf.DeepseekV32Config(**_MLA),
-    "axk2": lambda: hf.AXK2Config(**_NO_DENSE),
-    "dots3_note": lambda: hf.Dots3NoteTextConfig(**_NO_DENSE),
-    "hy_v4": lambda: hf.HYV4Config(**_NO_DENSE),  # with attention sinks (s_aux), one logit per head
-    "glm_moe_dsa": lambda: hf.GlmMoeDsaConfig(**_MLA, indexer_types=["full", "shared"]),
-    "glm_moe_dsa_ties": lambda: hf.GlmMoeDsaConfig(**_MLA, indexer_types=["full", "full"]),
-}
 # The runs differ from the reference only in summation order (attention over the selected
 # rows, cross-entropy over ranks), so each gradient's error is a few eps of the terms it
 # summed: measured against the larger of the tensor's largest entry and the model's largest
@@ -49,7 +41,6 @@ CONFIGS = {
 REL = {torch.float64: 1e-9, torch.float32: 1e-4}
 FLOAT32_INSIDE = {"hy_v4": 1e-5}  # builds its indexer norm, head weights and sinks in float32 whatever the dtype:
 # float64 runs then differ by float32 rounding (eps 1.2e-7) through the depth of sums (~1e2)
-REFERENCE_IMPL = {"hy_v4": "eager"}  # transformers runs HunYuan V4 (DSA with sinks) only with eager attention
 
 
 def build(name: str, impl: str, dtype: torch.dtype, state: dict | None = None) -> torch.nn.Module:
@@ -64,13 +55,17 @@ def build(name: str, impl: str, dtype: torch.dtype, state: dict | None = None) -
     return model
 
 
-def batch(kind: str) -> dict[str, torch.Tensor]:
+def documents() -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(1)
+    return [torch.randint(2, V, (n,), generator=g) for n in DOCS]
+
+
+def batch(kind: str) -> dict[str, torch.Tensor]:
     if kind == "plain":
-        ids = torch.randint(2, V, (B, SEQ), generator=g)
+        ids = torch.randint(2, V, (B, SEQ), generator=torch.Generator().manual_seed(1))
         return {"input_ids": ids, "position_ids": torch.arange(SEQ).expand(B, SEQ).clone(),
                 "labels": cphf.shift_labels(ids)}
-    features = [{"input_ids": torch.randint(2, V, (n,), generator=g).tolist()} for n in DOCS]
+    features = [{"input_ids": d.tolist()} for d in documents()]
     packed = hf.DataCollatorWithFlattening(return_tensors="pt")(features)
     return {**packed, "labels": cphf.shift_labels(packed["labels"])}
 
@@ -80,11 +75,19 @@ def grads(model: torch.nn.Module) -> dict[str, torch.Tensor | None]:
 
 
 def reference(name: str, kind: str, dtype: torch.dtype) -> tuple[dict, dict]:
+    """transformers on one process: the plain batch's rows, or each packed document alone (one row each), with one
+    mean over every document's targets."""
     model = build(name, REFERENCE_IMPL.get(name, "sdpa"), dtype)
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    x = batch(kind)
-    logits = model(input_ids=x["input_ids"], position_ids=x["position_ids"], use_cache=False).logits
-    loss = F.cross_entropy(logits.flatten(0, 1), x["labels"].flatten(), ignore_index=-100)
+    if kind == "plain":
+        x = batch(kind)
+        logits = model(input_ids=x["input_ids"], position_ids=x["position_ids"], use_cache=False).logits
+        loss = F.cross_entropy(logits.flatten(0, 1), x["labels"].flatten(), ignore_index=-100)
+    else:
+        docs = documents()
+        total = sum(F.cross_entropy(model(input_ids=d[None], use_cache=False).logits[0, :-1], d[1:], reduction="sum")
+                    for d in docs)
+        loss = total / sum(len(d) - 1 for d in docs)
     loss.backward()
     return {"loss": loss.detach(), "grads": grads(model)}, state
 
@@ -170,30 +173,43 @@ def _indexer_count(model: torch.nn.Module) -> int:
 
 
 @pytest.mark.parametrize("name", ["glm_moe_dsa", "glm_moe_dsa_ties"])
-def test_indexer_selection_equals_one_process(pools, name: str) -> None:
-    """The same top-k lists, order included, as torch.topk on one process's rows; with every score tied at 0
-    (`_ties`) the whole choice is topk's tie-breaking, reproduced from the same full row."""
+def test_indexer_selection_equals_each_document_alone(pools, name: str) -> None:
+    """Each packed query's top-k list, order included, is the list torch.topk gives the same query of its
+    document run alone on one process (shifted to the document's start), the rest of the list positions outside
+    the document; with every score tied at 0 (`_ties`) the whole choice is topk's tie-breaking, reproduced from
+    the document's own row."""
     model = build(name, "sdpa", torch.float32)
     state = {k: v.clone() for k, v in model.state_dict().items()}
     seen = _recording(model)
-    x = batch("packed")
+    alone = []
     with torch.no_grad():
-        model(input_ids=x["input_ids"], position_ids=x["position_ids"], use_cache=False)
+        for d in documents():
+            model(input_ids=d[None], use_cache=False)
+            alone.append(seen[-_indexer_count(model):])
+    starts = torch.tensor((0, *DOCS)).cumsum(0).tolist()
     for got in pools.get(2).run(cp_indices, name, "packed", state):
-        assert len(got) == len(seen) == _indexer_count(model)
-        for cp_rows, want in zip(got, seen):
-            assert torch.equal(cp_rows, want)
+        assert len(got) == _indexer_count(model)
+        for layer, cp_rows in enumerate(got):
+            for doc, (start, length) in enumerate(zip(starts, DOCS)):
+                want = alone[doc][layer][0] + start  # (length, min(index_topk, length))
+                rows = cp_rows[0, start : start + length]
+                assert torch.equal(rows[:, : want.shape[1]], want), (layer, doc)
+                rest = rows[:, want.shape[1] :]
+                assert bool(((rest < start) | (rest >= start + length)).all()), (layer, doc)
 
 
 def test_every_dsa_indexer_of_this_transformers_is_routed() -> None:
     assert set(cphf.routed_indexers()) >= {"deepseek_v32.DeepseekV32Indexer", "glm_moe_dsa.GlmMoeDsaIndexer"}
 
 
-def test_outside_a_cp_region_it_is_transformers_sparse_attention() -> None:
-    """"cpcompose" on one process reads the indexer's `indices=` as transformers' sdpa path reads its mask."""
-    want, state = reference("deepseek_v32", "packed", torch.float64)
+@pytest.mark.parametrize("kind", ["plain", "packed"])
+def test_outside_a_cp_region_each_document_is_alone(kind: str) -> None:
+    """"cpcompose" on one process reads the indexer's `indices=` as transformers' sdpa path reads its mask, and
+    on a packed row (positions restarting at each document) takes each document's top-k as the document alone:
+    the trainer's cp = 1 and a user's one-process evaluation give what CP gives."""
+    want, state = reference("deepseek_v32", kind, torch.float64)
     model = build("deepseek_v32", "cpcompose", torch.float64, state)
-    x = batch("packed")
+    x = batch(kind)
     logits = model(input_ids=x["input_ids"], position_ids=x["position_ids"], use_cache=False).logits
     loss = F.cross_entropy(logits.flatten(0, 1), x["labels"].flatten(), ignore_index=-100)
     loss.backward()
@@ -209,3 +225,39 @@ def test_pooled_sparse_attention_is_refused_by_class(path: str) -> None:
     cls = getattr(importlib.import_module(f"transformers.models.{name}.modeling_{name}"), cls_name)
     assert getattr(cls.forward, "__cpcompose_refused__", False)
     assert any(p.endswith(f".{cls_name}") for p in cphf.kernels.REFUSED)
+
+
+def sdpa_on_one_rank(mesh, state: dict) -> dict[str, Any]:
+    """DeepSeek-V3.2 under CP built with sdpa on rank 1 (the PyTorch-API route) and "cpcompose" on rank 0, with the
+    first-use probe and without: the same refusal on every rank; then a valid step in the same group."""
+    messages = {}
+    impl = "sdpa" if mesh.get_local_rank() == 1 else "cpcompose"
+    for verify in (True, False):
+        model = build("deepseek_v32", impl, torch.float64, state)
+        x = batch("plain")
+        buffers = [x["input_ids"], x["position_ids"]]
+        try:
+            with context_parallel(mesh, buffers=buffers, buffer_seq_dims=[1, 1], verify=verify):
+                model(input_ids=buffers[0], position_ids=buffers[1], use_cache=False)
+            messages[verify] = "no error"
+        except ValueError as e:
+            messages[verify] = str(e)
+    return {"messages": messages, "valid": cp_step(mesh, "deepseek_v32", "plain", torch.float64, state, "ring")}
+
+
+def test_dsa_without_cpcompose_attention_is_refused_on_every_rank(pools) -> None:
+    """Inside a CP region a DSA model's attention must read the indexer's global top-k: transformers' sdpa and
+    eager paths scatter it into a mask of the rank's shard (before: `index 21 is out of bounds for dimension 2
+    with size 16` on one rank, another index on the other). The same ValueError on every rank, naming the
+    implementation to use, before any collective; the group then runs a valid step."""
+    want, state = reference("deepseek_v32", "plain", torch.float64)
+    results = pools.get(2).run(sdpa_on_one_rank, state)
+    for verify in (True, False):
+        messages = {r["messages"][verify] for r in results}
+        assert len(messages) == 1, messages  # the same error on every rank
+        message = messages.pop()
+        assert "rank 1: DeepseekV32Indexer (layer 0)" in message and 'attn_implementation="cpcompose"' in message, \
+            message
+        assert "'sdpa'" in message and "rank 0" not in message, message
+    for got in results:
+        assert_matches(got["valid"], want, REL[torch.float64])

@@ -108,6 +108,41 @@ def test_refused_on_every_rank_then_the_group_runs_a_valid_step(pools, valid_ref
     cases.assert_matches(want, [r["valid"] for r in results], "lfm2", f"P={world} after a refusal")
 
 
+def eager_on_one_rank(mesh, name: str, state: dict) -> dict:
+    """A hybrid built with eager attention on rank 1 and "cpcompose" on the others, with the probe and without:
+    the ranks agree before any layer runs; then a valid step in the same group."""
+    messages = {}
+    for verify in (True, False):
+        model = cases.build(name, state)
+        if mesh.get_local_rank() == 1:
+            model = cases.HYBRIDS[name].auto.from_config(cases.HYBRIDS[name].config(), dtype=torch.float64,
+                                                         experts_implementation="eager", attn_implementation="eager")
+        ids, _ = cases.plain_batch()
+        positions = torch.arange(ids.shape[1]).expand_as(ids).clone()
+        try:
+            with context_parallel(mesh, buffers=[ids, positions], buffer_seq_dims=[1, 1], verify=verify):
+                model(input_ids=ids, position_ids=positions, use_cache=False)
+            messages[verify] = "no error"
+        except ValueError as e:
+            messages[verify] = str(e)
+    return {"messages": messages, "valid": cases.cp_plain(mesh, name, state, strategies=("ring",))}
+
+
+def test_attention_outside_cp_on_one_rank_is_refused_everywhere(pools, valid_reference) -> None:
+    """A hybrid whose attention is transformers' eager code would attend over the rank's shard alone, and its mixers'
+    CP calls hid that from the region's end-of-forward check (LFM2: logits off by up to 0.16 with verify=False).
+    Every rank refuses on the model's first forward in the region, naming the implementation to use."""
+    want, state = valid_reference
+    results = pools.get(2).run(eager_on_one_rank, "lfm2", state)
+    for verify in (True, False):
+        messages = {got["messages"][verify] for got in results}
+        assert len(messages) == 1, messages  # the same error on every rank
+        message = messages.pop()
+        assert "rank 1: Lfm2ForCausalLM was built with attn_implementation='eager'" in message, message
+        assert 'attn_implementation="cpcompose"' in message and "rank 0" not in message, message
+    cases.assert_matches(want, [r["valid"] for r in results], "lfm2", "P=2 after a refusal")
+
+
 def per_query_sinks(mesh) -> dict:
     """An attention call whose kwargs carry per-query sinks on one rank only (what Inkling 2 passes): refused on
     every rank by CP attention itself, whatever class calls it; then a valid call in the same group."""

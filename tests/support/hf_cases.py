@@ -177,17 +177,20 @@ def targets_of(name: str, labels: torch.Tensor) -> torch.Tensor:
     return labels if name in MASKED_LM else cphf.shift_labels(labels)
 
 
-def reference_packed(name: str) -> tuple[dict, dict]:
-    """transformers on the whole packed row: its own document mask from the restarting position_ids.
+def reference_packed(name: str, *, alone: bool = False) -> tuple[dict, dict]:
+    """transformers on the whole packed row (its own document mask from the restarting position_ids), or with
+    `alone` each document run by itself (one row each), one mean over every document's targets: what a pack
+    must equal, whatever transformers' packed route does (its DSA indexer's top-k does not: see
+    tests/integrations/test_transformers_indexer.py).
 
     Its sdpa/eager masks for encoders ignore packing (only its flash-attention path honours it),
-    so an encoder's reference runs each document on its own.
+    so an encoder's reference always runs each document on its own.
     """
     model = build(name, reference_impl(name))
     state = {k: v.clone() for k, v in model.state_dict().items()}
     batch = flattened_features()
     targets = targets_of(name, batch["labels"])[0]
-    if name in MASKED_LM:
+    if alone or name in MASKED_LM:
         bounds = torch.tensor([0, *DOCS]).cumsum(0).tolist()
         total = sum(
             F.cross_entropy(forward(model, name, input_ids=batch["input_ids"][:, a:b])[0], targets[a:b],

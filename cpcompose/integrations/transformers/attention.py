@@ -49,14 +49,12 @@ except ImportError as e:  # an optional dependency: say which extra brings it
 from cpcompose import _compat
 from cpcompose.attention.call.selected import attend_selected
 from cpcompose.comm import CPGroup
+from cpcompose.integrations.transformers.implementation import ATTN_IMPLEMENTATION
 from cpcompose.integrations.transformers.indexer import INDEXED_FAMILIES
 from cpcompose.layouts import Layout, PackedLayout
 from cpcompose.parallel.dispatch import CPAttentionMode, active_cp_region
 
 __all__ = ["ATTN_IMPLEMENTATION", "OWN_ATTENTION", "cpcompose_attention_forward", "cpcompose_mask", "hf_window"]
-
-ATTN_IMPLEMENTATION = "cpcompose"
-"""The name to pass as `attn_implementation=` (registered on import)."""
 
 OWN_ATTENTION = {
     "mpt": (

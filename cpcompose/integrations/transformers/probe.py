@@ -6,6 +6,12 @@ sequence: transformers on one process against the same model under CP, module by
 Importing the integration also runs it automatically on a model's first forward inside
 a CP region (`CPOptions.verify`, default on; `context_parallel(..., verify=False)` skips
 it): the probe's single-process run steps out of the region for its duration.
+
+Whether or not the probe runs, that first forward checks one thing every rank agrees on before
+any layer runs: a model with attention layers must compute them through "cpcompose" (or "sdpa",
+which the region routes or refuses). Any other implementation (eager, flash_attention_2, flex,
+a hub kernel) computes attention in transformers' own code on the rank's shard alone; in a hybrid
+model the mixers' CP calls would hide that from the region's end-of-forward check.
 """
 
 from __future__ import annotations
@@ -19,18 +25,28 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
 from cpcompose import _compat
+from cpcompose.agreement import agree_across_ranks
 from cpcompose.attention.call.options import CPOptions
 from cpcompose.comm import CPGroup
+from cpcompose.integrations.transformers.implementation import ATTN_IMPLEMENTATION
 from cpcompose.integrations.transformers.kernels import refused_in
 from cpcompose.parallel.dispatch import active_cp_region
 from cpcompose.parallel.verify import verify as verify_modules
 
-__all__ = ["PROBE_TOKENS_PER_RANK", "install_first_use_probe", "verify"]
+__all__ = ["CP_ATTENTION_IMPLEMENTATIONS", "PROBE_TOKENS_PER_RANK", "implementation_refusal",
+           "install_first_use_probe", "verify"]
 
 PROBE_TOKENS_PER_RANK = 16
 """Tokens per CP rank of the probe's sequence: short, but longer than a conv's width and a chunk."""
 
+CP_ATTENTION_IMPLEMENTATIONS = (ATTN_IMPLEMENTATION, "sdpa")
+"""The attention implementations a CP region can see: "cpcompose", and "sdpa", whose calls it routes (or refuses)."""
+
+_ATTENTION_FLAGS = ("_supports_attention_backend", "_supports_sdpa", "_supports_flash_attn", "_supports_flex_attn")
+"""transformers' class flags of a model with attention layers (a Mamba, RWKV or xLSTM model has none of them)."""
+
 _VERIFIED: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # models probed in this process (owned by the models)
+_CHECKED: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # models whose attention implementation the ranks agreed on
 
 
 def verify(model: nn.Module, mesh: DeviceMesh, *, options: CPOptions | None = None, **overrides: Any) -> None:
@@ -84,16 +100,43 @@ def _is_hf_model(module: nn.Module) -> bool:
     return hasattr(module, "config") and hasattr(module, "can_generate")
 
 
+def implementation_refusal(model: nn.Module) -> str | None:
+    """Why `model`'s attention layers would run on a rank's shard alone inside a CP region, or None.
+
+    The text model's implementation decides (a vision tower attends over image patches, which CP does not split).
+    """
+    if not any(getattr(type(model), flag, False) for flag in _ATTENTION_FLAGS):
+        return None
+    config = model.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    implementation = getattr(text, "_attn_implementation", None)
+    if not isinstance(implementation, str) or implementation in CP_ATTENTION_IMPLEMENTATIONS:
+        return None
+    return (f"{type(model).__name__} was built with attn_implementation={implementation!r}, whose attention runs in "
+            f"transformers' own code on this rank's shard alone under CP; build it with attn_implementation="
+            f"\"{ATTN_IMPLEMENTATION}\"")
+
+
 def _first_use(module: nn.Module, args: Any) -> None:
-    """Probe a Hugging Face model on its first forward inside a CP region (once per model object)."""
-    if module in _VERIFIED or not _is_hf_model(module):
+    """On a Hugging Face model's first forward inside a CP region (once per model object): every rank agrees that
+    its attention is CP-aware, then the probe runs (unless the region's `verify` is off)."""
+    # Compiling first: traced, this hook must not read the sets below (dynamo would guard on their weak entries,
+    # which come and go with other models, and recompile); then the cheap per-module test.
+    if torch.compiler.is_compiling() or not _is_hf_model(module) or (module in _CHECKED and module in _VERIFIED):
         return
     region = active_cp_region()
-    if region is None or not region.options.verify or torch.compiler.is_compiling() or _compat.in_backward():
+    if region is None or _compat.in_backward():
         return
-    _VERIFIED.update(m for m in module.modules() if _is_hf_model(m))  # before: the probe calls the model itself
-    with _compat.function_modes_suspended():
-        verify(module, region.mesh, options=region.options)
+    if module not in _CHECKED:
+        _CHECKED.update(m for m in module.modules() if _is_hf_model(m))
+        device = next((p.device for p in module.parameters()), torch.device("cpu"))
+        agree_across_ranks(CPGroup.from_mesh(region.mesh), implementation_refusal(module), [],
+                           what="Hugging Face model under CP",
+                           device=device if device.type == "cuda" else torch.device("cpu"))
+    if region.options.verify and module not in _VERIFIED:
+        _VERIFIED.update(m for m in module.modules() if _is_hf_model(m))  # before: the probe calls the model itself
+        with _compat.function_modes_suspended():
+            verify(module, region.mesh, options=region.options)
 
 
 _HOOK: list[Any] = []  # the one global pre-hook's handle (installed once per process)
