@@ -227,3 +227,25 @@ def test_bad_input_on_one_rank_raises_everywhere(pools) -> None:
     assert "rank 1: Qwen4ExpTextPLELayer got a cache" in messages["ple_conv"]
     assert results[1]["messages"] == messages
     assert [r["shape"] for r in results] == [(B, S_LOCAL, WIDTH)] * 2
+
+
+def test_mlstm_backend_runs_in_bfloat16_on_one_process() -> None:
+    """transformers' "inference" kernels fail in bfloat16 from `chunk_size` tokens on (its chunkwise kernel meets
+    its float32 states with bfloat16 keys); outside a region the routed backend runs those calls in float32 and
+    returns bfloat16 outputs, so the first-use probe's one-process run of a bfloat16 xLSTM runs. A call the
+    original runs (fewer tokens) stays the original's, bit for bit."""
+    config = hf.xLSTMConfig(hidden_size=WIDTH, num_heads=HEADS, chunk_size=4, vocab_size=8, num_hidden_layers=1)
+    backend, original = xl.xLSTMBackend(config), xl.xLSTMBackend.forward.__wrapped__
+    g = torch.Generator().manual_seed(0)
+    for seq, fails in ((2 * config.chunk_size, True), (config.chunk_size - 1, False)):
+        inputs = [torch.randn(B, HEADS, seq, *shape, generator=g).bfloat16() for shape in ((8,), (8,), (8,), (), ())]
+        h, states = backend(*inputs)
+        if fails:
+            with pytest.raises(RuntimeError, match="expected scalar type Float but found BFloat16"):
+                original(backend, *inputs)  # transformers' own: when it stops failing, the fix can go
+            want, want_states = original(backend, *(t.float() for t in inputs))
+            want = want.bfloat16()
+        else:
+            want, want_states = original(backend, *inputs)
+        assert h.dtype == torch.bfloat16 and torch.equal(h, want)
+        assert all(torch.equal(a, b) for a, b in zip(states, want_states))

@@ -85,3 +85,17 @@ def test_ranks_with_different_models_are_refused_on_every_rank(pools) -> None:
     for message in pools.get(2).run(different_models):
         assert "allreduce_gradients" in message and "parameters" in message, message
         assert message.endswith("| then [3.0, 3.0]"), message
+
+
+def bfloat16_sum(mesh) -> list[float]:
+    """Rank 0 holds 1, every other rank 2^-8: each partial sum 1 + 2^-8 rounds back to 1 in bfloat16 (its spacing
+    at 1 is 2^-7), while the float32 sum 1 + 3 * 2^-8 rounds once to 1 + 2^-6 (a tie, to even)."""
+    p = nn.Parameter(torch.zeros(4, dtype=torch.bfloat16))
+    p.grad = torch.full_like(p, 1.0 if mesh.get_local_rank() == 0 else 2.0**-8)
+    allreduce_gradients(nn.ParameterList([p]), mesh)
+    return p.grad.float().tolist()
+
+
+def test_bfloat16_gradients_are_summed_in_float32_and_rounded_once(pools) -> None:
+    for got in pools.get(4).run(bfloat16_sum):
+        assert got == [1 + 2.0**-6] * 4, got

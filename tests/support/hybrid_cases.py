@@ -28,20 +28,23 @@ BATCH, SEQ = 2, 48
 DOCS = (5, 19, 1, 3, 12, 9, 23)  # 72 tokens: documents shorter and longer than a conv's width and a chunk
 
 
-def build(name: str, state: dict | None = None, *, cp: bool = True) -> torch.nn.Module:
-    """The family's tiny model in float64 (with "cpcompose" attention when it has attention and `cp`)."""
+def build(name: str, state: dict | None = None, *, cp: bool = True, dtype: torch.dtype = torch.float64,
+          config: hf.PretrainedConfig | None = None) -> torch.nn.Module:
+    """The family's tiny model in `dtype` (with "cpcompose" attention when it has attention and `cp`), from its
+    tiny config or `config`; `state` is loaded into the model's own dtypes (what transformers keeps in float32
+    stays float32)."""
     hybrid = HYBRIDS[name]
     torch.manual_seed(0)
     impl = {"attn_implementation": "cpcompose" if cp else hybrid.reference_attention} if hybrid.attention else {}
     # Mixture-of-experts layers: transformers' grouped matmul has no float64 kernel, its eager loop does.
-    model = hybrid.auto.from_config(hybrid.config(), dtype=torch.float64, experts_implementation="eager", **impl)
+    model = hybrid.auto.from_config(config or hybrid.config(), dtype=dtype, experts_implementation="eager", **impl)
     if state is not None:
         model.load_state_dict(state)
     return model
 
 
 @contextlib.contextmanager
-def _one_thread() -> Iterator[None]:
+def one_thread() -> Iterator[None]:
     """The reference on one intra-op thread, as the ranks run: two threads on two cores shared with other
     processes spin against each other (Zamba's packed reference took 10 s on two threads, 0.25 s on one)."""
     threads = torch.get_num_threads()
@@ -69,7 +72,7 @@ def plain_batch() -> tuple[torch.Tensor, torch.Tensor]:
     return ids, cphf.shift_labels(labels)
 
 
-@_one_thread()
+@one_thread()
 def reference_plain(name: str) -> tuple[dict, dict]:
     """The single-process run on the full batch, and the weights it started from."""
     model = build(name, cp=False)
@@ -113,7 +116,7 @@ def documents() -> list[torch.Tensor]:
     return [torch.randint(2, VOCAB, (n,), generator=g) for n in DOCS]
 
 
-@_one_thread()
+@one_thread()
 def reference_packed(name: str) -> tuple[dict, dict]:
     """Each document on its own (one row each), one mean over every document's targets."""
     model = build(name, cp=False)

@@ -19,6 +19,14 @@ m)`: the sequential run's state, so its outputs are the sequential run's.
 Each run goes through transformers' backend in "inference" mode (chunkwise kernel, then its
 recurrent kernel for the rest: any run length, states returned), which computes what the
 "train" mode computes for the same tokens.
+
+Dtypes: that mode keeps its states in float32 (`inference_state_dtype`), and its chunkwise
+kernel multiplies them with the keys without a cast, so bfloat16 or float16 inputs fail there
+("expected scalar type Float but found BFloat16"), on one process too, from `chunk_size`
+tokens on (below that only the recurrent kernel runs, which casts). So each run here computes
+in the states' dtype, float32 at least, and returns its outputs in the inputs' dtype; and
+outside a CP region `mlstm_backend_one_process` does the same for exactly the calls that would
+fail, so the probe's one-process run (and any single-process use) of a bfloat16 model runs.
 """
 
 from __future__ import annotations
@@ -39,9 +47,38 @@ from cpcompose.mixers.halo import fetch_positions
 from cpcompose.mixers.states import tie
 from cpcompose.mixers.region import Region
 
-__all__ = ["cp_mlstm_backend"]
+__all__ = ["cp_mlstm_backend", "mlstm_backend_one_process"]
 
 _WHAT = "xLSTMBackend"
+
+
+def _kernel_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the inference kernels keep their states in, float32 at least: the dtype a run computes in."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def mlstm_backend_one_process(
+    original: Callable[..., Any], self: nn.Module, query: Tensor, key: Tensor, value: Tensor, igate: Tensor,
+    fgate: Tensor, c_initial: Tensor | None = None, n_initial: Tensor | None = None, m_initial: Tensor | None = None,
+    return_last_states: bool | None = None, mode: str | None = None,
+) -> Any:
+    """`xLSTMBackend.forward` outside a CP region: transformers' own, except for the calls it fails on.
+
+    Its "inference" mode fails on inputs below float32 from `chunk_size` tokens on, when its stabilizer state
+    is float32 (its default zeros, or a float32 cache): its chunkwise kernel then multiplies float32 gated keys
+    with the values. Those calls compute in float32 (states float32, as that mode keeps them) and return their
+    outputs in the inputs' dtype; every other call is the original's.
+    """
+    states = dict(c_initial=c_initial, n_initial=n_initial, m_initial=m_initial)
+    wide = _kernel_dtype(query.dtype)
+    fails = ("inference" in (mode or self.config.mode) and wide != query.dtype
+             and query.shape[2] >= self.config.chunk_size and (m_initial is None or m_initial.dtype != query.dtype))
+    if not fails:
+        return original(self, query, key, value, igate, fgate, **states, return_last_states=return_last_states,
+                        mode=mode)
+    inputs = (t.to(wide) for t in (query, key, value, igate, fgate))
+    h, last = original(self, *inputs, **states, return_last_states=return_last_states, mode=mode)
+    return h.to(query.dtype), last
 
 
 def _shape_error(q: Tensor, k: Tensor, v: Tensor, i: Tensor, f: Tensor) -> str | None:
@@ -116,7 +153,7 @@ def cp_mlstm_backend(
     agree_across_ranks(cp, error, signature, what=_WHAT, device=query.device)  # before the gates' exchange
     assert layout is not None
     m_start, fetched = _starting_m(igate, fgate, layout, cp, region)
-    state_dtype = torch.promote_types(query.dtype, torch.float32)  # the backend's states are float32 at least
+    state_dtype = _kernel_dtype(query.dtype)  # a run computes in it (see the module's docstring: "Dtypes")
     dv = value.shape[-1]
 
     def kernel(rows: slice, init: Tensor | None) -> tuple[Tensor, Tensor]:
@@ -125,10 +162,10 @@ def cp_mlstm_backend(
             m = m_start[rows.start]
             scaled = (init * torch.exp(-m)[..., None, None]).to(state_dtype)
             start = dict(c_initial=scaled[..., :dv], n_initial=scaled[..., dv], m_initial=m[..., None].to(state_dtype))
-        h, (c, n, m_end) = original(self, query[:, :, rows], key[:, :, rows], value[:, :, rows], igate[:, :, rows],
-                                    fgate[:, :, rows], **start, mode="inference")
+        inputs = (t[:, :, rows].to(state_dtype) for t in (query, key, value, igate, fgate))
+        h, (c, n, m_end) = original(self, *inputs, **start, mode="inference")
         unscaled = torch.cat([c.double(), n.double()[..., None]], dim=-1) * m_end.double().exp()[..., None]
-        return h, unscaled  # (batch, heads, dqk, dv + 1)
+        return h.to(query.dtype), unscaled  # (batch, heads, dqk, dv + 1)
 
     def transition(rows: slice) -> Tensor:
         return F.logsigmoid(fgate[:, :, rows].double()).sum(-1).exp()[..., None, None]  # (batch, heads, 1, 1)

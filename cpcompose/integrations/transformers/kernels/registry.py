@@ -20,10 +20,10 @@ from cpcompose.mixers.fla import cp_chunk_gated_delta_rule, cp_chunk_kimi_delta_
 from cpcompose.mixers.mamba_ssm import cp_mamba2_chunk_scan, cp_mamba_selective_scan
 from cpcompose.mixers.transformers_models import (
     cp_lightning_attention, cp_mlstm_backend, cp_ngram_embedding, cp_ple_short_conv, cp_recurrent_block,
-    cp_rglru_scan, cp_rwkv_block, cp_rwkv_linear_attention,
+    cp_rglru_scan, cp_rwkv_block, cp_rwkv_linear_attention, mlstm_backend_one_process,
 )
 
-__all__ = ["METHOD_ROUTES", "MODELING_MODULES", "REFUSED", "ROUTES", "KernelCP"]
+__all__ = ["METHOD_ROUTES", "MODELING_MODULES", "ONE_PROCESS_FIXES", "REFUSED", "ROUTES", "KernelCP"]
 
 KernelCP = Callable[..., Any]
 """`cp(original, region, *args, **kwargs)`: a kernel function's CP version (same arguments as the original)."""
@@ -62,3 +62,11 @@ METHOD_ROUTES: Mapping[str, KernelCP] = MappingProxyType({
 })
 """`<modeling name>.<Class>.<method>` -> its CP version `cp(original, region, self, *args, **kwargs)`: the
 original method outside a region, the CP version inside (for mixers written in the model's own code)."""
+
+ONE_PROCESS_FIXES: Mapping[str, Callable[..., Any]] = MappingProxyType({
+    "xlstm.xLSTMBackend.forward": mlstm_backend_one_process,  # its "inference" kernels fail below float32
+})
+"""`METHOD_ROUTES` entries whose transformers original fails on inputs the model otherwise takes ->
+`fix(original, self, *args, **kwargs)`, which runs in the original's place outside a CP region (so the
+first-use probe's one-process run, too, runs what the CP version runs). Every call the original
+does not fail on stays the original's."""

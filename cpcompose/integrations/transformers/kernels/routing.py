@@ -14,6 +14,7 @@ from torch import nn
 from cpcompose.integrations.transformers.kernels.registry import (
     METHOD_ROUTES,
     MODELING_MODULES,
+    ONE_PROCESS_FIXES,
     REFUSED,
     ROUTES,
     KernelCP,
@@ -23,8 +24,10 @@ from cpcompose.parallel.dispatch import active_cp_region
 __all__ = ["install", "refused_in", "routed_functions", "routed_methods"]
 
 
-def _routed(name: str, original: Callable[..., Any], cp: KernelCP) -> Callable[..., Any]:
-    """`original` outside a CP region, `cp(original, region, ...)` inside one.
+def _routed(name: str, original: Callable[..., Any], cp: KernelCP,
+            fix: Callable[..., Any] | None = None) -> Callable[..., Any]:
+    """`original` outside a CP region (or `fix(original, ...)`, `ONE_PROCESS_FIXES`), `cp(original, region, ...)`
+    inside one.
 
     Set on a class, the wrapper is a method like the original: `self` arrives as the first
     argument, so a method's CP version gets `(original, region, self, ...)`.
@@ -34,7 +37,7 @@ def _routed(name: str, original: Callable[..., Any], cp: KernelCP) -> Callable[.
     def kernel(*args: Any, **kwargs: Any) -> Any:
         region = active_cp_region()
         if region is None:
-            return original(*args, **kwargs)
+            return original(*args, **kwargs) if fix is None else fix(original, *args, **kwargs)
         region.routed += 1  # a token mixer that went through CP (a pure Mamba model has no attention)
         return cp(original, region, *args, **kwargs)
 
@@ -87,7 +90,7 @@ def install() -> None:
     for path, cp in METHOD_ROUTES.items():
         found = _method(path)
         if found is not None and not hasattr(getattr(*found), "__cpcompose_route__"):
-            setattr(found[0], found[1], _routed(path, getattr(*found), cp))
+            setattr(found[0], found[1], _routed(path, getattr(*found), cp, ONE_PROCESS_FIXES.get(path)))
     for path, reason in REFUSED.items():
         module_name, cls_name = path.rsplit(".", 1)
         cls = getattr(_module(module_name), cls_name, None)
