@@ -123,6 +123,15 @@ _ALIASES = {
 }
 
 
+# What other trainers' users look for and this trainer does not have (leaf names only): said instead of a near
+# spelling of something else (`parallelism.ep` is not `optimizer.eps`).
+_NOT_HERE = dict.fromkeys(
+    ("ep", "expert_parallel_degree", "expert_parallel", "etp", "expert_tensor_parallel_degree"),
+    "expert parallelism is not supported yet: a mixture-of-experts model's experts are sharded by FSDP2 over "
+    "parallelism.dp_shard x parallelism.cp like its other weights",
+)
+
+
 def _candidates(name: str, known: list[str]) -> list[str]:
     """The keys a mistyped `name` most likely meant, searched in every section.
 
@@ -130,7 +139,8 @@ def _candidates(name: str, known: list[str]) -> list[str]:
     section (`training.lr` -> `optimizer.lr`: the user knew the name, not its section),
     then another trainer's name for it (`learning_rate`), then the closest spelling of
     the name in any section (`training.seqlen` -> `training.seq_len`, `training.warmup`
-    -> `lr_scheduler.warmup_steps`).
+    -> `lr_scheduler.warmup_steps`); a name of three letters or fewer is only looked for in
+    its own section (two letters are a third of a word away from many others).
     """
     section, _, leaf = name.rpartition(".")
 
@@ -145,12 +155,16 @@ def _candidates(name: str, known: list[str]) -> list[str]:
         return rank(same)[:3]
     if _ALIASES.get(leaf) in known:
         return [_ALIASES[leaf]]
-    scored = [(near(leaf, k.rpartition(".")[2]), k) for k in known]
+    scored = [(near(leaf, k.rpartition(".")[2]), k) for k in known
+              if len(leaf) > 3 or not section or k.rpartition(".")[0] == section]
     best = max((score for score, _ in scored), default=0.0)
     return rank([k for score, k in scored if score == best])[:1] if best >= 0.6 else []
 
 
 def _suggest(name: str, known: list[str], prefix: str = "") -> str:
+    missing = _NOT_HERE.get(name.rpartition(".")[2])
+    if missing is not None:
+        return f": {missing}"
     matches = _candidates(name, known)
     if not matches:
         return ""

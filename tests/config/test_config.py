@@ -79,6 +79,10 @@ def test_values_are_converted_by_annotation(tmp_path: Path) -> None:
         ("", ["--training.name=x"], r"\(did you mean '--\w+.name' or '--\w+.name' or '--\w+.name'\?\)$"),
         ("[training]\nlr = 0.1\n", [], r"unknown key 'training.lr' in .*run.toml \(did you mean 'optimizer.lr'\?\)$"),
         ("", ["--training.zzzz=1"], r"unknown option '--training.zzzz'$"),
+        # What this trainer lacks is said, not matched to a near spelling elsewhere (ep is not optimizer.eps).
+        ("", ["--parallelism.ep=2"], r"unknown option '--parallelism.ep': expert parallelism is not supported yet"),
+        ("[parallelism]\nexpert_parallel_degree = 2\n", [], r"expert parallelism is not supported yet"),
+        ("", ["--parallelism.tpp=2"], r"\(did you mean '--parallelism.tp'\?\)$"),
         ("", ["--training.seq_len=abc"], r"^training.seq_len: expected int, got 'abc'"),
         ("", ["--job.dry_run=maybe"], r"^job.dry_run: expected bool \(true/false/1/0\), got 'maybe'"),
         ("", ["--optimizer.lr=fast"], r"^optimizer.lr: expected float, got 'fast'"),
