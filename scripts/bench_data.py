@@ -10,12 +10,16 @@ given sizes, written once into ``--work``. The tokenizer is the tiny model's byt
    Both as MB of text per second and tokens per second, in total and per core (the cores this process may use).
 
 2. Start-up and peak per rank. ``python -m cpcompose.train`` with the tiny Llama, cp = 2, 2 steps, on each
-   corpus: in memory (data.store_dir unset: every rank tokenizes the corpus), and with the store (a first run
-   that builds it, then the run that matters, a second one that reuses it). Wall time of the command, and the
-   largest VmHWM of the ranks (read from /proc every 20 ms while they run), and the launcher's own (which
-   builds the store, before the ranks start).
+   corpus given as data.path, the way the docs show it (no data option but data.source and data.path): the
+   default token store, in the per-user cache (pointed here at ``--work``/cache through XDG_CACHE_HOME, never
+   the real one): a first run that builds it, then the run that matters, a second start that reuses it,
+   ``--repeats`` times, the sizes taking turns; and, unless ``--skip-in-memory``, data.store = false (every rank
+   tokenizes the corpus).
+   Wall time of the command, the time from its start to the first step's log line, the largest VmHWM of the
+   ranks (read from /proc every 20 ms while they run), and the launcher's own (which builds the store, before
+   the ranks start).
 
-    python scripts/bench_data.py --work /tmp/bench-data --sizes-mib 1 64 1024 --out docs/bench/data.json
+    python scripts/bench_data.py --work /tmp/bench-data --sizes-mib 1 64 --repeats 3 --out docs/bench/data.json
     python scripts/bench_data.py --work /tmp/bench-data --sizes-mib 0.25 --skip-in-memory   # a quick check
 """
 
@@ -25,9 +29,11 @@ import argparse
 import importlib.util
 import json
 import os
+import platform
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -66,6 +72,19 @@ def write_corpus(path: Path, mib: float, seed: int = 0) -> Path:
 
 def cores() -> int:
     return len(os.sched_getaffinity(0))
+
+
+def machine() -> dict:
+    """What the numbers were measured on (the CPU model from /proc/cpuinfo where there is one)."""
+    model = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+    except OSError:
+        pass
+    memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return {"cpu": model, "cores": cores(), "memory_gib": memory_gib, "python": sys.version.split()[0],
+            "torch": torch.__version__}
 
 
 def build_throughput(corpus: Path, tokenizer_path: str, work: Path) -> dict:
@@ -121,10 +140,20 @@ def _hwm_kib(pid: int) -> int | None:
         return None
 
 
-def timed_run(argv: list[str], timeout_s: float) -> dict:
-    """Run a command; its wall time and the largest VmHWM among it and its descendants (polled every 20 ms)."""
+def timed_run(argv: list[str], timeout_s: float, env: dict[str, str] | None = None) -> dict:
+    """Run a command; its wall time, the time to its first step's log line, the largest VmHWM among it and its
+    descendants (polled every 20 ms), and what the banner said about the token store."""
     start = time.perf_counter()
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    lines: list[tuple[float, str]] = []
+
+    def read() -> None:  # the first step's time is when its line arrives
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append((time.perf_counter() - start, line))
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
     peaks: dict[int, int] = {}
     while proc.poll() is None:
         for pid in [proc.pid, *_descendants(proc.pid)]:
@@ -133,21 +162,28 @@ def timed_run(argv: list[str], timeout_s: float) -> dict:
         if time.perf_counter() - start > timeout_s:
             proc.kill()
         time.sleep(0.02)
-    output = proc.stdout.read() if proc.stdout else ""
     seconds = time.perf_counter() - start
+    reader.join(timeout=10)
+    output = "".join(line for _, line in lines)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(argv)} failed ({proc.returncode}):\n{output[-3000:]}")
+    first_step = next((t for t, line in lines if " step     1/" in line or " step 1/" in line), None)
+    store = [line.strip() for _, line in lines if line.lstrip().startswith("token store of ")]
     ranks = sorted((v for p, v in peaks.items() if p != proc.pid), reverse=True)
-    return {"seconds": seconds, "peak_per_rank_mib": (ranks[0] if ranks else peaks.get(proc.pid, 0)) / 1024,
-            "launcher_peak_mib": peaks.get(proc.pid, 0) / 1024}  # the launcher builds the store before the ranks
+    return {"seconds": seconds, "to_first_step_s": first_step,
+            "peak_per_rank_mib": (ranks[0] if ranks else peaks.get(proc.pid, 0)) / 1024,
+            "launcher_peak_mib": peaks.get(proc.pid, 0) / 1024,  # the launcher builds the store before the ranks
+            "banner_store": store}
 
 
-def trainer_argv(model: Path, corpus: Path, dump: Path, store_dir: Path | None) -> list[str]:
+def trainer_argv(model: Path, corpus: Path, dump: Path, *, in_memory: bool = False) -> list[str]:
+    """The docs' command on ``corpus``: data.source and data.path only (the default token store), or with
+    data.store = false (tokenized in memory by every rank)."""
     argv = [sys.executable, "-m", "cpcompose.train", "--config", str(ROOT / "train_configs" / "hf_tiny_cpu.toml"),
             f"--model.path={model}", "--training.steps=2", "--data.source=text", f"--data.path={corpus}",
             f"--job.dump_folder={dump}", "--checkpoint.enable=false", "--checkpoint.export_hf=none",
             "--metrics.plot_loss=false", "--metrics.log_freq=1"]
-    return argv + ([f"--data.store_dir={store_dir}"] if store_dir is not None else [])
+    return argv + (["--data.store=false"] if in_memory else [])
 
 
 def main() -> None:
@@ -158,6 +194,7 @@ def main() -> None:
     parser.add_argument("--throughput-mib", type=float, default=None,
                         help="corpus size for the throughput part (default: the largest of --sizes-mib, at most 64)")
     parser.add_argument("--skip-in-memory", action="store_true", help="only the store's runs")
+    parser.add_argument("--repeats", type=int, default=1, help="second starts (and in-memory runs) per corpus")
     parser.add_argument("--timeout-s", type=float, default=3600)
     parser.add_argument("--out", type=Path, help="write the results as JSON here too")
     args = parser.parse_args()
@@ -166,23 +203,32 @@ def main() -> None:
     if not (model / "config.json").exists():
         tiny_model_script().make_tiny_model(model)
     tokenizer = args.tokenizer or str(model)
-    results: dict = {"machine": {"cores": cores(), "python": sys.version.split()[0], "torch": torch.__version__}}
+    results: dict = {"machine": machine(), "load_average_before": os.getloadavg()}
     size = args.throughput_mib or min(max(args.sizes_mib), 64)
     results["throughput"] = build_throughput(write_corpus(args.work / f"corpus-{size:g}MiB.jsonl", size),
                                              tokenizer, args.work)
     print(json.dumps(results["throughput"], indent=1), flush=True)
     results["startup"] = []
-    for mib in args.sizes_mib:
-        corpus = write_corpus(args.work / f"corpus-{mib:g}MiB.jsonl", mib)
+    cache = args.work / "cache"  # the per-user cache of these runs (XDG_CACHE_HOME), emptied first
+    shutil.rmtree(cache, ignore_errors=True)
+    env = {**os.environ, "XDG_CACHE_HOME": str(cache)}
+    corpora = {mib: write_corpus(args.work / f"corpus-{mib:g}MiB.jsonl", mib) for mib in args.sizes_mib}
+    for mib, corpus in corpora.items():
         row: dict = {"corpus_mib": mib}
         if not args.skip_in_memory:
-            row["in_memory"] = timed_run(trainer_argv(model, corpus, args.work / "dump-mem", None), args.timeout_s)
-        stores = args.work / f"stores-{mib:g}"
-        shutil.rmtree(stores, ignore_errors=True)
-        row["store_first_run"] = timed_run(trainer_argv(model, corpus, args.work / "dump-s1", stores), args.timeout_s)
-        row["store_second_run"] = timed_run(trainer_argv(model, corpus, args.work / "dump-s2", stores), args.timeout_s)
+            row["in_memory"] = [timed_run(trainer_argv(model, corpus, args.work / "dump-mem", in_memory=True),
+                                          args.timeout_s, env) for _ in range(args.repeats)]
+        row["store_first_run"] = timed_run(trainer_argv(model, corpus, args.work / "dump-s1"), args.timeout_s, env)
+        row["store_second_runs"] = []
         results["startup"].append(row)
         print(json.dumps(row), flush=True)
+    for _ in range(args.repeats):  # the runs that matter, interleaved: a burst of load on a shared machine
+        for row, corpus in zip(results["startup"], corpora.values()):  # then slows every size alike
+            row["store_second_runs"].append(timed_run(trainer_argv(model, corpus, args.work / "dump-s2"),
+                                                      args.timeout_s, env))
+            print(json.dumps({"corpus_mib": row["corpus_mib"], "second_run": row["store_second_runs"][-1]}),
+                  flush=True)
+    results["load_average_after"] = os.getloadavg()
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=1) + "\n")

@@ -1,9 +1,9 @@
 """Build the token stores and sample indexes a run's config names, ahead of time.
 
-The trainer builds them on first use too (in the launching process, before any rank starts); this command is
-for a cluster: build once on one machine, copy the printed store folders, and on the cluster point data.path
-(or each [[data.sources]] path) at the copied folders, with the same tokenizer and data.format. A copied store
-is read as it is: its sources need not be there.
+The trainer builds them on first use too (in the launching process, before any rank starts, into data.store_dir
+or the per-user cache ~/.cache/cpcompose/token-stores); this command is for a cluster: build once on one machine,
+copy the printed store folders, and on the cluster point data.path (or each [[data.sources]] path) at the copied
+folders, with the same tokenizer and data.format. A copied store is read as it is: its sources need not be there.
 
     python scripts/build_token_store.py --config my_run.toml [--section.key=value ...] [--histogram lengths.png]
 
@@ -28,10 +28,12 @@ def main(argv: list[str]) -> int:
         png, argv = Path(argv[at + 1]), argv[:at] + argv[at + 2 :]
     try:
         config = load_config(argv)
+        if config.data.source != "text":
+            raise ConfigError("data.source: token stores hold files' text: set data.source = 'text' and data.path")
         if not uses_store(config):
-            raise ConfigError("data.store_dir: set it (a folder for the stores), with data.source = 'text'")
+            raise ConfigError("data.store: false tokenizes in memory, and there is nothing to build; remove it")
         start = time.perf_counter()
-        check_data(config)  # the vocabulary, then every store and sample index, built where missing or stale
+        notes = check_data(config)  # the vocabulary, then every store and sample index, built where missing or stale
         mixture = store_mixture(config, config_tokenizer(config))
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -39,9 +41,8 @@ def main(argv: list[str]) -> int:
     samples = config.training.steps * config.training.batch_size
     for line in mixture.report(samples, png):
         print(line)
-    for store in mixture.stores:
-        print(f"store {store.folder}: {store.num_tokens:,} tokens ({store.manifest['dtype']}), built in "
-              f"{store.manifest.get('build_seconds', float('nan')):.1f} s")
+    for store, note in zip(mixture.stores, notes):
+        print(f"store {store.folder}: {store.num_tokens:,} tokens ({store.manifest['dtype']}); {note}")
     print(f"ready in {time.perf_counter() - start:.1f} s")
     return 0
 

@@ -12,6 +12,7 @@ import getpass
 import os
 import re
 import tempfile
+from pathlib import Path
 from typing import Iterator
 
 # CPU pools fork from this process (CUDA pools are spawned: tests/support/rank_pool.py). An
@@ -70,3 +71,15 @@ def pools() -> Iterator[PoolCache]:
     cache = PoolCache()
     yield cache
     cache.close()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def token_store_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The per-user cache folder of the whole session (XDG_CACHE_HOME): a temporary one, never the real
+    ~/.cache. Token stores are on by default and, without data.store_dir, kept in that cache
+    (cpcompose/data/store/cache.py); set before any rank pool forks, so every rank, spawned process and command
+    the suite runs inherits it."""
+    folder = tmp_path_factory.mktemp("xdg-cache")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("XDG_CACHE_HOME", str(folder))
+        yield folder

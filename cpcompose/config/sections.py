@@ -281,8 +281,8 @@ class Training:
 
 _TEXT_ONLY = {"path": None, "tokenizer": None, "eos_token": None, "format": "text", "text_key": "text",
               "prompt_key": "prompt", "completion_key": "completion", "messages_key": "messages",
-              "chat_mask": "generation", "truncate": False, "store_dir": None, "sources": [],
-              "store_wait_s": 3600.0}
+              "chat_mask": "generation", "truncate": False, "store": True, "store_dir": None,
+              "sources": [], "store_wait_s": 3600.0}
 """Data fields that only data.source = "text" reads, with their defaults: setting one for synthetic data is an error."""
 
 _FORMAT_ONLY = {"text_key": ("text",), "prompt_key": ("completion",), "completion_key": ("completion",),
@@ -368,15 +368,19 @@ class Data:
     """Synthetic recall: fraction of the sequence that holds the pairs; 0.5 puts keys on every zigzag cp rank."""
     filler: Literal["random", "constant"] = "random"
     """Synthetic recall: tokens between pairs; constant makes the task easier to learn."""
+    store: bool = True
+    """Read the files through token stores: each source is tokenized once into a memory-mapped store (in
+    data.store_dir; rebuilt when a source file, the tokenizer or the record options change) that every rank
+    reads without loading; packed rows are filled by best fit. false tokenizes the whole corpus in memory on
+    every rank at every start and writes nothing to disk (modest corpora only; not with [[data.sources]])."""
     store_dir: str | None = None
-    """Folder of token stores: each source is tokenized once into a memory-mapped store there (rebuilt when a
-    source file or the tokenizer changes) and every rank reads only its samples; packed rows are filled by best
-    fit. Unset: the corpus is tokenized in memory on every rank at every start (modest corpora only)."""
+    """Folder of the token stores and their sample indexes. Unset: the per-user cache,
+    $XDG_CACHE_HOME/cpcompose/token-stores (else ~/.cache/cpcompose/token-stores); the banner names the folder."""
     sources: list = field(default_factory=list)
     """A mixture, instead of data.path: [[data.sources]] tables with path (files, a folder, or a token store
     built by scripts/build_token_store.py), weight (share of the samples, default 1; normalized), and for packed
     data long_doc_tokens / long_doc_repeat (documents at least that long are packed repeat times: the
-    long-context upsampling recipe). Needs data.store_dir. On the command line, JSON:
+    long-context upsampling recipe). Read from token stores (data.store). On the command line, JSON:
     --data.sources='[{"path": "a/", "weight": 0.7}, {"path": "b/", "weight": 0.3}]'."""
     store_wait_s: float = 3600.0
     """How long a process waits for another one's build of the same token store before giving up."""
@@ -384,8 +388,14 @@ class Data:
     def __post_init__(self) -> None:
         require(self.source != "text" or (self.path is None) != (not self.sources), "data.path",
                 "required when data.source = 'text', unless [[data.sources]] lists the sources (not both)")
-        require(not self.sources or self.store_dir is not None, "data.sources",
-                "a mixture is read from token stores: set data.store_dir (a folder for them)")
+        require(self.store_dir is None or self.store_dir.strip() != "", "data.store_dir",
+                "is empty: give a folder for the token stores, or leave it unset to keep them in the per-user "
+                "cache, or set data.store = false to tokenize in memory")
+        require(self.store or not self.sources, "data.store",
+                "false tokenizes one data.path in memory, but [[data.sources]] is a mixture of token stores: "
+                "remove data.store = false")
+        require(self.store or self.store_dir is None, "data.store_dir",
+                "is where token stores go, but data.store = false tokenizes in memory: remove one of the two")
         self.sources = [_source_table(i, entry) for i, entry in enumerate(self.sources)]
         require(self.store_wait_s > 0, "data.store_wait_s", f"must be > 0, got {self.store_wait_s}")
         require(not self.pack or self.source == "text", "data.pack", "only applies to data.source = 'text'")
@@ -412,7 +422,8 @@ class Optimizer:
     """Optimizer settings."""
 
     name: Literal["AdamW"] = "AdamW"
-    """Optimizer class from torch.optim."""
+    """Optimizer class from torch.optim; fused (one kernel per parameter group, updating in place: torchtitan's
+    default), which on CPU also spares a step the per-parameter temporaries glibc maps afresh."""
     lr: float = 1e-3
     """Peak learning rate."""
     betas: tuple[float, float] = (0.9, 0.95)

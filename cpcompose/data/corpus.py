@@ -8,12 +8,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import replace
+from pathlib import Path
 
 from cpcompose.config import ConfigError, JobConfig
 from cpcompose.data.batch import SampleSource
 from cpcompose.data.encoding import encoded_documents
 from cpcompose.data.formats import Document, RecordReader, record_too_long
 from cpcompose.data.records import data_files, iter_records
+from cpcompose.data.store.manifest import is_store
 from cpcompose.data.store.sources import store_mixture, uses_store
 from cpcompose.data.supervised import SupervisedSource
 from cpcompose.data.text import TextSource, short_corpus_error
@@ -62,6 +64,7 @@ def build_corpus_source(config: JobConfig, tokenizer: Tokenizer) -> SampleSource
     d, t = config.data, config.training
     if uses_store(config):
         return store_mixture(config, tokenizer)
+    _refuse_a_store_in_memory(config)
     docs = iter_documents(config, tokenizer)
     if d.format == "text":
         return TextSource.from_documents((doc.ids for doc in docs), seq_len=t.seq_len, seed=config.job.seed,
@@ -73,18 +76,23 @@ def build_corpus_source(config: JobConfig, tokenizer: Tokenizer) -> SampleSource
     return SupervisedSource.from_documents(records, seq_len=t.seq_len, pad_id=pad, seed=config.job.seed)
 
 
-def check_corpus(config: JobConfig, tokenizer: Tokenizer) -> None:
-    """The pre-launch scan: every record when the data is at most FULL_SCAN_BYTES, else the first SAMPLE_RECORDS of
-    each file (every file is still opened, so an unreadable or empty one is caught); text is then read on until
-    it holds one window, so a short corpus is always caught here.
+def check_corpus(config: JobConfig, tokenizer: Tokenizer) -> list[str]:
+    """The pre-launch check. Through token stores (the default): every store and sample index is opened, or
+    built here, once, before any rank starts (every record read). In memory (data.store = false): every record
+    when the data is at most FULL_SCAN_BYTES, else the first SAMPLE_RECORDS of each file (every file is still
+    opened, so an unreadable or empty one is caught); text is then read on until it holds one window, so a short
+    corpus is always caught here.
 
+    Returns:
+        A line per source saying whether its token store was reused (and where), built or rebuilt (and why),
+        for the launch banner; none in memory.
     Raises:
         ConfigError: what :func:`build_corpus_source` would raise (for the records scanned).
     """
     d, seq_len = config.data, config.training.seq_len
-    if uses_store(config):  # builds every store and sample index here, once, before any rank starts
-        store_mixture(config, tokenizer)
-        return
+    if uses_store(config):
+        return [outcome.line() for outcome in store_mixture(config, tokenizer).outcomes]
+    _refuse_a_store_in_memory(config)
     size = sum(f.stat().st_size for f in data_files(d.path or ""))
     limit = None if size <= FULL_SCAN_BYTES else SAMPLE_RECORDS
     count = sum(len(doc.ids) for doc in iter_documents(config, tokenizer, limit_per_file=limit))
@@ -98,6 +106,14 @@ def check_corpus(config: JobConfig, tokenizer: Tokenizer) -> None:
         raise short_corpus_error(count, seq_len, d.path)
     if d.format != "text" and count == 0 and limit is None:
         raise _nothing_to_train(config)
+    return []
+
+
+def _refuse_a_store_in_memory(config: JobConfig) -> None:
+    """data.store = false reads files; a token store has none to read (it may have been copied without them)."""
+    if config.data.path is not None and is_store(Path(config.data.path)):
+        raise ConfigError(f"data.store: false tokenizes files in memory, but data.path {config.data.path} is a "
+                          "token store (tokenized already); remove data.store = false")
 
 
 def _nothing_to_train(config: JobConfig) -> ConfigError:

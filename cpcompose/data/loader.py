@@ -96,20 +96,22 @@ def _vocab_error(config: JobConfig, vocab: int, what: str) -> ConfigError | None
                        f"set --model.vocab_size={vocab} or more")
 
 
-def check_data(config: JobConfig) -> None:
+def check_data(config: JobConfig) -> list[str]:
     """The pre-launch data check: the synthetic task's parameters and vocabulary, or the tokenizer, the
-    vocabulary and a scan of the files (see :func:`cpcompose.data.corpus.check_corpus` for what it reads).
+    vocabulary and the files, their token stores built (see :func:`cpcompose.data.corpus.check_corpus`).
 
+    Returns:
+        The lines the launch banner shows about what the check did: each token store reused, built or rebuilt.
     Raises:
         ConfigError: naming the key to change (and the file, line or row of a bad record).
     """
     if config.data.source == "synthetic":
         build_data_source(config, dp_rank=0, dp_size=1)  # cheap: checks the task and the vocabulary
-        return
+        return []
     tokenizer = config_tokenizer(config)
     if (error := _vocab_error(config, tokenizer.vocab_size, "the tokenizer")) is not None:
         raise error
-    check_corpus(config, tokenizer)
+    return check_corpus(config, tokenizer)
 
 
 def build_data_source(config: JobConfig, *, dp_rank: int, dp_size: int) -> TokenBatcher:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 from cpcompose.config import JobConfig
@@ -13,10 +14,12 @@ from cpcompose.training.memory_budget import describe_memory
 __all__ = ["describe_plan"]
 
 
-def describe_plan(config: JobConfig, world: int, lengths_png: Path | None = None) -> str:
+def describe_plan(config: JobConfig, world: int, lengths_png: Path | None = None,
+                  data_notes: Sequence[str] = ()) -> str:
     """A readable summary: degrees, model size, per-rank tokens, the data, and the memory plan against the budget.
 
     ``lengths_png``: where token stores draw their documents' length histogram (the banner: beside the loss plot).
+    ``data_notes``: what the pre-launch data check did (the banner: each token store reused, built or rebuilt).
 
     Raises:
         ValueError: the degrees do not fit ``world`` (``config.validate(world_size=world)`` reports it first).
@@ -38,7 +41,7 @@ def describe_plan(config: JobConfig, world: int, lengths_png: Path | None = None
         f"{t.steps} steps, precision {t.mixed_precision}, activation checkpointing "
         f"{config.activation_checkpoint.mode}",
     ]
-    lines += data_lines(config, lengths_png) + describe_memory(config, world)
+    lines += data_lines(config, lengths_png, data_notes) + describe_memory(config, world)
     if config.job.rehearse:  # minutes at full size: one step on fake tensors, torch's tracker beside the plan
         from cpcompose.training.rehearsal import describe_rehearsal, rehearse
 

@@ -8,6 +8,7 @@ check raises a ConfigError whose one-line message names the key to change.
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -36,9 +37,12 @@ def check_choices(config: JobConfig) -> None:
         raise error
 
 
-def preflight(config: JobConfig, world: int) -> str | None:
+def preflight(config: JobConfig, world: int, *, data_notes: Callable[[str], None] | None = None) -> str | None:
     """Check the choices (`check_choices`), device, data, vocabulary, the memory plan and the dump folder.
 
+    Args:
+        data_notes: given each line the launch banner shows about what the data check did (each token store
+            reused, with its folder, built, or rebuilt and why).
     Returns:
         A message when there is nothing to train (the checkpoint already reached
         `training.steps`), so the caller can stop without starting ranks; else None.
@@ -48,7 +52,9 @@ def preflight(config: JobConfig, world: int) -> str | None:
     check_choices(config)
     _check_device(config)
     check_model(config)
-    _check_data(config, world)
+    for note in _check_data(config, world):
+        if data_notes is not None:
+            data_notes(note)
     check_memory(config, world)
     return _check_dump_folder(config)
 
@@ -59,10 +65,11 @@ def _check_device(config: JobConfig) -> None:
         raise ConfigError(f"training.device: 'cuda' requested but {why}; set --training.device=cpu (or auto)")
 
 
-def _check_data(config: JobConfig, world: int) -> None:
-    """The tokenizer, the vocabulary and the files (every record of a small corpus, a sample of a large one);
-    the ranks repeat the same checks on everything they load (`cpcompose.data.check_data`)."""
-    check_data(config)
+def _check_data(config: JobConfig, world: int) -> list[str]:
+    """The tokenizer, the vocabulary and the files: their token stores built here, before any rank starts (in
+    memory: every record of a small corpus, a sample of a large one; the ranks check the rest as they load).
+    Returns what the check did, for the banner (`cpcompose.data.check_data`)."""
+    return check_data(config)
 
 
 def _check_dump_folder(config: JobConfig) -> str | None:

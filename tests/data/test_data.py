@@ -152,8 +152,9 @@ def test_load_state_dict_rejects_a_position_inside_a_micro_batch() -> None:
 
 
 def text_loader(path: Path, *argv: str, seq_len: int = 16, dp_rank: int = 0, dp_size: int = 1) -> TokenBatcher:
-    config = load_config(["--data.source=text", f"--data.path={path}", f"--training.seq_len={seq_len}",
-                          "--training.batch_size=2", "--lr_scheduler.warmup_steps=0", *argv])
+    config = load_config(["--data.source=text", "--data.store=false", f"--data.path={path}",  # the in-memory source
+                          f"--training.seq_len={seq_len}", "--training.batch_size=2", "--lr_scheduler.warmup_steps=0",
+                          *argv])
     return build_data_source(config, dp_rank=dp_rank, dp_size=dp_size)
 
 

@@ -36,8 +36,9 @@ TOK = tiny_tokenizer_folder()
 
 def config(path: Path, *argv: str, seq_len: int = 128, tokenizer: str | None = TOK):
     tok = [] if tokenizer is None else [f"--data.tokenizer={tokenizer}"]
-    return load_config(["--data.source=text", f"--data.path={path}", f"--training.seq_len={seq_len}",
-                        "--training.batch_size=2", "--model.vocab_size=320", *tok, *argv])
+    return load_config(["--data.source=text", "--data.store=false", f"--data.path={path}",  # the in-memory reading
+                        f"--training.seq_len={seq_len}", "--training.batch_size=2", "--model.vocab_size=320", *tok,
+                        *argv])
 
 
 def hf():

@@ -18,8 +18,10 @@ TOK = tiny_tokenizer_folder()
 
 
 def config(path: Path, *argv: str, seq_len: int = 128, batch: int = 2):
-    return load_config(["--data.source=text", f"--data.path={path}", f"--training.seq_len={seq_len}",
-                        f"--training.batch_size={batch}", "--model.vocab_size=320", f"--data.tokenizer={TOK}", *argv])
+    """Records tokenized in memory (data.store = false): the source these tests are about."""
+    return load_config(["--data.source=text", "--data.store=false", f"--data.path={path}",
+                        f"--training.seq_len={seq_len}", f"--training.batch_size={batch}", "--model.vocab_size=320",
+                        f"--data.tokenizer={TOK}", *argv])
 
 
 def test_rows_hold_whole_records_each_a_document_with_its_own_labels(tmp_path: Path) -> None:

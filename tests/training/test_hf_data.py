@@ -18,9 +18,10 @@ import pytest
 import torch
 
 from cpcompose.config import load_config
+from cpcompose.data import check_data, config_tokenizer, tokenizer_choice
 from cpcompose.training.errors import TrainingError
 from cpcompose.training.trainer import Trainer
-from tests.support.hf_data import chat_records, text_records, tiny_tokenizer_folder, write_jsonl
+from tests.support.hf_data import chat_records, text_records, tiny_model_folder, tiny_tokenizer_folder, write_jsonl
 from tests.support.trainer import TINY, run_trainer
 
 HF_DATA = ["--data.source=text", f"--data.tokenizer={tiny_tokenizer_folder()}", "--model.vocab_size=320",
@@ -62,14 +63,31 @@ def trainer_error(mesh, args: list[str]) -> tuple[str, int] | None:
     return None
 
 
-def test_a_bad_record_found_in_the_ranks_is_one_config_error_on_every_rank(pools, tmp_path: Path) -> None:
-    """What the pre-launch scan of a large corpus did not reach: each rank raises the same one-line error, exit
+@pytest.mark.parametrize("store", ["true", "false"])
+def test_a_bad_record_found_in_the_ranks_is_one_config_error_on_every_rank(pools, tmp_path: Path, store: str) -> None:
+    """What the pre-launch check did not see (in memory: past the scan of a large corpus; a store: ranks started
+    without it, which build it themselves, one after the other): each rank raises the same one-line error, exit
     code 2 (a configuration problem, printed by rank 0 only), and writes nothing into the output folder."""
     records = text_records(6)
     records[3] = {"text": ["not", "a", "string"]}
     data = write_jsonl(tmp_path / "d.jsonl", records)
     dump = tmp_path / "out"
     results = pools.get(2).run(trainer_error, HF_DATA + [f"--data.path={data}", "--parallelism.cp=2",
-                                                         f"--job.dump_folder={dump}"])
+                                                         f"--data.store={store}", f"--job.dump_folder={dump}"])
     assert results[0] == results[1] == (f"data.path: {data}:4: 'text' is a list, expected a string", 2)
     assert not dump.exists()
+
+
+def test_hf_tiny_cpu_needs_only_data_source_and_path_for_your_text(tmp_path: Path) -> None:
+    """What train_configs/hf_tiny_cpu.toml's comment says: the model folder gives the tokenizer and its EOS."""
+    from transformers import AutoTokenizer
+
+    model = tiny_model_folder()
+    data = write_jsonl(tmp_path / "mine.jsonl", text_records(200))
+    config = load_config(["--config", str(Path(__file__).parents[2] / "train_configs" / "hf_tiny_cpu.toml"),
+                          f"--model.path={model}", "--data.source=text", f"--data.path={data}"])
+    assert tokenizer_choice(config).key == "model.path"
+    folder = AutoTokenizer.from_pretrained(model, local_files_only=True)
+    assert config_tokenizer(config).eos_id == folder.convert_tokens_to_ids("<|eos|>") == folder.eos_token_id
+    (note,) = check_data(config)  # the tokenizer fits the model's vocabulary, the corpus its rows
+    assert note.startswith(f"token store of {data}: built "), note

@@ -41,17 +41,20 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 
 class Progress:
-    """One line every ``every_s`` seconds: bytes of text read of the total, tokens/s and the time left."""
+    """One line every ``every_s`` seconds: bytes of text read of the total, tokens/s and the time left; and a
+    last line when the build ends, if it said anything before (a build shorter than ``every_s`` is silent: the
+    launch banner says it was built, and how long it took)."""
 
     def __init__(self, name: str, total_bytes: int, emit: Callable[[str], None] | None, every_s: float = 5.0):
         self.name, self.total, self.emit, self.every = name, max(total_bytes, 1), emit, every_s
         self.start = self.last = time.monotonic()
+        self.spoke = False
 
     def update(self, done_bytes: int, tokens: int, *, final: bool = False) -> None:
         now = time.monotonic()
-        if self.emit is None or (not final and now - self.last < self.every):
+        if self.emit is None or (not final and now - self.last < self.every) or (final and not self.spoke):
             return
-        self.last, spent = now, max(now - self.start, 1e-9)
+        self.spoke, self.last, spent = True, now, max(now - self.start, 1e-9)
         eta = spent * max(self.total - done_bytes, 0) / max(done_bytes, 1)
         self.emit(f"token store {self.name}: {done_bytes / 2**20:.1f} of {self.total / 2**20:.1f} MiB of text, "
                   f"{tokens:,} tokens, {tokens / spent:,.0f} tokens/s, "

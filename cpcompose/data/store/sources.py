@@ -12,8 +12,8 @@ import torch
 
 from cpcompose.config import ConfigError, JobConfig
 from cpcompose.data.store.build import Opener
-from cpcompose.data.store.ensure import source_store
-from cpcompose.data.store.manifest import is_store
+from cpcompose.data.store.cache import store_dir
+from cpcompose.data.store.ensure import StoreOutcome, source_store
 from cpcompose.data.store.index import PackPlan, row_index
 from cpcompose.data.store.mixture import MixtureSource, source_seed
 from cpcompose.data.store.packed import PackedSource
@@ -26,11 +26,8 @@ __all__ = ["StoreMixture", "source_tables", "store_mixture", "uses_store"]
 
 
 def uses_store(config: JobConfig) -> bool:
-    """Whether the text data is read through token stores: data.store_dir or [[data.sources]] set, or data.path
-    naming a store."""
-    d = config.data
-    return d.source == "text" and (d.store_dir is not None or bool(d.sources)
-                                   or (d.path is not None and is_store(Path(d.path))))
+    """Whether the text data is read through token stores (data.store, the default), not tokenized in memory."""
+    return config.data.source == "text" and config.data.store
 
 
 def source_tables(config: JobConfig) -> list[dict[str, Any]]:
@@ -47,9 +44,9 @@ class StoreMixture(MixtureSource):
     """The mixture and what the banner shows of it (:meth:`summary`)."""
 
     def __init__(self, sources: list, sizes: list[int], weights: list[float], stores: list[TokenStore],
-                 tables: list[dict[str, Any]]) -> None:
+                 tables: list[dict[str, Any]], outcomes: list[StoreOutcome]) -> None:
         super().__init__(sources, sizes, weights)
-        self.stores, self.tables = stores, tables
+        self.stores, self.tables, self.outcomes = stores, tables, outcomes
 
     def summary(self, num_samples: int | None = None) -> list[dict[str, Any]]:
         """Per source, plain data: its path and store, documents, tokens, samples per epoch of its own, share of
@@ -79,20 +76,20 @@ def store_mixture(config: JobConfig, tokenizer: Tokenizer, *, emit: Callable[[st
         ConfigError: naming the key, file and line to change (see :func:`source_store` and :func:`row_index`).
     """
     d, t = config.data, config.training
-    store_dir = None if d.store_dir is None else Path(d.store_dir)
+    root = store_dir(d)
     tables = source_tables(config)
-    sources, sizes, stores = [], [], []
+    sources, sizes, stores, outcomes = [], [], [], []
     for n, table in enumerate(tables):
         key = "data.path" if not d.sources else f"data.sources[{n}]"
         if table["long_doc_tokens"] is not None and not d.pack:
             raise ConfigError(f"{key}.long_doc_tokens: upsampling by length applies to packed rows; set data.pack = "
                               "true (or use completion/chat records)")
-        store = source_store(table["path"], d, tokenizer, store_dir=store_dir, wait_s=d.store_wait_s, emit=emit,
-                             opener=opener)
+        store, outcome = source_store(table["path"], d, tokenizer, store_dir=root, wait_s=d.store_wait_s, emit=emit,
+                                      opener=opener)
         seed = source_seed(config.job.seed, n) if d.sources else config.job.seed
         if d.pack:
             plan = PackPlan(t.seq_len, d.truncate, table["long_doc_tokens"], table["long_doc_repeat"])
-            index = row_index(store, plan, store_dir or store.folder, wait_s=d.store_wait_s)
+            index = row_index(store, plan, root or store.folder, wait_s=d.store_wait_s)
             source: Any = PackedSource(store, index, seq_len=t.seq_len, seed=seed)
             size = index.num_rows
         else:
@@ -102,4 +99,5 @@ def store_mixture(config: JobConfig, tokenizer: Tokenizer, *, emit: Callable[[st
         sources.append(source)
         sizes.append(size)
         stores.append(store)
-    return StoreMixture(sources, sizes, [t["weight"] for t in tables], stores, tables)
+        outcomes.append(outcome)
+    return StoreMixture(sources, sizes, [t["weight"] for t in tables], stores, tables, outcomes)

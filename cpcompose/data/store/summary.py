@@ -16,20 +16,30 @@ from PIL import Image, ImageDraw
 
 from cpcompose.data.store.tokens import TokenStore
 
-__all__ = ["length_histogram", "save_length_histogram", "summary_lines"]
+__all__ = ["counted", "length_histogram", "save_length_histogram", "summary_lines"]
 
 _COLORS = [(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189), (140, 86, 75)]
 _W, _H, _LEFT, _BOTTOM, _TOP = 800, 420, 70, 60, 40
+
+
+def counted(number: int | float | str, noun: str) -> str:
+    """``number`` and ``noun``, singular for exactly one: "1 document", "2 documents", "0.5 epochs".
+
+    Integers get thousands separators; a string is a number already formatted ("1.00" stays plural, as one
+    writes it)."""
+    text = f"{number:,}" if isinstance(number, int) else str(number)
+    return f"{text} {noun}" if text == "1" else f"{text} {noun}s"
 
 
 def summary_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
     """One line per source of :meth:`StoreMixture.summary`'s rows."""
     lines = []
     for row in rows:
-        epochs = "" if row.get("epochs") is None else f", {row['epochs']:.3g} epochs of it in this run"
-        lines.append(f"data {row['path']}: {row['documents']:,} documents, {row['tokens']:,} tokens, "
-                     f"{row['samples_per_epoch']:,} samples an epoch, {100 * row['share']:.1f}% of the mixture"
-                     f"{epochs} (store {row['store']})")
+        epochs = row.get("epochs")
+        run = "" if epochs is None else f", {counted(format(epochs, '.3g'), 'epoch')} of it in this run"
+        lines.append(f"data {row['path']}: {counted(row['documents'], 'document')}, "
+                     f"{counted(row['tokens'], 'token')}, {counted(row['samples_per_epoch'], 'sample')} an epoch, "
+                     f"{100 * row['share']:.1f}% of the mixture{run} (store {row['store']})")
     return lines
 
 

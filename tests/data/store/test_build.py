@@ -21,7 +21,7 @@ def test_documents_longer_than_the_buffer_are_written_whole(tmp_path: Path, monk
                [{"prompt": t[: len(t) // 2], "completion": t[len(t) // 2 :] + "!"} for t in texts])
     data = write_jsonl(tmp_path / "d.jsonl", records)
     cfg = store_config(data, tmp_path / "s", f"--data.format={fmt}", seq_len=64)
-    store = source_store(cfg.data.path, cfg.data, config_tokenizer(cfg), store_dir=tmp_path / "s", wait_s=5)
+    store, _ = source_store(cfg.data.path, cfg.data, config_tokenizer(cfg), store_dir=tmp_path / "s", wait_s=5)
     docs = list(iter_documents(cfg, config_tokenizer(cfg)))
     assert store.num_docs == len(docs) == len(texts)
     for d, doc in enumerate(docs):

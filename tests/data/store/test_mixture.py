@@ -86,10 +86,11 @@ def test_the_seed_changes_the_stream_and_sources_are_shuffled_apart(tmp_path: Pa
 
 
 def test_windows_through_a_store_equal_the_in_memory_corpus(tmp_path: Path) -> None:
+    """The default (a store in the per-user cache) and data.store = false read the same windows."""
     data = write_documents(tmp_path / "docs.jsonl", random_lengths(50, 1, 120, seed=3))
     argv = ["--data.source=text", f"--data.path={data}", "--training.seq_len=32", "--training.batch_size=2"]
-    memory = build_data_source(load_config(argv), dp_rank=0, dp_size=1)
-    stored = build_data_source(load_config([*argv, f"--data.store_dir={tmp_path / 's'}"]), dp_rank=0, dp_size=1)
+    memory = build_data_source(load_config([*argv, "--data.store=false"]), dp_rank=0, dp_size=1)
+    stored = build_data_source(load_config(argv), dp_rank=0, dp_size=1)
     for _ in range(memory.source.num_windows):  # a whole epoch and then some
         x, y = next(memory), next(stored)
         assert torch.equal(x.input_ids, y.input_ids) and torch.equal(x.labels, y.labels)
