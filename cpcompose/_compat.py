@@ -8,30 +8,52 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
 
 import torch
+from torch._library import opaque_object as _opaque_object
+from torch._library.opaque_object import MemberType
 
-# Opaque objects (private; present in torch 2.11 and 2.13 alike): a Python object a custom op takes by reference,
-# passed through torch.compile as a graph input instead of being traced. The compiled
-# CP attention op (`cpcompose.attention.call.op`) carries its process group and options this way.
-from torch._library.opaque_object import MemberType, register_opaque_type
-from torch._opaque_base import OpaqueBase
+# Custom classes ("opaque objects", private): a Python object a custom op takes by reference, passed through
+# torch.compile as a graph input instead of being traced. The compiled CP attention op
+# (`cpcompose.attention.call.op`) carries its process group and options this way. torch 2.14 renamed the API
+# (`torch._opaque_base.OpaqueBase` -> `torch._custom_class_base.CustomClassBase`, `register_opaque_type` ->
+# `register_custom_class`, `typ="reference"` -> `typ="symbolic"`) and logs a deprecation line for each old
+# spelling, in every process that uses one; torch 2.11-2.13 have only the old ones. Detected, not version-compared.
+_CUSTOM_CLASSES_RENAMED = hasattr(_opaque_object, "register_custom_class")
+CustomClassBase: Any = (
+    importlib.import_module("torch._custom_class_base").CustomClassBase if _CUSTOM_CLASSES_RENAMED
+    else importlib.import_module("torch._opaque_base").OpaqueBase
+)
+_register_custom_class = (
+    _opaque_object.register_custom_class if _CUSTOM_CLASSES_RENAMED else _opaque_object.register_opaque_type
+)
+_BY_REFERENCE = "symbolic" if _CUSTOM_CLASSES_RENAMED else "reference"
 
 __all__ = [
-    "MemberType", "OpaqueBase", "all_gather_flat", "all_to_all_flat", "aten", "cpu_flash_backward",
+    "CustomClassBase", "all_gather_flat", "all_to_all_flat", "aten", "cpu_flash_backward",
     "cpu_flash_forward", "cpu_flash_takes_bfloat16", "cuda_cudnn_backward", "cuda_cudnn_forward", "cuda_efficient_backward",
     "cuda_efficient_forward", "cuda_flash_backward", "cuda_flash_forward", "default_store", "flash_attn_backward",
     "fake_rehearsal_tools", "flash_attn_forward", "flash_attn_varlen_backward", "flash_attn_varlen_forward",
     "flatten_mesh",
     "function_mode_stack", "function_modes_suspended", "group_timeout", "has_flash_attn", "has_flash_attn_varlen",
-    "import_flash_attn", "import_fused_linear_cross_entropy",
-    "in_backward", "plain_mem_tracker", "reduce_scatter_flat", "register_opaque_type",
+    "grouped_mm_of_any_dtype_on_fake_tensors", "import_flash_attn", "import_fused_linear_cross_entropy",
+    "in_backward", "plain_mem_tracker", "reduce_scatter_flat", "register_by_reference",
 ]
 
 aten = torch.ops.aten
+
+
+def register_by_reference(cls: type, *, read_at_trace: tuple[str, ...]) -> None:
+    """Let custom ops take `cls` (a `CustomClassBase` subclass) by reference: compiled code gets the very object.
+
+    `read_at_trace` names the members compile reads once, with the real object, and bakes in as constants.
+    """
+    _register_custom_class(cls, typ=_BY_REFERENCE, members={name: MemberType.USE_REAL for name in read_at_trace})
+
 
 # Fused CPU flash attention, the only fused CPU kernel that returns the log-sum-exp.
 cpu_flash_forward = aten._scaled_dot_product_flash_attention_for_cpu.default
@@ -220,6 +242,39 @@ def fake_rehearsal_tools() -> tuple[Any, Any, Any, Any]:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     return FakeTensorMode, FakeStore, FSDPMemTracker, _ModMemStats
+
+
+@contextlib.contextmanager
+def grouped_mm_of_any_dtype_on_fake_tensors() -> Iterator[None]:
+    """Within the block, `aten._grouped_mm` on fake tensors takes any dtype its kernels take, float32 included.
+
+    Its meta kernel (torch 2.13 and 2.14) checks the CUDA fast path's bfloat16 (and 16-byte strides), while the
+    CPU kernel and CUDA's fallback run float32 too: a float32 mixture-of-experts model that trains was refused on
+    fake tensors (a rehearsal). The meta kernel here makes the output as torch's own does (its private
+    `_create_grouped_mm_output_tensor`), in the dtype the kernels give it, for any floating dtype but bfloat16,
+    which torch's own meta kernel keeps. Registered over torch's for the block only.
+    """
+    import warnings
+
+    from torch._meta_registrations import _create_grouped_mm_output_tensor, meta_grouped_mm
+
+    def meta(mat_a: torch.Tensor, mat_b: torch.Tensor, offs: torch.Tensor | None = None,
+             bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        if mat_a.dtype == torch.bfloat16 or not mat_a.dtype.is_floating_point:
+            return meta_grouped_mm(mat_a, mat_b, offs=offs, bias=bias, out_dtype=out_dtype)
+        torch._check(mat_b.dtype == mat_a.dtype, lambda: f"mat_b's dtype {mat_b.dtype} is not mat_a's {mat_a.dtype}")
+        return _create_grouped_mm_output_tensor(mat_a, mat_b, offs, out_dtype or mat_a.dtype)
+
+    library = torch.library.Library("aten", "IMPL")
+    try:
+        with warnings.catch_warnings():  # "Overriding a previously registered kernel": for this block, on purpose
+            warnings.simplefilter("ignore")
+            library.impl("_grouped_mm", meta, "Meta")
+        yield
+    finally:
+        library._destroy()
+        for key in list(aten._grouped_mm.default._dispatch_cache):  # the op's cached lookups still name ours
+            aten._grouped_mm.default._uncache_dispatch(key)
 
 
 def plain_mem_tracker() -> Any:

@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
-from cpcompose._compat import MemberType, OpaqueBase, register_opaque_type
+from cpcompose._compat import CustomClassBase, register_by_reference
 from cpcompose.attention.local.call_setup import AttentionSetup
 from cpcompose.attention.call.orchestrate import checked_call, setup_for, tensor_error
 from cpcompose.attention.local.heads import head_plan, kv_head_ranges, query_head_ranges
@@ -47,7 +47,7 @@ from cpcompose.precision import accumulation_dtype
 __all__ = ["CPContext", "compiled_attention"]
 
 
-class CPContext(OpaqueBase):
+class CPContext(CustomClassBase):
     """The CP mesh and options of a CP region, handed to the custom ops by reference.
 
     Make it outside compiled code (dynamo cannot create one) and keep it as long as the
@@ -88,10 +88,7 @@ class CPContext(OpaqueBase):
 
 # Read at trace time with the real object and baked in as constants (the fake op needs
 # all-to-all's head split); everything else is read by the op's eager implementation.
-register_opaque_type(
-    CPContext, typ="reference",
-    members={name: MemberType.USE_REAL for name in ("world", "rank", "strategy", "alltoall_size")},
-)
+register_by_reference(CPContext, read_at_trace=("world", "rank", "strategy", "alltoall_size"))
 
 
 class _SavedContext:
