@@ -17,6 +17,7 @@ are summed over dp x cp by FSDP's reduce-scatter.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -37,6 +38,7 @@ from cpcompose.training.errors import ErrorKind, TrainingError  # noqa: E402
 from cpcompose.training.faults import is_comm_failure  # noqa: E402
 from cpcompose.training.launch import Report, launch_local, planned_world_size  # noqa: E402
 from cpcompose.training.lr_schedule import warmup_note  # noqa: E402
+from cpcompose.training.memory_budget import run_plan  # noqa: E402
 from cpcompose.training.oom import (  # noqa: E402
     MemoryGuard,
     apply_cuda_budget,
@@ -44,7 +46,9 @@ from cpcompose.training.oom import (  # noqa: E402
     out_of_memory_line,
     peak_bytes,
 )
-from cpcompose.training.resources import oversubscription_warning, run_device_type, usable_cores  # noqa: E402
+from cpcompose.training.resources import (  # noqa: E402
+    allocator_warning, oversubscription_warning, run_device_type, usable_cores,
+)
 from cpcompose.training.metrics import stamp  # noqa: E402
 from cpcompose.training.dry_run import describe_plan  # noqa: E402
 from cpcompose.training.preflight import check_choices, preflight  # noqa: E402
@@ -139,6 +143,8 @@ def run_rank(config: JobConfig, report: Report | None = None) -> None:
                                    how="its resident set passed the budget and it stopped"), "oom")
             _exit(1)
 
+        with contextlib.suppress(ValueError):  # the plan's measured process size now: the guard's line is instant
+            run_plan(config, world)
         guard = MemoryGuard(int(budget * 2**30), over_budget).start()
     code = 0
     try:
@@ -216,7 +222,8 @@ def main(argv: list[str] | None = None) -> int:
         world = int(os.environ.get("WORLD_SIZE", 0)) or planned_world_size(config)
         config.validate(world_size=world)
         check_choices(config)
-        nothing_to_do = None if config.job.dry_run else preflight(config, world)
+        data_notes: list[str] = []  # what the data check did (token stores reused or built), for the banner
+        nothing_to_do = None if config.job.dry_run else preflight(config, world, data_notes=data_notes.append)
         plan = describe_plan(config, world) if config.job.dry_run else None  # a model folder it cannot read: refused
     except ConfigError as e:
         if rank0:
@@ -233,11 +240,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if rank0:
         where = " ".join(argv if argv is not None else sys.argv[1:])
-        plan = describe_plan(config, world, _lengths_png(config))
+        plan = describe_plan(config, world, _lengths_png(config), data_notes)
         print(f"{stamp()} cpcompose.train {where}\n{plan}\n{_outputs(config)}", flush=True)
         local = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or world  # torchrun: the ranks on this host
-        if (warning := oversubscription_warning(config, local, usable_cores())) is not None:
-            print(f"{stamp()} {warning}", file=sys.stderr, flush=True)
+        for warning in (oversubscription_warning(config, local, usable_cores()), allocator_warning(config)):
+            if warning is not None:
+                print(f"{stamp()} {warning}", file=sys.stderr, flush=True)
     if "RANK" not in os.environ and not dist.is_initialized() and world > 1:
         return launch_local(run_rank, config, world)
     run_rank(config)

@@ -33,7 +33,7 @@ import torch
 
 from cpcompose.config import load_config
 from cpcompose.training.longest_sequence import grid_unit, longest, plan_fits, with_length
-from cpcompose.training.memory_plan import PROCESS_BYTES, plan_memory
+from cpcompose.training.memory_plan import plan_memory
 
 GiB = 2**30
 ROOT = Path(__file__).resolve().parents[1]
@@ -137,7 +137,7 @@ class Session:
             raise RuntimeError(f"the rehearsal at {seq_len} tokens failed:\n{run.stderr[-3000:]}")
         got = json.loads(run.stdout.strip().splitlines()[-1])
         plan = plan_memory(with_length(load_config(self.args), seq_len), 1, device_type="cuda")
-        peak = got["tracked"] + PROCESS_BYTES["cuda"] + plan.part("allocator slack")
+        peak = got["tracked"] + plan.part("process") + plan.part("allocator slack")
         return {**got, "peak": peak, "fits": peak <= self.budget, "seconds": round(time.monotonic() - start, 1)}
 
 
@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     session = Session(cell, device, budget, deadline, args.rehearsal_timeout)
     config = load_config(cell)
     plan = plan_memory(with_length(config, fixed), 1, device_type=device)
-    tensors = plan.total - PROCESS_BYTES[device] - plan.part("allocator slack")
+    tensors = plan.total - plan.part("process") - plan.part("allocator slack")
     got = session.trial(fixed, always=True)
     result: dict = {"shape": "toy" if args.cpu_toy else args.shape, "device": device, "budget_gib": budget / GiB,
                     "device_name": torch.cuda.get_device_name(0) if device == "cuda" else "CPU",

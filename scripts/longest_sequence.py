@@ -32,7 +32,7 @@ import torch
 
 from cpcompose.config import ConfigError, JobConfig, load_config
 from cpcompose.training.longest_sequence import grid_unit, longest, plan_fits, with_length
-from cpcompose.training.memory_plan import PROCESS_BYTES, plan_memory
+from cpcompose.training.memory_plan import plan_memory
 
 GiB = 2**30
 ROOT = Path(__file__).resolve().parents[1]
@@ -87,7 +87,7 @@ def rehearsed_peak(args: list[str], config: JobConfig, gpus: int, timeout: float
         raise RuntimeError(f"rehearsal failed: {run.stderr[-2000:]}")
     got = json.loads(run.stdout.strip().splitlines()[-1])
     plan = plan_memory(config, gpus, device_type="cuda")
-    extra = PROCESS_BYTES["cuda"] + plan.part("allocator slack")
+    extra = plan.part("process") + plan.part("allocator slack")
     return {**got, "peak": got["tracked"] + extra, "wall_s": round(time.perf_counter() - start, 1)}
 
 
@@ -95,7 +95,7 @@ def calibrated_total(config: JobConfig, gpus: int, seq_len: int, scale: float) -
     """The CUDA plan at `seq_len` with its tensors scaled by `scale` (a rehearsal's tracker over the plan's tensors):
     what the rehearsal would count there if the plan's error were proportional."""
     plan = plan_memory(with_length(config, seq_len), gpus, device_type="cuda")
-    tensors = plan.total - PROCESS_BYTES["cuda"] - plan.part("allocator slack")
+    tensors = plan.total - plan.part("process") - plan.part("allocator slack")
     return plan.total - (1 - scale) * tensors
 
 

@@ -71,8 +71,6 @@ class MemoryProfile:
     """Parameters of one block that bfloat16 autocast copies (its linear weights; the output layer's are too):
     autocast's cache keeps one bf16 copy of each, unsharded, until the autocast region (forward and backward)
     ends. Only without FSDP: with it, FSDP2's mixed precision gathers each unit in bf16 instead."""
-    largest_param: int
-    """The largest single parameter tensor (what a per-tensor optimizer step needs as temporaries)."""
     block_input: float
     """One block's input: what activation checkpointing keeps per block."""
     block_saved: float

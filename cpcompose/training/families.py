@@ -31,12 +31,20 @@ from cpcompose.training.errors import TrainingError
 from cpcompose.training.units import human_count
 from cpcompose.training.mixed_precision import compute_dtype
 
-__all__ = ["TrainedModel", "build_trained_model", "build_unfilled_model", "check_model", "describe_model", "family_names", "memory_profile"]
+__all__ = [
+    "TrainedModel", "build_trained_model", "build_unfilled_model", "check_model", "describe_model", "family_names",
+    "memory_profile", "rank_imports",
+]
 
 
 def family_names() -> tuple[str, ...]:
     """Every `model.name` the trainer takes."""
     return (*model_names(), HF_MODEL)
+
+
+def rank_imports(config: JobConfig) -> tuple[str, ...]:
+    """The modules a rank of this family imports beyond the trainer's (their size is part of the rank's own)."""
+    return ("cpcompose.integrations.transformers",) if config.model.name == HF_MODEL else ()
 
 
 def check_model(config: JobConfig) -> None:

@@ -113,8 +113,7 @@ def hf_memory_profile(hf_config: Any, *, tp: int, precision: str, mlp_tiles: int
     heads = (attentions[0].heads, attentions[0].kv_heads, attentions[0].head_dim) if attentions else (1, 1, 1)
     return MemoryProfile(
         root_params=2 * V * D + D, block_params=max(params), output_params=V * D,
-        block_cast_params=max(layer.params() - 4 * D for layer in kinds), largest_param=max(
-            [V * D, *(layer.largest_param() for layer in kinds)]),
+        block_cast_params=max(layer.params() - 4 * D for layer in kinds),
         block_input=block_input, block_saved=max(saved),
         block_forward=max(layer.forward(c) for layer in kinds),
         block_backward=max(layer.backward(c, mlp_tiles) for layer in kinds),

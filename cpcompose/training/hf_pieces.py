@@ -56,10 +56,6 @@ class Moe:
         shared = self.shared.params() + self.dim if self.shared else 0
         return self.experts * (3 * self.dim * self.ffn + self.dim) + shared
 
-    def largest(self) -> int:
-        """The stacked gate/up projections of every expert: one tensor."""
-        return 2 * self.experts * self.dim * self.ffn
-
     def saved(self, c: int, tiles: int = 1) -> int:
         router = 4 * self.experts + 12 * self.top_k  # float32 probabilities, the top-k values and indices
         # per routed copy: the gathered input, gate/up's output, the SiLU, the product, the weighted output,
@@ -158,9 +154,6 @@ class Layer:
 
     def params(self) -> int:
         return 2 * self.mixer.dim + self.mixer.params() + self.ffn.params()
-
-    def largest_param(self) -> int:
-        return self.ffn.largest() if isinstance(self.ffn, Moe) else self.mixer.dim * self.ffn.ffn
 
     def saved(self, c: int, tiles: int) -> int:
         D = self.mixer.dim

@@ -1,8 +1,7 @@
 """Starting the ranks on this machine when the user did not use torchrun.
 
-The launcher also owns what a job needs from its environment and its end:
-- glibc's allocator settings for CPU training (set before the ranks start, since
-  glibc reads them once at process start), unless the user set them;
+The launcher also owns what a job needs from its end (the ranks inherit its environment as it is:
+glibc's own allocator settings unless the user set others, see `resources.ALLOCATOR_VARIABLES`):
 - one failure message: ranks send their own one-line diagnosis here (a `Report`),
   which prints it; a line that is only a consequence of another rank's failure (a
   collective that lost its peer) waits until the end and is left out when another
@@ -39,9 +38,9 @@ from cpcompose.training.checkpoint import MANIFEST, CheckpointManager
 from cpcompose.training.errors import ErrorKind
 from cpcompose.training.metrics import stamp
 from cpcompose.training.oom import killed_line
-from cpcompose.training.resources import CPU_ALLOCATOR_ENV, host_memory, resident_bytes
+from cpcompose.training.resources import host_memory, resident_bytes
 
-__all__ = ["CPU_ALLOCATOR_ENV", "GRACE_S", "INTERRUPTED_EXIT", "POLL_S", "Report", "launch_local",
+__all__ = ["GRACE_S", "INTERRUPTED_EXIT", "POLL_S", "Report", "launch_local",
            "planned_world_size", "saved_so_far"]
 
 Report = Callable[[str, ErrorKind], None]
@@ -140,9 +139,6 @@ def launch_local(fn: Callable[[JobConfig, Report], object], config: JobConfig, w
     `fn` reports its own errors through `report` and exits 1 (a failure it described) or 2
     (a config or environment error); any other non-zero exit is described here.
     """
-    if config.training.device != "cuda":
-        for key, value in CPU_ALLOCATOR_ENV.items():
-            os.environ.setdefault(key, value)
     ctx = mp.get_context("spawn")
     port = _free_port()
     pipes = [ctx.Pipe(duplex=False) for _ in range(world)]

@@ -18,7 +18,7 @@ import torch
 from cpcompose.config import ConfigError, JobConfig
 from cpcompose.layouts import resolve_layout
 from cpcompose.training.memory_plan import GiB, MemoryPlan, plan_memory
-from cpcompose.training.resources import host_memory, run_device_type, uses_tuned_allocator
+from cpcompose.training.resources import host_memory, run_device_type
 
 __all__ = ["Budget", "check_memory", "describe_memory", "memory_budget", "run_plan", "suggestions"]
 
@@ -46,9 +46,8 @@ def memory_budget(config: JobConfig, world: int) -> Budget:
 
 
 def run_plan(config: JobConfig, world: int) -> MemoryPlan:
-    """The plan for `config` as it will run here (device, allocator)."""
-    return plan_memory(config, world, device_type=run_device_type(config),
-                       tuned_allocator=uses_tuned_allocator(config, world))
+    """The plan for `config` as it will run here (its device)."""
+    return plan_memory(config, world, device_type=run_device_type(config))
 
 
 @dataclass(frozen=True)

@@ -3,9 +3,9 @@
 A step passes through phases; the peak is the largest of them (T: tokens per rank per forward,
 L: blocks on this rank's pipeline stage, S: FSDP's shard degree dp_shard x cp when FSDP is on):
 
-* every phase: the process itself (interpreter, torch, communication buffers; measured, see
-  `PROCESS_BYTES`), the float32 parameters and two AdamW moments, sharded S ways; gradients
-  too once they exist (backward, the step; with gradient accumulation, always).
+* every phase: the process itself (interpreter, torch, communication buffers: measured on this machine by
+  a fresh interpreter, `cpcompose.training.footprint`), the float32 parameters and two AdamW moments, sharded
+  S ways; gradients too once they exist (backward, the step; with gradient accumulation, always).
 * forward and backward also hold FSDP's gathered units, in the compute dtype (bf16 under FSDP2's mixed
   precision): the embedding while it runs, two blocks (the one running and the one prefetched), the final norm
   with the output layer from the loss into the backward; and each unit's gradient while it is reduced (made in
@@ -25,7 +25,8 @@ L: blocks on this rank's pipeline stage, S: FSDP's shard degree dp_shard x cp wh
   recompute (checkpointing) and its gradients in flight; attention's received K/V and dK/dV
   buffers (the CP cost model's per-strategy count, `cpcompose.attention.cost.model`); one
   block's gradients being reduced.
-* "optimizer step": parameters, gradients, moments and the step's temporaries (all in host memory with
+* "optimizer step": parameters, gradients and moments; AdamW is fused (torchtitan's default), which updates
+  them in place with no per-parameter temporaries (all in host memory with
   `training.offload_params` on CUDA: FSDP2's CPUOffloadPolicy, the step on the CPU).
 * on CPU, while the per-token tensors are small enough for glibc's heap (`HEAP_CEILING`), every phase also holds
   what the heap keeps: the most any phase put there, plus holes, resident to the end of the step ("allocator
@@ -50,18 +51,12 @@ from cpcompose.config import JobConfig
 from cpcompose.distributed import ParallelDims
 from cpcompose.layouts import resolve_layout
 from cpcompose.models.spec import MemoryProfile
-from cpcompose.training.families import memory_profile
+from cpcompose.training.families import memory_profile, rank_imports
+from cpcompose.training.footprint import process_bytes
 
-__all__ = ["PROCESS_BYTES", "MemoryPlan", "plan_memory"]
+__all__ = ["MemoryPlan", "plan_memory"]
 
 GiB = 2**30
-PROCESS_BYTES = {"cpu": 330 * 2**20, "cuda": 1 * GiB}
-"""A rank's own size beside its tensors. CPU: fitted to twelve trainer runs on this machine (1 and 2 ranks,
-32k and 128k vocabularies, float32 and bf16, with and without checkpointing; peak RSS from 1.6 to 5.2 GiB): a rank
-built with a tiny model holds 305-375 MiB beyond its parameters, and 330 MiB leaves every prediction within
-8% of the measured peak (`scripts/bench_memory.py` prints the comparison). CUDA: the context, cuBLAS workspaces
-and NCCL buffers, which `max_memory_allocated` does not count but the device must hold: a round figure, not
-measured (no GPU here)."""
 
 HEAP_CEILING = 32 * 2**20
 """glibc serves smaller allocations from its heap, which keeps freed chunks resident; larger ones are mapped
@@ -69,13 +64,6 @@ and unmapped exactly (its default mmap threshold adapts up to this size)."""
 CUDA_SLACK = 0.10
 """The caching allocator's fragmentation on CUDA, as a fraction of the activations' and the loss's bytes
 (a round figure, not measured here)."""
-TUNED_SLACK = 1.5
-"""With the CPU launcher's allocator settings (`resources.CPU_ALLOCATOR_ENV`: everything from the heap, nothing
-trimmed) the heap fragments across steps: measured here, the peak grew by 0.15 to 1.9 times the step's largest
-tensor after the first step (1.5 covers most cases; see scripts/bench_memory.py). An allowance, not a prediction:
-re-measured with two ranks (16k vocabulary, dim 64, cp=2), the fragmented heap added 0.06 to 0.76 GiB to the
-tensors' peak, 0.3 to 6.5 times the largest tensor, and one config's peak varied from 1.37 to 1.89 GiB over five
-runs; with glibc's defaults the same runs are within 6% of the plan."""
 
 
 @dataclass(frozen=True)
@@ -131,10 +119,9 @@ def attention_bytes(config: JobConfig, profile: MemoryProfile, *, rows: int, row
     return peak
 
 
-def plan_memory(config: JobConfig, world: int, *, device_type: str, tuned_allocator: bool = False) -> MemoryPlan:
-    """Predict one rank's peak memory for `config` on `world` ranks of `device_type` ("cpu" or "cuda").
-
-    `tuned_allocator`: the CPU ranks run with the launcher's glibc settings (`resources.CPU_ALLOCATOR_ENV`).
+def plan_memory(config: JobConfig, world: int, *, device_type: str) -> MemoryPlan:
+    """Predict one rank's peak memory for `config` on `world` ranks of `device_type` ("cpu" or "cuda"), with
+    glibc's own allocator settings on CPU.
 
     Raises:
         ValueError: the degrees do not fit `world`, or the model family has no memory profile.
@@ -152,7 +139,7 @@ def plan_memory(config: JobConfig, world: int, *, device_type: str, tuned_alloca
     attention = attention_bytes(c, prof, rows=1 if c.data.pack else max(1, rows // micro), row_len=row_len,
                                 device_type=device_type)
     stages = [0, dims.pp - 1] if dims.pp > 1 else [0]
-    plans = [_stage(c, dims, prof, s, tokens, attention, device_type, tuned_allocator)
+    plans = [_stage(c, dims, prof, s, tokens, attention, device_type)
              for s in dict.fromkeys(stages)]
     return max(plans, key=lambda plan: plan.total)
 
@@ -194,7 +181,7 @@ def _units(*, fsdp: bool, pp: bool, bf16: bool, embedding: int, head: int, block
 
 
 def _stage(c: JobConfig, dims: ParallelDims, prof: MemoryProfile, stage: int, T: int, attention: int,
-           device_type: str, tuned: bool) -> MemoryPlan:
+           device_type: str) -> MemoryPlan:
     """The plan of one pipeline stage (the first holds the most microbatches, the last the loss)."""
     t, ac = c.training, c.activation_checkpoint
     last, first = stage == dims.pp - 1, stage == 0
@@ -248,7 +235,7 @@ def _stage(c: JobConfig, dims: ParallelDims, prof: MemoryProfile, stage: int, T:
                      else recompute + int(prof.block_backward * T))
     backward_attention = attention if attention_wins else 0
     grads_always = t.grad_accum_steps > 1
-    process = PROCESS_BYTES[device_type]
+    process = process_bytes(device_type, rank_imports(c))
     # The phases' per-token tensors that glibc serves from its heap (D-wide and narrower; vocabulary-wide ones are
     # mapped): the heap keeps their high water resident for the rest of the step (see `heap_slack`).
     loss_heap = int((prof.head_saved + (prof.fused_loss_token if fused else 0)) * T) if last else 0
@@ -261,43 +248,40 @@ def _stage(c: JobConfig, dims: ParallelDims, prof: MemoryProfile, stage: int, T:
     # optimizer's included (it trims only its top). Measured with `mallinfo2` on the 128k-vocabulary fused-loss
     # runs (1,024 and 3,072 tokens): the heap grew by 64.5 KiB per token (plan: 65.5), 42 with a 4-tile
     # feed-forward (plan: 43.4).
-    heap = device_type == "cpu" and (tuned or prof.block_input * T < HEAP_CEILING)
+    heap = device_type == "cpu" and prof.block_input * T < HEAP_CEILING
     high_water = max(heap_held.values()) + int((prof.block_backward + prof.tile_work) * T) if heap else 0
-    tuned_slack = int(TUNED_SLACK * (4 * vocab * loss_tokens if last else prof.block_input * T)) if tuned else 0
     base = {"process": process, "parameters": state, "optimizer state": moments}
 
     def phase(name: str, grads: int, gathered_now: int, cast_now: int, acts: int, work: int, attn: int,
-              loss_now: int, temporaries: int, reducing: int = 0) -> dict[str, int]:
+              loss_now: int, reducing: int = 0) -> dict[str, int]:
         return {**base, "gradients": grads, "gathered parameters": gathered_now, "gathered gradients": reducing,
                 "bf16 weight copies": cast_now,
                 "activations": acts, "one block in flight": work, "attention K/V in flight": attn, "loss": loss_now,
-                "optimizer temporaries": temporaries,
                 "allocator slack": int(CUDA_SLACK * (acts + work + attn + loss_now)) if device_type == "cuda"
                 else heap_slack(name)}
 
     def heap_slack(name: str) -> int:  # what the heap keeps beyond what this phase holds in it
-        return max(0, high_water - heap_held[name]) + tuned_slack
+        return max(0, high_water - heap_held[name])
 
-    step_temps = 2 * 4 * prof.largest_param // shards if device_type == "cpu" else state  # per-tensor vs foreach
     during = state if grads_always else 0
     # The head's backward: the loss at its peak, then (its buffers gone) the head unit's gradients reduced.
     head_reducing = units.reducing["loss"] if units.reducing["loss"] > loss else 0
     phases = {
         "forward": phase("forward", during, units.gathered["forward"], cast, activations,
-                         recompute + int(prof.block_forward * T), attention, 0, 0),
+                         recompute + int(prof.block_forward * T), attention, 0),
         "loss": phase("loss", during, units.gathered["loss"], cast, activations, 0, 0, 0 if head_reducing else loss,
-                      0, head_reducing),
+                      head_reducing),
         # The backward's start (the last block's): every activation kept, gradient shards yet to come; its end
         # (every shard made, no activation left) is "embedding backward". In between, one falls as the other grows.
         "backward": phase("backward", during, units.gathered["backward"], cast, activations,
-                          backward_work, backward_attention, 0, 0, units.reducing["backward"]),
-        "optimizer step": phase("optimizer step", state, 0, 0, 0, 0, 0, 0, step_temps),
+                          backward_work, backward_attention, 0, units.reducing["backward"]),
+        "optimizer step": phase("optimizer step", state, 0, 0, 0, 0, 0, 0),
     }
     if units.reducing["block end"]:  # a block's end: its gradients made, cast and copied for the reduce-scatter
-        phases["block end"] = phase("block end", during, units.gathered["backward"], cast, activations, 0, 0, 0, 0,
+        phases["block end"] = phase("block end", during, units.gathered["backward"], cast, activations, 0, 0, 0,
                                     units.reducing["block end"])
     if units.reducing["embedding"]:  # the backward's end: the embedding gathered and its gradient reduced
         phases["embedding backward"] = phase("embedding backward", state, units.gathered["embedding"], cast, 0, 0, 0, 0,
-                                             0, units.reducing["embedding"])
+                                             units.reducing["embedding"])
     name = max(phases, key=lambda k: sum(phases[k].values()))
     return MemoryPlan(tuple(phases[name].items()), name, host, T, tuple((k, sum(v.values())) for k, v in phases.items()))

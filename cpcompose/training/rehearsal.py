@@ -51,7 +51,7 @@ from cpcompose.distributed import ParallelDims, flat_mesh
 from cpcompose.distributed.parallel_dims import MESH_DIM_NAMES
 from cpcompose.parallel import cp_cross_entropy, cp_linear_cross_entropy
 from cpcompose.training.families import build_unfilled_model
-from cpcompose.training.memory_plan import PROCESS_BYTES, GiB, plan_memory
+from cpcompose.training.memory_plan import GiB, plan_memory
 
 __all__ = ["Rehearsal", "describe_rehearsal", "rehearse"]
 
@@ -200,7 +200,8 @@ def rehearse(config: JobConfig, world: int) -> Rehearsal:
         if dims.dp_cp_size == 1:  # no FSDP on one rank over dp x cp: torch's tracker of a plain model
             tracker_cls = _compat.plain_mem_tracker()
         tracker_cls = _device_peak_tracker(tracker_cls, c.training.offload_params)
-        with _without_host_checks(), _as_on_a_gpu(), fake_mode(allow_non_fake_inputs=True):
+        with _without_host_checks(), _as_on_a_gpu(), _compat.grouped_mm_of_any_dtype_on_fake_tensors(), \
+                fake_mode(allow_non_fake_inputs=True):
             tracked, by_kind = _two_steps(c, dims, mesh, tracker_cls, mod_stats)
     finally:
         dist.destroy_process_group()
@@ -208,7 +209,7 @@ def rehearse(config: JobConfig, world: int) -> Rehearsal:
         plan = plan_memory(config, world, device_type="cuda")
     except ValueError as e:  # a family the plan cannot count: the tracker alone, and why
         return Rehearsal(tracked=tracked, by_kind=by_kind, planned=None, unplanned=str(e))
-    planned = plan.total - PROCESS_BYTES["cuda"] - plan.part("allocator slack")
+    planned = plan.total - plan.part("process") - plan.part("allocator slack")
     return Rehearsal(tracked=tracked, by_kind=by_kind, planned=planned)
 
 
@@ -216,7 +217,7 @@ def _two_steps(c: JobConfig, dims: ParallelDims, mesh, tracker_cls, mod_stats) -
     trained = build_unfilled_model(c, dims=dims, mesh=mesh)
     model = trained.module
     optimizer = torch.optim.AdamW(model.parameters(), lr=c.optimizer.lr, betas=c.optimizer.betas,
-                                  weight_decay=c.optimizer.weight_decay, eps=c.optimizer.eps)
+                                  weight_decay=c.optimizer.weight_decay, eps=c.optimizer.eps, fused=True)
     rows, T = c.training.batch_size // (dims.dp_size * c.training.grad_accum_steps), c.training.seq_len // dims.cp
     # the loss's weight: a Hugging Face model's output embeddings, the Llama's `output`
     output = (model.get_output_embeddings() if hasattr(model, "get_output_embeddings")

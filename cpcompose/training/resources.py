@@ -1,7 +1,8 @@
 """What the run gets from its machine: the device type, glibc's allocator settings, and memory as the OS counts it.
 
-Shared by the launcher (which sets the allocator and watches its ranks), the memory plan (which
-predicts for that allocator) and the out-of-memory reports (which read the resident sets).
+Shared by the launcher (which watches its ranks), the memory plan (which predicts for glibc's own
+allocator settings, and says so when the environment changes them) and the out-of-memory reports
+(which read the resident sets).
 """
 
 from __future__ import annotations
@@ -14,15 +15,21 @@ import torch
 from cpcompose.config import JobConfig
 
 __all__ = [
-    "CPU_ALLOCATOR_ENV", "host_memory", "oversubscription_warning", "peak_resident_bytes", "resident_bytes",
-    "run_device_type", "usable_cores", "uses_tuned_allocator",
+    "ALLOCATOR_VARIABLES", "allocator_warning", "host_memory", "oversubscription_warning", "peak_resident_bytes",
+    "resident_bytes", "run_device_type", "usable_cores",
 ]
 
-# A high mmap threshold keeps large tensors in the heap instead of mapping and unmapping
-# them every step; a high trim threshold keeps freed memory for the next step. Measured here:
-# one step 5.4 s -> 2.2 s (README, "A note for CPU training"). The cost: the heap fragments
-# across steps, which the memory plan allows for (`memory_plan.TUNED_SLACK`).
-CPU_ALLOCATOR_ENV = {"MALLOC_MMAP_THRESHOLD_": "4294967296", "MALLOC_TRIM_THRESHOLD_": "4294967296"}
+ALLOCATOR_VARIABLES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_ARENA_MAX",
+                       "GLIBC_TUNABLES", "LD_PRELOAD")
+"""Environment variables that change how the CPU ranks' memory is allocated (glibc's settings, a preloaded
+allocator). The launcher leaves them as they are and the plan predicts glibc's defaults.
+
+Why not the heap settings the launcher used to set (`MALLOC_MMAP_THRESHOLD_` and `MALLOC_TRIM_THRESHOLD_` at
+4 GiB: every tensor from the heap, nothing given back)? They saved the page faults of mapping large tensors
+afresh each step, but the heap fragments: a parameter-dominated Llama (128k vocabulary, cp = 2, bf16) peaked at
+6.9-7.9 GiB per rank against a plan of 3.9 and measured peaks of 3.9 with glibc's defaults, growing for four
+steps. With glibc's defaults and AdamW fused (no per-parameter temporaries) its steps are as fast as they were
+with those settings and the for-loop AdamW (scripts/bench_host_memory.py)."""
 
 
 def run_device_type(config: JobConfig) -> str:
@@ -31,15 +38,14 @@ def run_device_type(config: JobConfig) -> str:
     return "cuda" if device == "cuda" or (device == "auto" and torch.cuda.is_available()) else "cpu"
 
 
-def uses_tuned_allocator(config: JobConfig, world: int) -> bool:
-    """Whether CPU ranks will run with `CPU_ALLOCATOR_ENV`: set here already, or set by the launcher when it
-    starts the ranks (`python -m cpcompose.train` with more than one rank; a lone rank runs in this process)."""
-    if run_device_type(config) == "cuda":
-        return False
-    key, value = next(iter(CPU_ALLOCATOR_ENV.items()))
-    if key in os.environ:
-        return os.environ[key] == value
-    return "RANK" not in os.environ and world > 1
+def allocator_warning(config: JobConfig) -> str | None:
+    """The banner's warning when the environment changes the CPU ranks' allocator, else None."""
+    changed = [name for name in ALLOCATOR_VARIABLES if os.environ.get(name)]
+    if run_device_type(config) != "cpu" or not changed:
+        return None
+    return (f"warning: {', '.join(changed)} set: the memory plan predicts glibc's own allocator settings, and with "
+            "others a rank's resident set can pass it (a heap that keeps everything fragments across steps); "
+            "unset them to train within the plan")
 
 
 def _status_kib(pid: int | str, field: str) -> int:

@@ -91,9 +91,11 @@ class Trainer:
             stage=self.mesh["pp"].get_local_rank() if self.dims.pp_enabled else 0,
         )
         self.model = self.trained.module
+        # Fused (torchtitan's default): one kernel updates each parameter in place, with no per-parameter
+        # temporaries; on CPU those were mapped afresh every step (scripts/bench_host_memory.py).
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=c.optimizer.lr, betas=c.optimizer.betas,
-            weight_decay=c.optimizer.weight_decay, eps=c.optimizer.eps,
+            weight_decay=c.optimizer.weight_decay, eps=c.optimizer.eps, fused=True,
         )
         s = c.lr_scheduler
         self.scheduler = build_lr_scheduler(

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from cpcompose.config import load_config
 from cpcompose.training.longest_sequence import with_length
-from cpcompose.training.memory_plan import PROCESS_BYTES, plan_memory
+from cpcompose.training.memory_plan import plan_memory
 from tests.support.scripts import load_script
 
 
@@ -27,8 +27,8 @@ def test_the_toy_mode_measures_plans_and_rehearses_the_fixed_length(tmp_path: Pa
     # allocator slack to the tracker's peak; the CUDA plan's tensors are those of the same config
     config = with_length(load_config(got["args"]), 1024)
     plan = plan_memory(config, 1, device_type="cuda")
-    assert fixed["cuda_plan_tensors"] == plan.total - PROCESS_BYTES["cuda"] - plan.part("allocator slack")
-    assert fixed["rehearsal_peak"] == fixed["tracked"] + PROCESS_BYTES["cuda"] + plan.part("allocator slack")
+    assert fixed["cuda_plan_tensors"] == plan.total - plan.part("process") - plan.part("allocator slack")
+    assert fixed["rehearsal_peak"] == fixed["tracked"] + plan.part("process") + plan.part("allocator slack")
     assert fixed["tracked"] > 0
     assert got["plan_longest"] > fixed["seq_len"] and got["plan_longest"] % 1024 == 0
     assert got["measured_longest"] == {"longest": None, "complete": False, "ran": [], "failed": [],

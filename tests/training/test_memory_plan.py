@@ -7,12 +7,10 @@ with a tiled MLP wide enough to matter, and two ranks with FSDP and checkpointin
 peak (resident-set high-water mark, max over ranks) must be within 15% of the plan, the
 issue's target (measured here: within 6%, see each case).
 
-Allocator. One rank runs with glibc's defaults, as a user's shell has them. Two ranks would
-get the launcher's settings (`resources.CPU_ALLOCATOR_ENV`: nothing mapped, nothing trimmed),
-whose fragmented heap makes one config's peak vary from run to run by more than 15% (measured
-here: 1.37 to 1.89 GiB over five runs of one config); the plan's allowance for it is not a
-prediction, so the two-rank case pins glibc's steady state instead (mmap threshold at its
-32 MiB ceiling, trim at twice that), which the launcher leaves alone.
+Allocator. Every run has glibc's defaults, as a user's shell has them and the launcher leaves them: the
+plan predicts those. (The launcher used to set a heap that keeps everything, whose fragmentation made one
+config's peak vary from 1.37 to 1.89 GiB over five runs, and a parameter-dominated run's grow to 1.8x the plan
+over four steps.) The parameter-dominated case runs four steps: its peak used to grow after the first.
 """
 
 from __future__ import annotations
@@ -36,12 +34,11 @@ BIG_VOCAB = [
     "--model.ffn_hidden_dim=128", "--training.batch_size=1", "--training.steps=3", "--training.device=cpu",
     "--lr_scheduler.warmup_steps=1", "--metrics.log_freq=1",
 ]
-GLIBC_STEADY = {"MALLOC_MMAP_THRESHOLD_": str(32 * 2**20), "MALLOC_TRIM_THRESHOLD_": str(64 * 2**20)}
 FUSED = ["--training.fused_loss=true", "--training.loss_chunk_tokens=512"]
 # Parameters (4x: fp32 shards, moments, gradients) and FSDP's gathered units outweigh the activations: the peak is
 # the backward's end, the embedding's bf16 gradient reduced in float32 (the issue's 0.27 B run, scaled down).
 PARAMETERS = ["--model.vocab_size=65536", "--model.dim=512", "--model.n_heads=8", "--model.n_kv_heads=2",
-              "--model.ffn_hidden_dim=1024", "--training.mixed_precision=bfloat16", "--training.steps=2"]
+              "--model.ffn_hidden_dim=1024", "--training.mixed_precision=bfloat16", "--training.steps=4"]
 SMALL = [
     "--model.vocab_size=4096", "--model.dim=256", "--model.n_layers=4", "--model.n_heads=4", "--model.n_kv_heads=2",
     "--model.ffn_hidden_dim=768", "--training.seq_len=8192", "--training.batch_size=1", "--training.device=cpu",
@@ -62,9 +59,6 @@ def test_the_prediction_is_within_15_percent_of_a_real_run(tmp_path: Path, monke
                                                            extra: list[str]) -> None:
     for key in [k for k in os.environ if k.startswith("MALLOC_")]:
         monkeypatch.delenv(key)  # as a user's shell
-    if cp > 1:
-        for key, value in GLIBC_STEADY.items():
-            monkeypatch.setenv(key, value)  # the plan (in this process) and the ranks see the same allocator
     args = BIG_VOCAB + [f"--parallelism.cp={cp}", f"--training.seq_len={seq_len}", f"--job.dump_folder={tmp_path}",
                         *extra]
     result = subprocess.run([sys.executable, "-m", "cpcompose.train", *args], capture_output=True, text=True, cwd=ROOT,
@@ -149,7 +143,7 @@ def test_offload_params_keeps_shards_gradients_and_moments_in_host_memory_on_cud
     kept, cuda = _plan(fsdp, 4, "cuda"), _plan([*fsdp, "--training.offload_params=true"], 4, "cuda")
     shards = kept.part("parameters")
     assert shards > 0 and cuda.host_bytes == 4 * shards  # fp32 shards, their gradients, two moments
-    assert all(cuda.part(p) == 0 for p in ("parameters", "optimizer state", "gradients", "optimizer temporaries"))
+    assert all(cuda.part(p) == 0 for p in ("parameters", "optimizer state", "gradients"))
     assert cuda.part("gathered parameters") > 0 and cuda.total < kept.total
     cpu = _plan([*fsdp, "--training.offload_params=true"], 4, "cpu")
     assert cpu.host_bytes == 0 and cpu.part("parameters") == shards  # the host is the device

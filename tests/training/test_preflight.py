@@ -14,7 +14,8 @@ import torch
 
 from cpcompose.config import ConfigError, load_config
 from cpcompose.train import main
-from cpcompose.training.launch import CPU_ALLOCATOR_ENV, launch_local
+from cpcompose.training.launch import launch_local
+from cpcompose.training.resources import ALLOCATOR_VARIABLES, allocator_warning
 from tests.support.trainer import TINY, run
 
 TWO = TINY + ["--parallelism.cp=2", "--training.steps=2"]
@@ -81,12 +82,18 @@ def test_nothing_to_train_starts_no_rank(pools, tmp_path: Path, capsys) -> None:
 
 def report_env(config, report) -> None:
     Path(config.job.dump_folder, "env.txt").write_text(
-        "\n".join(f"{k}={__import__('os').environ.get(k)}" for k in CPU_ALLOCATOR_ENV))
+        "\n".join(f"{k}={__import__('os').environ.get(k)}" for k in ALLOCATOR_VARIABLES))
 
 
-def test_the_cpu_launcher_sets_the_allocator_variables(tmp_path: Path, monkeypatch) -> None:
-    for key in CPU_ALLOCATOR_ENV:
+def test_the_cpu_launcher_leaves_the_allocator_as_it_is(tmp_path: Path, monkeypatch) -> None:
+    """The plan predicts glibc's own settings: the launcher no longer sets its heap-keeping ones (a
+    parameter-dominated run's heap then fragmented to 1.8x the plan), and names what the user set instead."""
+    for key in ALLOCATOR_VARIABLES:
         monkeypatch.delenv(key, raising=False)
     config = load_config(TINY + [f"--job.dump_folder={tmp_path}"])
     assert launch_local(report_env, config, 1) == 0
-    assert (tmp_path / "env.txt").read_text().splitlines() == [f"{k}={v}" for k, v in CPU_ALLOCATOR_ENV.items()]
+    assert (tmp_path / "env.txt").read_text().splitlines() == [f"{k}=None" for k in ALLOCATOR_VARIABLES]
+    assert allocator_warning(config) is None
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "4294967296")
+    warning = allocator_warning(config)
+    assert warning is not None and warning.startswith("warning: MALLOC_MMAP_THRESHOLD_ set: the memory plan")

@@ -65,11 +65,16 @@ TINY_CONFIGS = {
 }
 
 
+# The mixture of experts in float32: its grouped matmul's meta kernel takes bfloat16 only, the kernels float32 too
+# (before, the rehearsal ended in a 189-line traceback where the model trains).
+PRECISION = {"qwen3": "bfloat16", "qwen3_next": "float32"}
+
+
 @pytest.mark.parametrize("family", sorted(TINY_CONFIGS))
 def test_the_dry_run_rehearses_a_tiny_hf_model_and_the_plan_is_within_10_percent(family: str, tmp_path: Path) -> None:
     TINY_CONFIGS[family]().save_pretrained(tmp_path / family)
     args = ["--model.name=hf", f"--model.path={tmp_path / family}", "--parallelism.cp=2", "--parallelism.dp_shard=2",
-            "--training.seq_len=1024", "--training.batch_size=2", "--training.mixed_precision=bfloat16",
+            "--training.seq_len=1024", "--training.batch_size=2", f"--training.mixed_precision={PRECISION[family]}",
             "--activation_checkpoint.mode=full", "--job.dry_run", "--job.rehearse"]
     result = subprocess.run([sys.executable, "-m", "cpcompose.train", *args], capture_output=True, text=True,
                             cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "WORLD_SIZE": "4"}, timeout=600,

@@ -83,7 +83,7 @@ def llama_memory(model: _Shape, *, tp: int, precision: str, mlp_tiles: int) -> M
     block_linear = D * Dq + 2 * D * Dk + Dq * D + 3 * D * F
     return MemoryProfile(
         root_params=2 * V * D + D, block_params=block_linear + 2 * D, output_params=V * D,
-        block_cast_params=block_linear, largest_param=max(V * D, D * F),
+        block_cast_params=block_linear,
         block_input=(2 if precision == "bfloat16-params" else 4) * D, block_saved=saved,
         block_forward=8 * D + (4 * tile if tiled else 0),
         # + 3 D-wide gradients in flight: float32 where the residual stream is (float32, autocast), else bf16
