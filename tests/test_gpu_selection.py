@@ -18,15 +18,19 @@ ROOT = Path(__file__).parents[1]
 TARGET = "tests/training/test_trainer.py"  # two gpu tests among CPU ones
 
 
-def _collect(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "pytest", "--collect-only", "-q", TARGET, *args],
-        cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
-    )
+def _collect(*variants: tuple[str, ...]) -> list[subprocess.CompletedProcess]:
+    """pytest's collection with each variant's arguments, side by side (each is mostly torch's import)."""
+    runs = [subprocess.Popen([sys.executable, "-m", "pytest", "--collect-only", "-q", TARGET, *args], cwd=ROOT,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for args in variants]
+    done = []
+    for run in runs:
+        out, err = run.communicate(timeout=300)
+        done.append(subprocess.CompletedProcess(run.args, run.returncode, out, err))
+    return done
 
 
 def test_gpu_marker_selection() -> None:
-    plain, only_gpu = _collect(), _collect("-m", "gpu")
+    plain, only_gpu = _collect((), ("-m", "gpu"))
     if cuda_device_count() == 0:
         assert plain.returncode == 0, plain.stdout[-2000:] + plain.stderr[-2000:]
         assert "(2 deselected)" in plain.stdout and "test_cuda_" not in plain.stdout

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
 from cpcompose.training import footprint
+
 
 def test_measured_once_then_read_from_the_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
@@ -34,32 +34,28 @@ def test_measured_once_then_read_from_the_cache(tmp_path: Path, monkeypatch: pyt
     footprint.process_bytes.cache_clear()
 
 
-_MEASURER = """
-import sys, time
-from pathlib import Path
-from cpcompose.training import footprint
-def counted(imports):
-    with open(sys.argv[1], "a") as f:
-        f.write("measured\\n")
-    time.sleep(1.0)
-    return 123 * 2**20
-footprint._measure_in_a_fresh_interpreter = counted
-print(footprint.process_bytes("cpu", ("some.module",)))
-"""
+def test_ranks_planning_at_once_measure_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ranks of a torchrun job plan at the same moment: one measures (here a stand-in taking 0.5 s), the
+    others wait for its figure instead of each starting an interpreter on the same cores. Threads stand in for the
+    ranks: each opens the cache folder itself, and `flock` excludes separate opens as it excludes processes."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    measured = []
 
+    def stand_in(imports: tuple[str, ...]) -> int:
+        measured.append(imports)
+        time.sleep(0.5)
+        return 123 * 2**20
 
-def test_ranks_planning_at_once_measure_once(tmp_path: Path) -> None:
-    """The ranks of a torchrun job plan at the same moment: one measures (here a stand-in taking 1 s), the
-    others wait for its figure instead of each starting an interpreter on the same cores."""
-    count = tmp_path / "count"
-    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
-    ranks = [subprocess.Popen([sys.executable, "-c", _MEASURER, str(count)], env=env, stdout=subprocess.PIPE,
-                              text=True) for _ in range(2)]
-    outputs = [rank.communicate(timeout=90)[0].strip() for rank in ranks]
-    assert [rank.returncode for rank in ranks] == [0, 0]
-    assert outputs == [str(123 * 2**20)] * 2
-    assert count.read_text().splitlines() == ["measured"]
-    assert sorted(p.name for p in (tmp_path / "cache" / "cpcompose").iterdir()) == ["process-footprint.json"]
+    monkeypatch.setattr(footprint, "_measure_in_a_fresh_interpreter", stand_in)
+    got: list[int] = []
+    ranks = [threading.Thread(target=lambda: got.append(footprint.process_bytes.__wrapped__("cpu", ("a.module",))))
+             for _ in range(3)]
+    for rank in ranks:
+        rank.start()
+    for rank in ranks:
+        rank.join(timeout=30)
+    assert got == [123 * 2**20] * 3 and measured == [("a.module",)]
+    assert sorted(p.name for p in (tmp_path / "cpcompose").iterdir()) == ["process-footprint.json"]
 
 
 def test_a_failed_measurement_is_said_and_the_fallback_used(capfd: pytest.CaptureFixture[str],
