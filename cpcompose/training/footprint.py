@@ -20,7 +20,6 @@ before a rank holds the device: `CUDA_PROCESS_BYTES` is a round figure.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import functools
 import importlib.metadata
 import json
@@ -33,6 +32,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from cpcompose.data.store.cache import cpcompose_cache_folder
+from cpcompose.data.store.lock import flock_by
 
 __all__ = ["CUDA_PROCESS_BYTES", "FALLBACK_CPU_PROCESS_BYTES", "process_bytes"]
 
@@ -85,15 +85,7 @@ def _one_measurer() -> Iterator[None]:
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(path.parent, os.O_RDONLY)
-            deadline = time.monotonic() + _TIMEOUT_S
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() >= deadline:
-                        break
-                    time.sleep(0.1)
+            flock_by(fd, time.monotonic() + _TIMEOUT_S)  # not taken in time: measured anyway
     except OSError:
         pass
     try:

@@ -71,19 +71,24 @@ def _build(name: str) -> torch.nn.Module:
                             experts_implementation="eager")
 
 
+def _region_message(mesh, model, ids: torch.Tensor, verify: bool) -> str:
+    """`model`'s forward on `ids` in a CP region: the ValueError it raised, or "no error"."""
+    positions = torch.arange(ids.shape[1]).expand_as(ids).clone()
+    try:
+        with context_parallel(mesh, buffers=[ids, positions], buffer_seq_dims=[1, 1], verify=verify):
+            model(input_ids=ids, position_ids=positions, use_cache=False)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
 def refused_then_valid(mesh, name: str, state: dict) -> dict:
     """The refused family's forward in a region, with the probe and without; then a valid hybrid step."""
     model = _build(name)
-    messages = {}
-    for verify in (True, False):
-        ids = torch.randint(2, V, (1, 32), generator=torch.Generator().manual_seed(0))
-        positions = torch.arange(32)[None].clone()
-        try:
-            with context_parallel(mesh, buffers=[ids, positions], buffer_seq_dims=[1, 1], verify=verify):
-                model(input_ids=ids, position_ids=positions, use_cache=False)
-            messages[verify] = "no error"
-        except ValueError as e:
-            messages[verify] = str(e)
+    def ids() -> torch.Tensor:  # a fresh batch for each region (its buffers are sharded in place)
+        return torch.randint(2, V, (1, 32), generator=torch.Generator().manual_seed(0))
+
+    messages = {verify: _region_message(mesh, model, ids(), verify) for verify in (True, False)}
     return {"messages": messages, "valid": cases.cp_plain(mesh, "lfm2", state, strategies=("ring",))}
 
 
@@ -117,14 +122,7 @@ def eager_on_one_rank(mesh, name: str, state: dict) -> dict:
         if mesh.get_local_rank() == 1:
             model = cases.HYBRIDS[name].auto.from_config(cases.HYBRIDS[name].config(), dtype=torch.float64,
                                                          experts_implementation="eager", attn_implementation="eager")
-        ids, _ = cases.plain_batch()
-        positions = torch.arange(ids.shape[1]).expand_as(ids).clone()
-        try:
-            with context_parallel(mesh, buffers=[ids, positions], buffer_seq_dims=[1, 1], verify=verify):
-                model(input_ids=ids, position_ids=positions, use_cache=False)
-            messages[verify] = "no error"
-        except ValueError as e:
-            messages[verify] = str(e)
+        messages[verify] = _region_message(mesh, model, cases.plain_batch()[0], verify)
     return {"messages": messages, "valid": cases.cp_plain(mesh, name, state, strategies=("ring",))}
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from cpcompose.config import ConfigError
 
-__all__ = ["build_lock", "lock_path"]
+__all__ = ["build_lock", "flock_by", "lock_path"]
 
 _POLL_S = 0.2
 
@@ -73,17 +73,25 @@ def _open(path: Path) -> int:
                           "memory") from None
 
 
-def _acquire(fd: int, path: Path, folder: Path, deadline: float, timeout_s: float) -> None:
+def flock_by(fd: int, deadline: float) -> bool:
+    """Take an exclusive ``flock`` on ``fd``, polling until ``deadline`` (``time.monotonic()``); whether it was taken.
+
+    Polled rather than blocking, so that every wait has its timeout."""
     while True:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return
+            return True
         except BlockingIOError:
             if time.monotonic() >= deadline:
-                raise ConfigError(f"data.store_wait_s: waited {timeout_s:g} s for another process to build the "
-                                  f"token store {folder} (it holds {path}); raise data.store_wait_s, or stop "
-                                  "that process") from None
+                return False
             time.sleep(_POLL_S)
+
+
+def _acquire(fd: int, path: Path, folder: Path, deadline: float, timeout_s: float) -> None:
+    if not flock_by(fd, deadline):
+        raise ConfigError(f"data.store_wait_s: waited {timeout_s:g} s for another process to build the "
+                          f"token store {folder} (it holds {path}); raise data.store_wait_s, or stop "
+                          "that process")
 
 
 def _still_named(fd: int, path: Path) -> bool:

@@ -97,9 +97,14 @@ def _mask_refusal(mask: object) -> str | None:
     return None
 
 
+def _implementation(module: nn.Module) -> str | None:
+    """The attention implementation the indexer's model was built with (its config's)."""
+    return getattr(getattr(module, "config", None), "_attn_implementation", None)
+
+
 def _implementation_refusal(module: nn.Module) -> str | None:
     """Why this model's attention cannot read the indexer's global top-k under CP, or None."""
-    implementation = getattr(getattr(module, "config", None), "_attn_implementation", None)
+    implementation = _implementation(module)
     if implementation == ATTN_IMPLEMENTATION:
         return None
     return (f"DeepSeek sparse attention under CP needs the model built with attn_implementation="
@@ -153,7 +158,7 @@ def _packed_documents(module: nn.Module, arguments: dict[str, Any]) -> list[list
     from transformers.utils.import_utils import is_tracing  # values cannot be read while tracing (fake, compile)
 
     hidden, mask, positions = (arguments.get(name) for name in ("hidden_states", "attention_mask", "position_ids"))
-    if getattr(getattr(module, "config", None), "_attn_implementation", None) != ATTN_IMPLEMENTATION:
+    if _implementation(module) != ATTN_IMPLEMENTATION:
         return None
     if arguments.get("cache") is not None or not isinstance(positions, Tensor) or not isinstance(mask, Tensor):
         return None
@@ -165,10 +170,10 @@ def _packed_documents(module: nn.Module, arguments: dict[str, Any]) -> list[list
     documents = []
     for b, row in enumerate(rows):
         cu = cu_seqlens_from_position_ids(row)
-        row_mask = mask[b if mask.shape[0] > 1 else 0]
-        hidden_from_previous = [not bool(row_mask[s, s - 1]) if row_mask.dtype == torch.bool
-                                else bool(row_mask[s, s - 1] != 0) for s in cu[1:-1]]
-        if not all(hidden_from_previous):  # one sequence to the mask: the indexer's row is the whole row
+        starts = torch.tensor(cu[1:-1], dtype=torch.long, device=mask.device)
+        to_previous = mask[b if mask.shape[0] > 1 else 0][starts, starts - 1]  # each start's entry for the key before
+        apart = ~to_previous if mask.dtype == torch.bool else to_previous != 0  # bool: True keeps; else additive
+        if not bool(apart.all()):  # one sequence to the mask: the indexer's row is the whole row
             return None
         documents.append(document_rows(PackedLayout.build(cu, 1), 0, length))
     return documents
