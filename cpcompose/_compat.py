@@ -235,7 +235,7 @@ def in_backward() -> bool:
 
 def fake_rehearsal_tools() -> tuple[Any, Any, Any, Any]:
     """(FakeTensorMode, FakeStore, FSDPMemTracker, _ModMemStats): torch's private pieces of a rehearsal on fake
-    tensors with a fake process group (`cpcompose.training.rehearsal`); imported only when one runs."""
+    tensors with a fake process group (`cpcompose.training.memory.rehearsal`); imported only when one runs."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import _ModMemStats

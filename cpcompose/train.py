@@ -35,24 +35,25 @@ if __package__ in (None, ""):  # run as a file by torchrun: make the package imp
 from cpcompose.config import ConfigError, JobConfig, load_config  # noqa: E402
 from cpcompose.data.store import uses_store  # noqa: E402
 from cpcompose.training.errors import ErrorKind, TrainingError  # noqa: E402
-from cpcompose.training.faults import is_comm_failure  # noqa: E402
-from cpcompose.training.launch import Report, launch_local, planned_world_size  # noqa: E402
-from cpcompose.training.lr_schedule import warmup_note  # noqa: E402
-from cpcompose.training.memory_budget import run_plan  # noqa: E402
-from cpcompose.training.oom import (  # noqa: E402
+from cpcompose.training.loop.faults import is_comm_failure  # noqa: E402
+from cpcompose.training.launcher.local import Report, launch_local, planned_world_size  # noqa: E402
+from cpcompose.training.loop.lr_schedule import warmup_note  # noqa: E402
+from cpcompose.training.memory.budget import run_plan  # noqa: E402
+from cpcompose.training.memory.oom import (  # noqa: E402
     MemoryGuard,
     apply_cuda_budget,
     is_out_of_memory,
     out_of_memory_line,
     peak_bytes,
 )
-from cpcompose.training.resources import (  # noqa: E402
+from cpcompose.training.memory.resources import (  # noqa: E402
     allocator_warning, oversubscription_warning, run_device_type, usable_cores,
 )
-from cpcompose.training.metrics import stamp  # noqa: E402
-from cpcompose.training.dry_run import describe_plan  # noqa: E402
-from cpcompose.training.preflight import check_choices, preflight  # noqa: E402
-from cpcompose.training.trainer import Trainer  # noqa: E402
+from cpcompose.training.loop.metrics import stamp  # noqa: E402
+from cpcompose.training.launcher.dry_run import describe_plan  # noqa: E402
+from cpcompose.training.launcher.preflight import preflight  # noqa: E402
+from cpcompose.training.resolve import resolve_config  # noqa: E402
+from cpcompose.training.loop.trainer import Trainer  # noqa: E402
 
 __all__ = ["cli", "main", "run_rank", "train"]
 
@@ -220,8 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = load_config(argv)
         world = int(os.environ.get("WORLD_SIZE", 0)) or planned_world_size(config)
-        config.validate(world_size=world)
-        check_choices(config)
+        config = resolve_config(config, world)
         data_notes: list[str] = []  # what the data check did (token stores reused or built), for the banner
         nothing_to_do = None if config.job.dry_run else preflight(config, world, data_notes=data_notes.append)
         plan = describe_plan(config, world) if config.job.dry_run else None  # a model folder it cannot read: refused

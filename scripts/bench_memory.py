@@ -1,7 +1,7 @@
 """Benchmark: how context parallelism cuts per-rank memory, measured with the real trainer on CPU.
 
 Method. Every measurement is one short training run (`--steps`, default 2, of
-`cpcompose.training.trainer.Trainer.train_step`) of a small Llama on the synthetic
+`cpcompose.training.loop.trainer.Trainer.train_step`) of a small Llama on the synthetic
 copy task, batch 1, float32, no activation checkpointing, the whole logits
 (`training.fused_loss = false`), the ring strategy with the zigzag layout. This script
 starts the P ranks itself (`scripts/memory_trials.py`), each a fresh Python

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from cpcompose.config import ConfigError, load_config
-from cpcompose.data import check_data, config_tokenizer
+from cpcompose.data import build_token_stores, config_tokenizer
 from cpcompose.data.store import store_mixture, uses_store
 
 
@@ -33,7 +33,7 @@ def main(argv: list[str]) -> int:
         if not uses_store(config):
             raise ConfigError("data.store: false tokenizes in memory, and there is nothing to build; remove it")
         start = time.perf_counter()
-        notes = check_data(config)  # the vocabulary, then every store and sample index, built where missing or stale
+        notes = build_token_stores(config)  # the vocabulary, then every store and sample index, built where missing or stale
         mixture = store_mixture(config, config_tokenizer(config))
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)

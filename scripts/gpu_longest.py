@@ -9,7 +9,7 @@ is a fresh process (`--_trial`: one rank, two steps of the trainer's Llama on th
 run leaves nothing behind); its peak is CUDA's `max_memory_allocated` and `max_memory_reserved` (on CPU: the
 resident-set high-water mark). In order, each step given what the time budget leaves:
 1. at `--fixed-len` tokens: the measured peak, the plan's (`plan_memory`) and the rehearsal's (torch's MemTracker on
-   fake tensors, `cpcompose.training.rehearsal`) - these always run;
+   fake tensors, `cpcompose.training.memory.rehearsal`) - these always run;
 2. the plan's longest length that fits the device (bisected, instant);
 3. the rehearsal at that length: does it fit?
 4. the measured longest: real runs bisected from the plan's answer, on a grid of about 2% of it, until
@@ -32,8 +32,8 @@ from pathlib import Path
 import torch
 
 from cpcompose.config import load_config
-from cpcompose.training.longest_sequence import grid_unit, longest, plan_fits, with_length
-from cpcompose.training.memory_plan import plan_memory
+from cpcompose.training.memory.longest_sequence import grid_unit, longest, plan_fits, with_length
+from cpcompose.training.memory.plan import plan_memory
 
 GiB = 2**30
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,7 +55,7 @@ TOY = ["--model.vocab_size=4096", "--model.dim=128", "--model.n_layers=2", "--mo
 REHEARSE = """
 import json, sys
 from cpcompose.config import load_config
-from cpcompose.training.rehearsal import rehearse
+from cpcompose.training.memory.rehearsal import rehearse
 r = rehearse(load_config(sys.argv[1:]), 1)
 print(json.dumps({"tracked": r.tracked, "planned": r.planned}))
 """
@@ -69,9 +69,9 @@ def trial_main(out: str, argv: list[str]) -> None:
     """One rank: the trainer's steps at the given options; writes whether they ran and the peak."""
     import torch.distributed as dist
 
-    from cpcompose.training.oom import is_out_of_memory
-    from cpcompose.training.resources import peak_resident_bytes
-    from cpcompose.training.trainer import Trainer
+    from cpcompose.training.memory.oom import is_out_of_memory
+    from cpcompose.training.memory.resources import peak_resident_bytes
+    from cpcompose.training.loop.trainer import Trainer
 
     config = load_config(argv)
     cuda = config.training.device != "cpu" and torch.cuda.is_available()

@@ -7,8 +7,8 @@
 A cell is a model shape, a GPU count (one sequence over all of them: cp = GPUs, FSDP over the same ranks) and a
 set of the trainer's memory options, cumulative from (a) to (f). The memory plan (`plan_memory`, CUDA: the process
 figure and the allocator slack included) is bisected over the lengths the CP layout accepts
-(`cpcompose.training.longest_sequence`); then one training step at the plan's answer is rehearsed at full size in
-a fresh interpreter (`cpcompose.training.rehearsal`: FakeTensorMode, a fake process group, torch's FSDPMemTracker),
+(`cpcompose.training.memory.longest_sequence`); then one training step at the plan's answer is rehearsed at full size in
+a fresh interpreter (`cpcompose.training.memory.rehearsal`: FakeTensorMode, a fake process group, torch's FSDPMemTracker),
 and the tracker's peak plus the same process figure and slack must fit too. Each cell's JSON says how it was
 obtained: "rehearsed" (the rehearsal fits at that length), "rehearsed, lowered" (it did not at the plan's length;
 the length was lowered by the rehearsal's excess and rehearsed again), "plan" (not rehearsed: `--plan-only`, or the
@@ -31,8 +31,8 @@ from pathlib import Path
 import torch
 
 from cpcompose.config import ConfigError, JobConfig, load_config
-from cpcompose.training.longest_sequence import grid_unit, longest, plan_fits, with_length
-from cpcompose.training.memory_plan import plan_memory
+from cpcompose.training.memory.longest_sequence import grid_unit, longest, plan_fits, with_length
+from cpcompose.training.memory.plan import plan_memory
 
 GiB = 2**30
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,7 +61,7 @@ ALST = {("llama3-8b", 1): 500_000, ("llama3-8b", 8): 3_700_000, ("llama3-8b", 32
 REHEARSE = """
 import json, sys
 from cpcompose.config import load_config
-from cpcompose.training.rehearsal import rehearse
+from cpcompose.training.memory.rehearsal import rehearse
 r = rehearse(load_config(sys.argv[2:]), int(sys.argv[1]))
 print(json.dumps({"tracked": r.tracked, "planned": r.planned, "by_kind": r.by_kind}))
 """

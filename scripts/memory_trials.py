@@ -52,7 +52,7 @@ def rank_main(rank: int, world: int, store: str, timeout: float, argv: list[str]
     import torch.distributed as dist
 
     from cpcompose.config import load_config
-    from cpcompose.training.trainer import Trainer
+    from cpcompose.training.loop.trainer import Trainer
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
@@ -96,7 +96,7 @@ def rank_main(rank: int, world: int, store: str, timeout: float, argv: list[str]
 
 def _maxrss_mib() -> float:
     """This rank's own peak resident set (VmHWM; `ru_maxrss` would count its parent's at the fork)."""
-    from cpcompose.training.resources import peak_resident_bytes
+    from cpcompose.training.memory.resources import peak_resident_bytes
 
     return peak_resident_bytes() / 2**20
 

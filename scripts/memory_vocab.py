@@ -15,7 +15,7 @@ feed-forward-wide tensor of more than a tile's rows). Each skip is printed with 
 
 For each mode and cp: the longest L under the per-rank budget, searched as the budget
 experiment does (or, with `--vocab-fit-lens`, extrapolated from two runs' linear fit, for
-budgets whose longest L would take hours to step through) but seeded by the memory plan's own prediction (`cpcompose.training.memory_plan`,
+budgets whose longest L would take hours to step through) but seeded by the memory plan's own prediction (`cpcompose.training.memory.plan`,
 for glibc's default allocator as these runs use); tokens/s at that L; the plan's per-token
 memory by part there, beside the measured per-token slope; and the plan's predicted peak beside
 the measured peak for every run that finished.
@@ -54,14 +54,14 @@ def _config(cp: int, seq_len: int, extra: tuple[str, ...]):
 
 def predicted_mib(cp: int, seq_len: int, extra: tuple[str, ...]) -> float:
     """The plan's peak per rank for glibc's default allocator (what these runs use)."""
-    from cpcompose.training.memory_plan import plan_memory
+    from cpcompose.training.memory.plan import plan_memory
 
     return plan_memory(_config(cp, seq_len, extra), cp, device_type="cpu").total / MiB
 
 
 def per_token_kib(cp: int, seq_len: int, extra: tuple[str, ...]) -> dict[str, float]:
     """The plan's parts that grow with L, in KiB per token of the rank's shard, at L."""
-    from cpcompose.training.memory_plan import plan_memory
+    from cpcompose.training.memory.plan import plan_memory
 
     plan = plan_memory(_config(cp, seq_len, extra), cp, device_type="cpu")
     return {name: plan.part(name) / 1024 / plan.tokens for name in SCALING}

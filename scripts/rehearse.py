@@ -8,7 +8,7 @@
         # Qwen3-8B: FOLDER holds its config.json alone (no weights needed)
 
 Any trainer option after the script's own (`--world`) overrides the config, as for `python -m cpcompose.train`.
-Runs in one process on fake tensors with a fake process group (cpcompose.training.rehearsal): no GPU, no
+Runs in one process on fake tensors with a fake process group (cpcompose.training.memory.rehearsal): no GPU, no
 communication. Prints the tracker's peak and its parts, and the plan's tensors (less process and slack); the
 dry run prints the same with --job.dry_run --job.rehearse.
 """
@@ -19,7 +19,7 @@ import argparse
 import time
 
 from cpcompose.config import load_config
-from cpcompose.training.rehearsal import describe_rehearsal, rehearse
+from cpcompose.training.memory.rehearsal import describe_rehearsal, rehearse
 
 
 def main() -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 from tests.support.gpu import NO_CUDA, cuda_device_count
 
 ROOT = Path(__file__).parents[1]
-TARGET = "tests/training/test_trainer.py"  # two gpu tests among CPU ones
+TARGET = "tests/training/loop/test_trainer.py"  # two gpu tests among CPU ones
 
 
 def _collect(*variants: tuple[str, ...]) -> list[subprocess.CompletedProcess]:

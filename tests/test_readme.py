@@ -376,11 +376,11 @@ def _run_python(block: Block, box: Sandbox) -> None:
 
 def _run_toml(block: Block, box: Sandbox) -> None:
     from cpcompose.config import load_config
-    from cpcompose.training.preflight import check_choices
+    from cpcompose.training.resolve import resolve_config
 
     path = box.folder / f"readme_{block.name.replace('-', '_')}.toml"
     path.write_text(block.text)
-    check_choices(load_config(["--config", str(path)]))
+    resolve_config(load_config(["--config", str(path)]))
 
 
 @pytest.mark.parametrize("block", [b for b in BLOCKS if b.kind == "run"], ids=lambda b: b.name)
@@ -418,7 +418,7 @@ def check_your_data(block: Block) -> None:
     """The `[data]` example (with its tokenizer line filled in) passes the pre-launch check on chat records,
     and its page's example of a bad record is, word for word, the line that check prints."""
     from cpcompose.config import ConfigError, load_config
-    from cpcompose.training.preflight import preflight
+    from cpcompose.training.launcher.preflight import preflight
     from tests.support.hf_data import chat_records, tiny_tokenizer_folder, write_jsonl
 
     said = re.search(r"`config error: (data\.path: data/conversations\.jsonl:(\d+): messages\[(\d+)\]\.role is "

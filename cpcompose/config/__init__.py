@@ -6,10 +6,10 @@ defaults < ``--config FILE.toml`` < ``--section.key=value``. Every mistake raise
 :class:`ConfigError` whose message starts with the key to change.
 """
 
+from cpcompose.config.cp_options import cp_options
 from cpcompose.config.job_config import JobConfig
 from cpcompose.config.loader import format_help, load_config
 from cpcompose.config.sections import (
-    HF_MODEL,
     ActivationCheckpoint,
     Checkpoint,
     Comm,
@@ -25,7 +25,7 @@ from cpcompose.config.sections import (
 )
 
 __all__ = [
-    "HF_MODEL", "ActivationCheckpoint", "Checkpoint", "Comm", "ConfigError", "Data", "Job", "JobConfig",
+    "ActivationCheckpoint", "Checkpoint", "Comm", "ConfigError", "Data", "Job", "JobConfig",
     "LRScheduler", "Metrics", "Model", "Optimizer", "Parallelism", "Training",
-    "format_help", "load_config",
+    "cp_options", "format_help", "load_config",
 ]

@@ -14,13 +14,13 @@ from cpcompose.config.sections import (
     Job,
     LRScheduler,
     Metrics,
-    HF_MODEL,
     Model,
     Optimizer,
     Parallelism,
     Training,
     require,
 )
+from cpcompose.config.cp_options import cp_options_error
 from cpcompose.distributed.parallel_dims import ParallelDims
 from cpcompose.layouts import resolve_layout
 
@@ -65,9 +65,9 @@ class JobConfig:
     def validate(self, world_size: int | None = None) -> None:
         """Check the constraints that span sections, asking the module that owns each rule.
 
-        The schema alone: whether `model.name` is registered and whether the data task's
-        parameters fit are the pre-launch checks' (`cpcompose.training.preflight.check_choices`),
-        which know the model families and the data sources.
+        The schema alone: whether `model.name` is registered, what its family takes and what its
+        files hold, and whether the data task's parameters fit are the trainer's resolution step's
+        (`cpcompose.training.resolve.resolve_config`), which knows the model families and the data sources.
 
         :func:`load_config` calls it without a world size (shape checks only); the trainer calls it
         again with one, which also checks the degrees against it (``ParallelDims``) and the batch
@@ -78,7 +78,8 @@ class JobConfig:
             ConfigError: naming the key to change.
         """
         p, m, t, d = self.parallelism, self.model, self.training, self.data
-        self._validate_hf()
+        if (error := cp_options_error(p)) is not None:
+            raise error
         require(self.job.dry_run or not self.job.rehearse, "job.rehearse", "rehearses the dry run's step: add "
                 "--job.dry_run (or unset job.rehearse)")
         require(p.pp == 1 or not self.job.rehearse, "job.rehearse", "a pipelined run (parallelism.pp > 1) is not "
@@ -114,18 +115,3 @@ class JobConfig:
         require(not (d.pack and p.pp > 1), "data.pack",
                 "packed documents are one sequence per micro-batch, which pipeline microbatches cannot split; "
                 "set parallelism.pp = 1")
-
-    def _validate_hf(self) -> None:
-        """What a Hugging Face model (`model.name = "hf"`) does not take from the trainer's options."""
-        p, hf = self.parallelism, self.model.name == HF_MODEL
-        require(hf or self.checkpoint.export_hf is None, "checkpoint.export_hf",
-                f"writes a Hugging Face model: only with model.name = '{HF_MODEL}'")
-        if not hf:
-            return
-        require(p.tp == 1, "parallelism.tp", f"{p.tp}: a Hugging Face model (model.name = 'hf') takes no tensor "
-                "parallelism here; use parallelism.cp and parallelism.dp_shard (FSDP) instead")
-        require(p.pp == 1, "parallelism.pp", f"{p.pp}: a Hugging Face model (model.name = 'hf') is not cut into "
-                "pipeline stages here; use parallelism.cp and parallelism.dp_shard (FSDP) instead")
-        require(not self.training.compile, "training.compile",
-                "not with model.name = 'hf': its attention runs cpcompose's checks in Python, which "
-                "torch.compile(fullgraph=True) cannot trace; set training.compile = false")

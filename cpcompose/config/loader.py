@@ -14,11 +14,11 @@ import sys
 import textwrap
 import tomllib  # Python >= 3.11, as pyproject requires
 import types
-from dataclasses import MISSING, fields
+from dataclasses import MISSING, fields, replace
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 from cpcompose.config.job_config import JobConfig
-from cpcompose.config.sections import ConfigError, require
+from cpcompose.config.sections import ConfigError, require, source_table
 
 
 __all__ = ["format_help", "load_config"]
@@ -223,7 +223,8 @@ def load_config(argv: list[str] | None = None) -> JobConfig:
     Args:
         argv: command-line arguments without the program name; ``None`` reads ``sys.argv[1:]``.
     Returns:
-        The config, already checked by :meth:`JobConfig.validate` without a world size.
+        The config, already checked by :meth:`JobConfig.validate` without a world size (what needs the model's
+        family or files, the trainer's resolution step checks: `cpcompose.training.resolve.resolve_config`).
     Raises:
         ConfigError: an unknown section or key, a malformed value or an inconsistent combination.
         SystemExit: with code 0 after printing :func:`format_help` for ``-h`` / ``--help``.
@@ -241,6 +242,14 @@ def load_config(argv: list[str] | None = None) -> JobConfig:
     for key, value, from_text in sourced:  # the command line comes last, so it wins
         section, name = key.split(".", 1)
         values[section][name] = _convert(key, value, known[key], from_text=from_text)
-    config = JobConfig(**{s: cls(**values[s]) for s, cls in sections.items()})
+    config = _with_derived_defaults(JobConfig(**{s: cls(**values[s]) for s, cls in sections.items()}))
     config.validate()
     return config
+
+
+def _with_derived_defaults(config: JobConfig) -> JobConfig:
+    """The defaults that depend on other values, filled once so every reader sees one answer: `data.pack` a bool
+    (`Data.packed`) and each [[data.sources]] table completed with its defaults. Pure: no file is read."""
+    d = config.data
+    data = replace(d, pack=d.packed(), sources=[source_table(i, entry) for i, entry in enumerate(d.sources)])
+    return replace(config, data=data)

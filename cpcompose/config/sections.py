@@ -1,26 +1,28 @@
 """The config sections: one dataclass per TOML table, a docstring under every field.
 
-Checks that involve a single section live in its ``__post_init__``; checks across sections live in
-:meth:`cpcompose.config.JobConfig.validate`. Every failure is a :class:`ConfigError` whose message
-starts with the key to change.
+Sections hold and validate the values a user wrote, and nothing else: they import only the standard library,
+read no file and fill no default from another section (`cpcompose.config.loader` derives those once, after
+parsing). Checks that involve a single section live in its ``__post_init__``; checks across sections live in
+:meth:`cpcompose.config.JobConfig.validate`; what needs the model's family, its files or the attention
+library is checked by the trainer's resolution step (`cpcompose.training.resolve`). Every failure is a
+:class:`ConfigError` whose message starts with the key to change.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Literal
 
-from cpcompose.attention.cost.calibration import Calibration
-from cpcompose.attention.call.options import CPOptions, StrategyChoice, Validate
-from cpcompose.comm import CommMeter
-from cpcompose.layouts import DEFAULT_LAYOUT
-
 __all__ = [
-    "HF_MODEL", "ActivationCheckpoint", "Checkpoint", "Comm", "ConfigError", "Data", "Job", "LRScheduler",
-    "Metrics", "Model", "Optimizer", "Parallelism", "Training", "require",
+    "ActivationCheckpoint", "Checkpoint", "Comm", "ConfigError", "Data", "Job", "LRScheduler",
+    "Metrics", "Model", "Optimizer", "Parallelism", "StrategyName", "Training", "ValidateWhen", "require",
 ]
+
+StrategyName = Literal["ring", "allgather", "alltoall", "alltoall_ring", "auto"]
+"""`parallelism.cp_strategy`'s choices: `cpcompose.attention`'s `StrategyChoice`, spelled here so that the
+sections import nothing but the standard library (tests/config/test_config.py holds the two equal)."""
+ValidateWhen = Literal["first_call", "every_call"]
+"""`parallelism.cp_validate`'s choices: `cpcompose.attention`'s `Validate` (held equal by the same test)."""
 
 
 class ConfigError(ValueError):
@@ -56,10 +58,6 @@ class Job:
     FakeTensorMode, its fake process group with this process as rank 0, its FSDPMemTracker) and print the
     tracker's peak and parts beside the memory plan's tensors. No GPU, no weights (a Hugging Face model needs only
     its config.json); minutes of CPU at full size. Pipelining (parallelism.pp > 1) is not rehearsed."""
-
-
-HF_MODEL = "hf"
-"""`model.name` of a Hugging Face causal LM read from `model.path` (the trainer's other families are its own)."""
 
 
 @dataclass
@@ -114,37 +112,6 @@ class Model:
         require(self.rope_theta is None or self.rope_theta > 0, "model.rope_theta", f"must be > 0, got {self.rope_theta}")
         require(self.max_position_embeddings is None or self.max_position_embeddings > 0,
                 "model.max_position_embeddings", f"must be > 0, got {self.max_position_embeddings}")
-        if self.name != HF_MODEL:
-            for key in ("path", "rope_scaling", "max_position_embeddings"):
-                require(getattr(self, key) is None, f"model.{key}",
-                        f"only applies to model.name = '{HF_MODEL}' (a Hugging Face model); remove it")
-            return
-        require(self.path is not None, "model.path", "required with model.name = 'hf': a local folder with "
-                "config.json, *.safetensors and the tokenizer files (e.g. one written by save_pretrained)")
-        vocab = _hf_vocab_size(Path(self.path))
-        default = Model.__dataclass_fields__["vocab_size"].default
-        require(self.vocab_size in (default, vocab), "model.vocab_size",
-                f"does not apply to model.name = 'hf': the vocabulary is {self.path}/config.json's ({vocab}); "
-                "remove it")
-        self.vocab_size = vocab  # what the data's ids are checked against
-
-
-def _hf_vocab_size(folder: Path) -> int:
-    """The vocabulary of the Hugging Face model in `folder` (its config.json; read here, without transformers,
-    so that the data's ids are checked against it wherever the config is)."""
-    config = folder / "config.json"
-    require(folder.is_dir(), "model.path", f"{folder} is not a folder (model.name = 'hf' reads a local folder "
-            "as save_pretrained writes it; nothing is downloaded)")
-    require(config.is_file(), "model.path", f"{folder} has no config.json: not a Hugging Face model folder")
-    try:
-        fields = json.loads(config.read_text())
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"model.path: {config} does not read as JSON ({e})") from None
-    vocab = fields.get("vocab_size") if isinstance(fields, dict) else None
-    if vocab is None and isinstance(fields, dict) and isinstance(fields.get("text_config"), dict):
-        vocab = fields["text_config"].get("vocab_size")
-    require(isinstance(vocab, int) and vocab > 0, "model.path", f"{config} has no positive vocab_size")
-    return vocab
 
 
 @dataclass
@@ -165,7 +132,7 @@ class Parallelism:
     """Pipeline schedule; 1F1B holds fewer microbatches' activations at once than GPipe."""
     pp_microbatches: int = 4
     """Microbatches per local batch when pp > 1; must divide it (and be >= pp for 1F1B)."""
-    cp_strategy: StrategyChoice = "ring"
+    cp_strategy: StrategyName = "ring"
     """ring: K/V blocks circulate, overlapped with compute; allgather: gather all K/V once
     (simple, more memory); alltoall: Ulysses head/sequence transpose (any head count);
     alltoall_ring: 2-D, Ulysses inside blocks of cp_alltoall_size consecutive ranks (keep a
@@ -174,7 +141,7 @@ class Parallelism:
     cp_alltoall_size: int | None = None
     """Ranks per all-to-all block of cp_strategy = "alltoall_ring" (required there, unset otherwise);
     must divide cp. cp_alltoall_size = cp is Ulysses, 1 is the ring."""
-    cp_layout: str = DEFAULT_LAYOUT
+    cp_layout: str = "zigzag"
     """A registered layout (zigzag, contiguous): zigzag gives rank r chunks r and 2cp-1-r so causal
     work is balanced; contiguous gives chunk r. Packed documents (data.pack) are split per batch."""
     cp_calibration: str | None = None
@@ -184,7 +151,7 @@ class Parallelism:
     """Run the exactness probe at start (two forwards of a copy of the model at 16 tokens per CP rank, before
     FSDP): every module's output under CP must equal the single-process one, or the run stops naming the first
     module that differs (a token mixer that is not CP-aware)."""
-    cp_validate: Validate = "first_call"
+    cp_validate: ValidateWhen = "first_call"
     """first_call: the blocking cross-rank check of each attention call's shapes and options runs
     for a new call signature only (no host sync at steady state); every_call: on every call, a
     debug mode that also catches one rank changing its inputs alone (see README, What is checked when)."""
@@ -193,32 +160,6 @@ class Parallelism:
         _positive(self, "parallelism", "dp_replicate", "cp", "tp", "pp", "pp_microbatches")
         require(self.dp_shard == -1 or self.dp_shard >= 1, "parallelism.dp_shard",
                 f"must be >= 1 or -1, got {self.dp_shard}")
-        if self.cp_calibration is not None:
-            require(Path(self.cp_calibration).is_file(), "parallelism.cp_calibration",
-                    f"{self.cp_calibration!r} is not a file; write one with scripts/calibrate_cost_model.py")
-        try:
-            options = self.cp_options()
-        except (ValueError, OSError) as e:  # the calibration file cannot be read as one
-            raise ConfigError(f"parallelism.cp_calibration: {e}") from None
-        problem = options.problem(self.cp, names=CP_OPTION_KEYS)  # the options' own rules, under our keys
-        if problem is not None:
-            raise ConfigError(problem.keyed())
-
-    def cp_options(self, *, meter: CommMeter | None = None) -> CPOptions:
-        """The CP attention options these settings describe: one object, from here to every attention call."""
-        calibration = None if self.cp_calibration is None else Calibration.load(self.cp_calibration)
-        return CPOptions(
-            strategy=self.cp_strategy, layout=self.cp_layout, meter=meter, alltoall_size=self.cp_alltoall_size,
-            validate=self.cp_validate, calibration=calibration, verify=self.cp_verify,
-        )
-
-
-CP_OPTION_KEYS = {
-    "strategy": "parallelism.cp_strategy", "layout": "parallelism.cp_layout",
-    "alltoall_size": "parallelism.cp_alltoall_size", "validate": "parallelism.cp_validate",
-    "calibration": "parallelism.cp_calibration", "verify": "parallelism.cp_verify",
-}
-"""The key of each `CPOptions` field these settings set: option errors name them."""
 
 
 @dataclass
@@ -294,8 +235,8 @@ _SOURCE_KEYS = {"path": None, "weight": 1.0, "long_doc_tokens": None, "long_doc_
 """The keys of one [[data.sources]] table, with their defaults (path is required)."""
 
 
-def _source_table(index: int, entry: object) -> dict:
-    """One [[data.sources]] table, checked and completed with the defaults."""
+def source_table(index: int, entry: object) -> dict:
+    """One [[data.sources]] table, checked, completed with the defaults (what the loader keeps)."""
     key = f"data.sources[{index}]"
     require(isinstance(entry, dict), key, f"must be a table such as {{path = \"a/\", weight = 1}}, got {entry!r}")
     assert isinstance(entry, dict)
@@ -385,6 +326,11 @@ class Data:
     store_wait_s: float = 3600.0
     """How long a process waits for another one's build of the same token store before giving up."""
 
+    def packed(self) -> bool:
+        """Whether rows keep document boundaries: data.pack, or unset, on for completion/chat records (always
+        packed), off for text (windows over the concatenated documents)."""
+        return self.source == "text" and (self.pack if self.pack is not None else self.format != "text")
+
     def __post_init__(self) -> None:
         require(self.source != "text" or (self.path is None) != (not self.sources), "data.path",
                 "required when data.source = 'text', unless [[data.sources]] lists the sources (not both)")
@@ -396,7 +342,8 @@ class Data:
                 "remove data.store = false")
         require(self.store or self.store_dir is None, "data.store_dir",
                 "is where token stores go, but data.store = false tokenizes in memory: remove one of the two")
-        self.sources = [_source_table(i, entry) for i, entry in enumerate(self.sources)]
+        for i, entry in enumerate(self.sources):
+            source_table(i, entry)
         require(self.store_wait_s > 0, "data.store_wait_s", f"must be > 0, got {self.store_wait_s}")
         require(not self.pack or self.source == "text", "data.pack", "only applies to data.source = 'text'")
         for name, default in _TEXT_ONLY.items():  # ignored by synthetic data: say so rather than drop it
@@ -407,8 +354,6 @@ class Data:
                     f"only applies to data.format = {' or '.join(map(repr, formats))}, not {self.format!r}")
         require(self.format == "text" or self.pack is not False, "data.pack",
                 f"{self.format} records are always packed whole with their boundaries; remove data.pack = false")
-        # Resolved here so every reader sees a bool: records are packed, text is not unless asked.
-        self.pack = self.source == "text" and (self.pack if self.pack is not None else self.format != "text")
         require(self.num_symbols >= 2, "data.num_symbols", f"must be >= 2, got {self.num_symbols}")
         require(1 <= self.num_pairs <= self.num_symbols, "data.num_pairs",
                 f"must be in [1, num_symbols], got {self.num_pairs}")

@@ -21,7 +21,7 @@ from cpcompose.data.supervised import SupervisedSource
 from cpcompose.data.text import TextSource, short_corpus_error
 from cpcompose.data.tokenizer import Tokenizer
 
-__all__ = ["FULL_SCAN_BYTES", "SAMPLE_RECORDS", "build_corpus_source", "check_corpus", "iter_documents"]
+__all__ = ["FULL_SCAN_BYTES", "SAMPLE_RECORDS", "build_corpus_source", "build_corpus_stores", "iter_documents"]
 
 FULL_SCAN_BYTES = 8 << 20
 """Data up to this size is read and tokenized whole before launch: a few seconds at the 1-2 MiB/s of text that a
@@ -76,8 +76,8 @@ def build_corpus_source(config: JobConfig, tokenizer: Tokenizer) -> SampleSource
     return SupervisedSource.from_documents(records, seq_len=t.seq_len, pad_id=pad, seed=config.job.seed)
 
 
-def check_corpus(config: JobConfig, tokenizer: Tokenizer) -> list[str]:
-    """The pre-launch check. Through token stores (the default): every store and sample index is opened, or
+def build_corpus_stores(config: JobConfig, tokenizer: Tokenizer) -> list[str]:
+    """The pre-launch build of the token stores (or, in memory, the check of the records). Through token stores (the default): every store and sample index is opened, or
     built here, once, before any rank starts (every record read). In memory (data.store = false): every record
     when the data is at most FULL_SCAN_BYTES, else the first SAMPLE_RECORDS of each file (every file is still
     opened, so an unreadable or empty one is caught); text is then read on until it holds one window, so a short

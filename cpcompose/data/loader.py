@@ -7,11 +7,11 @@ from typing import Any
 from cpcompose.config import ConfigError, JobConfig
 from cpcompose.data.batch import Batch, SampleSource
 from cpcompose.data.copy_task import SyntheticCopy, copy_task_problem
-from cpcompose.data.corpus import build_corpus_source, check_corpus
+from cpcompose.data.corpus import build_corpus_source, build_corpus_stores
 from cpcompose.data.synthetic import SyntheticRecall, recall_task_problem
 from cpcompose.data.tokenizer import config_tokenizer, tokenizer_choice
 
-__all__ = ["TokenBatcher", "build_data_source", "check_data", "data_config_error"]
+__all__ = ["TokenBatcher", "build_data_source", "build_token_stores", "data_config_error"]
 
 
 class TokenBatcher:
@@ -82,12 +82,12 @@ def data_config_error(config: JobConfig) -> ConfigError | None:
 
 
 def _vocab_error(config: JobConfig, vocab: int, what: str) -> ConfigError | None:
-    """model.vocab_size must cover the data's ids. For a Hugging Face model (model.name = "hf") it is the model's
-    own vocabulary (config.json's), so the tokenizer is what to change."""
+    """model.vocab_size must cover the data's ids. For a model read from a folder (model.path) it is the model's
+    own vocabulary (its config.json's), so the tokenizer is what to change."""
     m = config.model
     if vocab <= m.vocab_size:
         return None
-    if m.name == "hf":
+    if m.path is not None:
         choice = tokenizer_choice(config)
         return ConfigError(f"{choice.key}: the tokenizer {choice.path or '(byte-level)'} has {vocab} ids, more than the "
                            f"model's vocabulary of {m.vocab_size} ({m.path}/config.json); leave data.tokenizer unset "
@@ -96,9 +96,10 @@ def _vocab_error(config: JobConfig, vocab: int, what: str) -> ConfigError | None
                        f"set --model.vocab_size={vocab} or more")
 
 
-def check_data(config: JobConfig) -> list[str]:
-    """The pre-launch data check: the synthetic task's parameters and vocabulary, or the tokenizer, the
-    vocabulary and the files, their token stores built (see :func:`cpcompose.data.corpus.check_corpus`).
+def build_token_stores(config: JobConfig) -> list[str]:
+    """Build (or reuse) the token store of every source, before any rank starts: the tokenizer and the vocabulary
+    checked first, then the files tokenized once (see :func:`cpcompose.data.corpus.build_corpus_stores`); in memory
+    (data.store = false) the records are checked instead, and synthetic data checks its task and vocabulary.
 
     Returns:
         The lines the launch banner shows about what the check did: each token store reused, built or rebuilt.
@@ -111,7 +112,7 @@ def check_data(config: JobConfig) -> list[str]:
     tokenizer = config_tokenizer(config)
     if (error := _vocab_error(config, tokenizer.vocab_size, "the tokenizer")) is not None:
         raise error
-    return check_corpus(config, tokenizer)
+    return build_corpus_stores(config, tokenizer)
 
 
 def build_data_source(config: JobConfig, *, dp_rank: int, dp_size: int) -> TokenBatcher:

@@ -119,10 +119,11 @@ class TokenizerChoice(NamedTuple):
 
 def tokenizer_choice(config: JobConfig) -> TokenizerChoice:
     """The one place that decides the data's tokenizer: ``data.tokenizer`` when set, else the model folder's
-    (``model.name = "hf"``: ``model.path``), else byte-level."""
+    (``model.path``, for a family that reads its model from a folder; the others refuse the key), else
+    byte-level."""
     if config.data.tokenizer is not None:
         return TokenizerChoice(config.data.tokenizer, "data.tokenizer")
-    if config.model.name == "hf" and config.model.path is not None:
+    if config.model.path is not None:
         return TokenizerChoice(config.model.path, "model.path")
     return TokenizerChoice(None, "data.tokenizer")
 

@@ -53,7 +53,7 @@ class SplitForPipelineFn(Protocol):
 
 @dataclass(frozen=True)
 class MemoryProfile:
-    """What a family's model holds during a training step, for `cpcompose.training.memory_plan` to add up.
+    """What a family's model holds during a training step, for `cpcompose.training.memory.plan` to add up.
 
     Parameter counts are this tensor-parallel rank's share, before FSDP shards them; activation
     figures are bytes per token of the rank's shard of the sequence, counted from what autograd

@@ -8,7 +8,7 @@
 * `start_all_gather` / `start_reduce_scatter` on real gloo groups (the reduce-scatter
   runs as an all-to-all and a sum there): exact sums of integers at P=2 and 3. That
   their waits end at the CP group's timeout when a peer stalls or dies is
-  tests/training/test_faults.py's all-gather case.
+  tests/training/loop/test_faults.py's all-gather case.
 """
 
 from __future__ import annotations

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from cpcompose.config import ConfigError, JobConfig, load_config
+from cpcompose.config import ConfigError, JobConfig, cp_options, load_config
 from cpcompose.config.loader import _field_docs
 from cpcompose.distributed import ParallelDims
-from cpcompose.training.preflight import check_choices
+from cpcompose.training.resolve import resolve_config
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -25,7 +25,9 @@ def write_toml(tmp_path: Path, text: str) -> str:
 
 def test_defaults_load_and_to_dict_has_every_section() -> None:
     config = load_config([])
-    assert config == JobConfig()
+    defaults = JobConfig()  # as written: data.pack unset, which the loader derives (off for text)
+    assert defaults.data.pack is None and config.data.pack is False
+    assert config == dataclasses.replace(defaults, data=dataclasses.replace(defaults.data, pack=False))
     sections = config.to_dict()
     assert list(sections) == [f.name for f in dataclasses.fields(JobConfig)]
     assert sections["training"]["seq_len"] == config.training.seq_len
@@ -138,10 +140,10 @@ def test_missing_config_file_is_a_config_error(tmp_path: Path) -> None:
     ],
 )
 def test_inconsistent_values_name_the_key(argv: list[str], message: str) -> None:
-    """Read and checked as `python -m cpcompose.train` does before launch (the schema, then the choices:
+    """Read and checked as `python -m cpcompose.train` does before launch (the schema, then the resolution step:
     model families and data tasks)."""
     with pytest.raises(ConfigError, match=message):
-        check_choices(load_config(argv))
+        resolve_config(load_config(argv))
 
 
 def test_seq_len_divisibility_follows_the_layout() -> None:
@@ -181,7 +183,7 @@ def test_twod_config_gives_its_options() -> None:
     config = load_config(["--parallelism.cp=4", "--parallelism.cp_strategy=alltoall_ring",
                           "--parallelism.cp_alltoall_size=2"])
     config.validate(world_size=4)
-    options = config.parallelism.cp_options()
+    options = cp_options(config.parallelism)
     assert (options.strategy, options.alltoall_size) == ("alltoall_ring", 2)
     assert options.error(4) is None
 
@@ -249,9 +251,9 @@ def test_llama3_8b_config_has_the_llama3_shape() -> None:
 
 def test_validate_mode_reaches_the_attention_options() -> None:
     """`parallelism.cp_validate` is the trainer's switch for the every-call agreement (a debug mode)."""
-    assert load_config([]).parallelism.cp_options().validate == "first_call"
+    assert cp_options(load_config([]).parallelism).validate == "first_call"
     config = load_config(["--parallelism.cp_validate=every_call"])
-    assert config.parallelism.cp_options().validate == "every_call"
+    assert cp_options(config.parallelism).validate == "every_call"
     with pytest.raises(ConfigError, match="cp_validate"):
         load_config(["--parallelism.cp_validate=sometimes"])
 
@@ -262,8 +264,8 @@ def test_auto_calibration_file(tmp_path) -> None:
 
     path = tmp_path / "machine.json"
     CPU_DEFAULT.save(path)
-    options = load_config(["--parallelism.cp_strategy=auto", f"--parallelism.cp_calibration={path}"]
-                          ).parallelism.cp_options()
+    options = cp_options(load_config(["--parallelism.cp_strategy=auto", f"--parallelism.cp_calibration={path}"]
+                                     ).parallelism)
     assert options.strategy == "auto" and options.calibration.fingerprint() == CPU_DEFAULT.fingerprint()
     with pytest.raises(ConfigError, match=r"cp_calibration: .* is not a file"):
         load_config(["--parallelism.cp_strategy=auto", f"--parallelism.cp_calibration={tmp_path / 'no.json'}"])
@@ -293,3 +295,35 @@ def test_offload_params_needs_fsdp_and_no_pipeline() -> None:
         load_config(["--training.offload_params=true"]).validate(world_size=1)
     with pytest.raises(ConfigError, match=r"^training.offload_params: FSDP2's CPUOffloadPolicy .* parallelism.pp = 1"):
         load_config(["--training.offload_params=true", "--parallelism.pp=2", "--parallelism.cp=2"]).validate()
+
+
+def test_the_sections_spell_the_attention_librarys_choices() -> None:
+    """The sections import only the standard library, so they spell the strategies, the validate modes and the
+    default layout themselves: the same as `cpcompose.attention` and `cpcompose.layouts` (their owners)."""
+    from typing import get_args
+
+    from cpcompose.attention.call.options import StrategyChoice, Validate
+    from cpcompose.config.sections import Parallelism, StrategyName, ValidateWhen
+    from cpcompose.layouts import DEFAULT_LAYOUT
+
+    assert get_args(StrategyName) == get_args(StrategyChoice)
+    assert get_args(ValidateWhen) == get_args(Validate)
+    assert Parallelism().cp_layout == DEFAULT_LAYOUT
+
+
+def test_the_sections_are_pure() -> None:
+    """A section holds and validates values: it imports the standard library only and reads no file (folders,
+    calibrations and model configs are read by the trainer's resolution step)."""
+    import ast
+    import sys
+
+    from cpcompose.config import sections
+
+    tree = ast.parse(open(sections.__file__).read())
+    imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+                for alias in node.names}
+    imported |= {node.module.split(".")[0] for node in ast.walk(tree)
+                 if isinstance(node, ast.ImportFrom) and node.module}
+    assert imported <= set(sys.stdlib_module_names) | {"__future__"}, imported
+    calls = {ast.unparse(node.func) for node in ast.walk(tree) if isinstance(node, ast.Call)}
+    assert not calls & {"open", "json.load", "json.loads"} and not any(c.endswith("read_text") for c in calls), calls

@@ -18,7 +18,7 @@ from cpcompose.data import (
     ByteTokenizer,
     PretrainedTokenizer,
     build_data_source,
-    check_data,
+    build_token_stores,
     config_tokenizer,
     iter_documents,
     tokenizer_choice,
@@ -85,7 +85,7 @@ def test_a_tokenizer_with_more_ids_than_the_hf_model_names_the_tokenizer(tmp_pat
                  tokenizer=str(bigger))
     with pytest.raises(ConfigError, match=r"^data.tokenizer: the tokenizer .*bigger has 322 ids, more than the "
                                           r"model's vocabulary of 320 \(.*config.json\)"):
-        check_data(cfg)
+        build_token_stores(cfg)
 
 
 # ---- text ---------------------------------------------------------------------------------------
@@ -158,7 +158,7 @@ def test_a_template_without_generation_markers_is_refused_unless_incremental(tmp
     data = write_jsonl(tmp_path / "chat.jsonl", chat_records(3))
     with pytest.raises(ConfigError, match=r"^data.chat_mask: the chat template in .*unmarked has no "
                                           r"\{% generation %\} markers.*data.chat_mask = 'incremental'"):
-        check_data(config(data, "--data.format=chat", tokenizer=unmarked))
+        build_token_stores(config(data, "--data.format=chat", tokenizer=unmarked))
     got = documents(data, "--data.format=chat", "--data.chat_mask=incremental", tokenizer=unmarked)
     assert [(d.ids, d.trained) for d in got] == [(d.ids, d.trained) for d in documents(data, "--data.format=chat")]
 
@@ -178,10 +178,10 @@ def test_incremental_refuses_a_template_that_rewrites_earlier_turns(tmp_path: Pa
 def test_chat_needs_a_tokenizer_folder_with_a_template(tmp_path: Path) -> None:
     data = write_jsonl(tmp_path / "chat.jsonl", chat_records(1))
     with pytest.raises(ConfigError, match=r"^data.tokenizer: data.format = 'chat' needs a tokenizer folder"):
-        check_data(config(data, "--data.format=chat", tokenizer=None, ))
+        build_token_stores(config(data, "--data.format=chat", tokenizer=None, ))
     bare = tokenizer_variant(tmp_path / "bare", chat_template=None)
     with pytest.raises(ConfigError, match=r"^data.tokenizer: the tokenizer in .*bare has no chat template"):
-        check_data(config(data, "--data.format=chat", tokenizer=bare))
+        build_token_stores(config(data, "--data.format=chat", tokenizer=bare))
 
 
 # ---- bad records ---------------------------------------------------------------------------------
@@ -220,14 +220,14 @@ def test_a_record_that_does_not_fit_the_format_names_file_line_and_key(tmp_path:
                                                                        message: str) -> None:
     data = write_jsonl(tmp_path / "d.jsonl", [GOOD[fmt], record])
     with pytest.raises(ConfigError, match=message.format(f=".*d.jsonl")):
-        check_data(config(data, f"--data.format={fmt}"))
+        build_token_stores(config(data, f"--data.format={fmt}"))
 
 
 def test_a_txt_file_is_plain_text_only(tmp_path: Path) -> None:
     (tmp_path / "a.txt").write_text("some text")
     with pytest.raises(ConfigError, match=r"^data.format: .*a.txt is a .txt file \(plain text\), but data.format = "
                                           r"'chat' reads records from .jsonl, .parquet or .arrow files"):
-        check_data(config(tmp_path / "a.txt", "--data.format=chat"))
+        build_token_stores(config(tmp_path / "a.txt", "--data.format=chat"))
 
 
 # ---- data.* keys -----------------------------------------------------------------------------------

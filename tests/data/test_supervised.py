@@ -11,7 +11,7 @@ import torch
 
 import cpcompose.data.corpus as corpus
 from cpcompose.config import ConfigError, load_config
-from cpcompose.data import IGNORE_INDEX, SupervisedSource, build_data_source, check_data, config_tokenizer, iter_documents
+from cpcompose.data import IGNORE_INDEX, SupervisedSource, build_data_source, build_token_stores, config_tokenizer, iter_documents
 from tests.support.hf_data import chat_records, text_records, tiny_tokenizer_folder, write_jsonl
 
 TOK = tiny_tokenizer_folder()
@@ -77,7 +77,7 @@ def test_a_record_longer_than_seq_len_is_refused_unless_truncate(tmp_path: Path)
     data = write_jsonl(tmp_path / "c.jsonl", [{"prompt": "a", "completion": "b"}, long])
     with pytest.raises(ConfigError, match=r"^training.seq_len: .*c.jsonl:2: the record has \d+ tokens, more than "
                                           r"training.seq_len = 32; .*data.truncate = true"):
-        check_data(config(data, "--data.format=completion", seq_len=32))
+        build_token_stores(config(data, "--data.format=completion", seq_len=32))
     cfg = config(data, "--data.format=completion", "--data.truncate=true", seq_len=32)
     docs = list(iter_documents(cfg, config_tokenizer(cfg)))
     assert [len(d.ids) for d in docs][1] == 32 and all(docs[1].trained[-10:])  # its first 32 tokens, no EOS
@@ -98,10 +98,10 @@ def test_a_large_corpus_is_sampled_before_launch_and_checked_whole_in_the_ranks(
     data = write_jsonl(tmp_path / "d.jsonl", records)
     cfg = config(data, seq_len=8)
     with pytest.raises(ConfigError) as full:
-        check_data(cfg)
+        build_token_stores(cfg)
     monkeypatch.setattr(corpus, "FULL_SCAN_BYTES", 0)
     monkeypatch.setattr(corpus, "SAMPLE_RECORDS", 2)
-    check_data(cfg)  # the sample (records 1-2) is fine
+    build_token_stores(cfg)  # the sample (records 1-2) is fine
     with pytest.raises(ConfigError) as in_rank:
         build_data_source(cfg, dp_rank=0, dp_size=1)
     assert str(in_rank.value) == str(full.value) and str(full.value).startswith("data.text_key: ")
@@ -109,5 +109,5 @@ def test_a_large_corpus_is_sampled_before_launch_and_checked_whole_in_the_ranks(
     # A short corpus is still caught: the text is read on until one window is there.
     write_jsonl(data, [{"text": "a"}] * 5)
     with pytest.raises(ConfigError, match=r"^training.seq_len: the corpus at .* has \d+ tokens, fewer than one window"):
-        check_data(config(data, seq_len=64))
-    check_data(config(data, seq_len=8))  # 5 documents of 3 tokens: more than the 2-record sample holds
+        build_token_stores(config(data, seq_len=64))
+    build_token_stores(config(data, seq_len=8))  # 5 documents of 3 tokens: more than the 2-record sample holds

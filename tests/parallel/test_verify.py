@@ -226,7 +226,7 @@ def trainer_start(mesh, leak: bool, verify_option: bool, dump: str) -> str:
     from cpcompose.config import load_config
     from cpcompose.models.llama import model as llama
     from cpcompose.training.errors import TrainingError
-    from cpcompose.training.trainer import Trainer
+    from cpcompose.training.loop.trainer import Trainer
 
     original = llama.FeedForward.forward
     if leak:

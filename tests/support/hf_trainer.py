@@ -15,7 +15,7 @@ import torch
 
 from cpcompose.config import load_config
 from cpcompose.training.errors import TrainingError
-from cpcompose.training.trainer import Trainer
+from cpcompose.training.loop.trainer import Trainer
 from tests.support.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from cpcompose.config import load_config
 from cpcompose.training.errors import TrainingError
-from cpcompose.training.trainer import Trainer
+from cpcompose.training.loop.trainer import Trainer
 
 TINY = [
     "--model.vocab_size=64", "--model.dim=32", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2",

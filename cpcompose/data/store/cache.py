@@ -25,7 +25,7 @@ def cpcompose_cache_folder() -> Path | None:
 
     A relative ``XDG_CACHE_HOME`` is ignored, as the XDG specification says (it would move with the working
     directory). The token stores live in it (:func:`user_cache_folder`), and so does the measured size of a
-    rank's process (`cpcompose.training.footprint`).
+    rank's process (`cpcompose.training.memory.footprint`).
     """
     xdg = os.environ.get("XDG_CACHE_HOME", "")
     if os.path.isabs(xdg):

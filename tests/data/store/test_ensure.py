@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from cpcompose.config import ConfigError
-from cpcompose.data import ByteTokenizer, build_data_source, check_data, config_tokenizer, iter_documents
+from cpcompose.data import ByteTokenizer, build_data_source, build_token_stores, config_tokenizer, iter_documents
 from cpcompose.data.store import TokenStore, cached_store_folder, source_store, store_mixture
 from cpcompose.data.store.build import token_dtype
 from cpcompose.data.store.lock import build_lock
@@ -90,11 +90,11 @@ def test_a_prebuilt_store_is_read_without_its_sources(tmp_path: Path) -> None:
     data = write_documents(tmp_path / "d" / "a.jsonl", [50, 60, 70])
     cfg = store_config(data, tmp_path / "s")
     folder = cached_store_folder(data, cfg.data, tmp_path / "s")
-    (note,) = check_data(cfg)  # the pre-launch check builds it
+    (note,) = build_token_stores(cfg)  # the pre-launch check builds it
     assert note == f"token store of {data}: built {folder} in {TokenStore(folder).manifest['build_seconds']:.1f} s"
     moved = folder.rename(tmp_path / "copied-store")
     data.unlink()  # the sources stayed on the machine that built it
-    (note,) = check_data(store_config(moved, tmp_path / "other"))
+    (note,) = build_token_stores(store_config(moved, tmp_path / "other"))
     assert note.startswith(f"token store {moved}: prebuilt, read as it is (built "), note
     loader = build_data_source(store_config(moved, tmp_path / "other"), dp_rank=0, dp_size=1)
     assert next(loader).input_ids.shape == (4, 32)

@@ -13,7 +13,7 @@ from typing import IO
 import pytest
 
 from cpcompose.config import ConfigError
-from cpcompose.data import build_data_source, check_data
+from cpcompose.data import build_data_source, build_token_stores
 from cpcompose.data.store import TokenStore, cached_store_folder
 from cpcompose.data.store.sources import store_mixture
 from cpcompose.data import config_tokenizer
@@ -24,7 +24,7 @@ from tests.support.token_stores import store_config, write_documents
 def refused(cfg, pattern: str) -> str:
     """The pre-launch check's one-line message, matched against ``pattern``."""
     with pytest.raises(ConfigError, match=pattern) as error:
-        check_data(cfg)
+        build_token_stores(cfg)
     assert "\n" not in str(error.value)
     return str(error.value)
 
@@ -37,7 +37,7 @@ def leftovers(store_dir: Path) -> list[str]:
 def built(tmp_path: Path, lengths: list[int] = [40, 50, 60]) -> tuple[Path, Path]:
     data = write_documents(tmp_path / "d" / "a.jsonl", lengths)
     cfg = store_config(data.parent, tmp_path / "s")
-    check_data(cfg)
+    build_token_stores(cfg)
     return data, cached_store_folder(data.parent, cfg.data, tmp_path / "s")
 
 
@@ -66,7 +66,7 @@ def test_a_source_deleted_after_the_build_is_named(tmp_path: Path) -> None:
     data = write_documents(tmp_path / "d" / "a.jsonl", [40, 50])
     write_documents(tmp_path / "d" / "b.jsonl", [30])
     cfg = store_config(data.parent, tmp_path / "s")
-    check_data(cfg)
+    build_token_stores(cfg)
     data.unlink()
     folder = cached_store_folder(data.parent, cfg.data, tmp_path / "s")
     refused(cfg, rf"^data.path: {data.resolve()} was deleted after the token store of {data.parent} was built from "
@@ -130,7 +130,7 @@ def test_a_record_too_long_for_a_row_names_its_line(tmp_path: Path) -> None:
     data.write_text("".join(json.dumps(r) + "\n" for r in records))
     cfg = store_config(data, tmp_path / "s", "--data.format=completion")
     refused(cfg, rf"^training.seq_len: {data}:3: the record has 87 tokens, more than training.seq_len = 32")
-    check_data(store_config(data, tmp_path / "s", "--data.format=completion", "--data.truncate=true"))
+    build_token_stores(store_config(data, tmp_path / "s", "--data.format=completion", "--data.truncate=true"))
 
 
 def test_a_killed_builds_temporary_folder_is_never_read_and_is_cleared(tmp_path: Path) -> None:
@@ -141,5 +141,5 @@ def test_a_killed_builds_temporary_folder_is_never_read_and_is_cleared(tmp_path:
     half.mkdir(parents=True)
     (half / "tokens.bin").write_bytes(b"\0" * 10)
     (half / "manifest.json").write_text("{}")
-    check_data(cfg)
+    build_token_stores(cfg)
     assert leftovers(tmp_path / "s") == [folder.name] and TokenStore(folder).num_docs == 2

@@ -1,0 +1,128 @@
+"""What a Hugging Face causal LM holds during a training step, from its config: the memory plan's profile.
+
+A family is a stack of layers, each a token mixer and a feed-forward built from the config's numbers
+(`_FAMILIES`: one function per `model_type` saying which pieces its layers are); each kind of piece counts
+its own parameters and the bytes its modules save per token (`hf_pieces`). A family not in the table has
+no profile: the plan says so instead of guessing.
+
+Counted from transformers' modules as autograd runs them under the trainer (c: bytes of the compute dtype,
+2 under FSDP2's bf16 mixed precision, 4 in float32):
+
+* an RMSNorm of width W saves its float32 input (4 W; the input itself in float32), its normalized value
+  before the weight (c W) and one float32 scale per row;
+* a linear saves its input (c per element; q, k and v projections share theirs, as gate and up do);
+* CP attention saves q, k, v and its output (c each) and one float32 log-sum-exp per head;
+* a SwiGLU feed-forward saves its gate's output, the SiLU's, the up projection's and their product (4 c F);
+* a mixture of experts saves the router's input and float32 probabilities, and per routed token (top-k
+  copies) the gathered input, the expert's gate/up output, its SiLU and product, and the weighted output
+  (grouped_mm, transformers' default); its shared expert is a SwiGLU with a sigmoid gate;
+* a Gated DeltaNet saves its projections, the causal convolution's input and output, the float32 gates and
+  the chunked delta rule's per-token tensors, and its gated RMSNorm (see `GatedDeltaNet`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from cpcompose.models.spec import MemoryProfile, loss_bytes
+from cpcompose.training.families.hf.pieces import Attention, GatedDeltaNet, Layer, Moe, SwiGlu, norm_saved
+
+__all__ = ["hf_memory_profile", "profiled_families"]
+
+
+def _attention(c: Any, *, qk_norm: bool, gated: bool = False, float_scale: bool = False,
+               qkv_bias: bool | None = None) -> Attention:
+    """`attention_bias` puts a bias on all four projections; `qkv_bias` (Qwen2's) on q, k and v alone."""
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    bias = bool(getattr(c, "attention_bias", False))
+    return Attention(dim=c.hidden_size, heads=c.num_attention_heads, kv_heads=c.num_key_value_heads,
+                     head_dim=head_dim, qk_norm=qk_norm, gated=gated, qkv_bias=bias if qkv_bias is None else qkv_bias,
+                     o_bias=bias, float_scale=float_scale)
+
+
+def _dense(c: Any, *, qk_norm: bool, qkv_bias: bool | None = None) -> list[Layer]:
+    """Llama's layer and its kin: attention (with Qwen3's per-head q/k norms) and a SwiGLU."""
+    attention = _attention(c, qk_norm=qk_norm, qkv_bias=qkv_bias)
+    return [Layer(attention, SwiGlu(c.hidden_size, c.intermediate_size))] * c.num_hidden_layers
+
+
+def _qwen3_next(c: Any) -> list[Layer]:
+    """Gated DeltaNet layers with gated full-attention ones (`layer_types`), each with a mixture of experts
+    (or a SwiGLU in `mlp_only_layers` / off the `decoder_sparse_step`)."""
+    attention = _attention(c, qk_norm=True, gated=True, float_scale=True)  # its norms scale by 1 + w in float32
+    delta = GatedDeltaNet(dim=c.hidden_size, k_heads=c.linear_num_key_heads, v_heads=c.linear_num_value_heads,
+                          k_dim=c.linear_key_head_dim, v_dim=c.linear_value_head_dim, conv=c.linear_conv_kernel_dim)
+    moe = Moe(dim=c.hidden_size, experts=c.num_experts, top_k=c.num_experts_per_tok, ffn=c.moe_intermediate_size,
+              shared=SwiGlu(c.hidden_size, c.shared_expert_intermediate_size) if c.shared_expert_intermediate_size
+              else None)
+    dense = SwiGlu(c.hidden_size, c.intermediate_size)
+    layers = []
+    for i, kind in enumerate(c.layer_types):
+        sparse = i not in (c.mlp_only_layers or []) and c.num_experts > 0 and (i + 1) % c.decoder_sparse_step == 0
+        layers.append(Layer(attention if kind == "full_attention" else delta, moe if sparse else dense,
+                            float_scale=True))
+    return layers
+
+
+_FAMILIES: dict[str, Callable[[Any], list[Layer]]] = {
+    "llama": lambda c: _dense(c, qk_norm=False),
+    "mistral": lambda c: _dense(c, qk_norm=False),
+    "qwen2": lambda c: _dense(c, qk_norm=False, qkv_bias=True),
+    "qwen3": lambda c: _dense(c, qk_norm=True),
+    "qwen3_next": _qwen3_next,
+}
+"""model_type -> its layers. Families of the same pieces join with one line; a new kind of piece goes in
+`hf_pieces` with its own count."""
+
+
+def profiled_families() -> tuple[str, ...]:
+    """The model_types the plan can predict."""
+    return tuple(_FAMILIES)
+
+
+def hf_memory_profile(hf_config: Any, *, tp: int, precision: str, mlp_tiles: int) -> MemoryProfile:
+    """The profile of a transformers config (with the trainer's overrides applied).
+
+    Args:
+        hf_config: the model's transformers config.
+        tp: tensor-parallel degree (1: the trainer refuses TP for Hugging Face models).
+        precision: "float32", "bfloat16" (autocast) or "bfloat16-params" (FSDP2's mixed precision).
+        mlp_tiles: sequence tiles of each layer's feed-forward (1: untiled).
+
+    Raises:
+        ValueError: a family the plan cannot count (named, with the ones it can), tied word embeddings, or TP.
+    """
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type not in _FAMILIES:
+        raise ValueError(f"no memory profile for Hugging Face model_type {model_type!r} (the plan counts "
+                         f"{', '.join(profiled_families())})")
+    if getattr(hf_config, "tie_word_embeddings", False):
+        raise ValueError("tied word embeddings (one weight in the input embedding and the output layer, kept in "
+                         "FSDP's root unit): the plan does not count that unit")
+    if tp != 1:
+        raise ValueError("tensor parallelism with a Hugging Face model")
+    c = 4 if precision == "float32" else 2
+    layers = _FAMILIES[model_type](hf_config)
+    D, V = hf_config.hidden_size, hf_config.vocab_size
+    saved = [layer.saved(c, mlp_tiles) for layer in layers]
+    kinds = list(dict.fromkeys(layers))  # each kind of layer once, in order
+    params = [layer.params() for layer in layers]
+    block_input = c * D if precision == "bfloat16-params" else 4 * D  # autocast keeps the float32 residual
+    attentions = [layer.mixer for layer in kinds if isinstance(layer.mixer, Attention)]
+    heads = (attentions[0].heads, attentions[0].kv_heads, attentions[0].head_dim) if attentions else (1, 1, 1)
+    return MemoryProfile(
+        root_params=2 * V * D + D, block_params=max(params), output_params=V * D,
+        block_cast_params=max(layer.params() - 4 * D for layer in kinds),
+        block_input=block_input, block_saved=max(saved),
+        block_forward=max(layer.forward(c) for layer in kinds),
+        block_backward=max(layer.backward(c, mlp_tiles) for layer in kinds),
+        tile_work=max(layer.tile_work(c, mlp_tiles) for layer in kinds),
+        head_saved=norm_saved(D, c) + c * D + 8,  # the final norm, the output layer's input, the label
+        **loss_bytes(V, D, c),
+        attention_backward=max((layer.mixer.backward(c) for layer in kinds if isinstance(layer.mixer, Attention)),
+                               default=0) + 3 * c * D,
+        attention=heads, layers=len(layers), body_params=sum(params), body_saved=sum(saved), vocab=V,
+        attention_saved=max((layer.saved(c, mlp_tiles) for layer in kinds if isinstance(layer.mixer, Attention)),
+                            default=None),
+    )

@@ -1,0 +1,123 @@
+"""The Hugging Face family's record: a causal LM read from a local folder (`model.name = "hf"`).
+
+The model itself is built by `model.py` (checked before launch, built sharded, loaded slice by slice),
+its memory counted by `memory.py`; this record is what the trainer asks.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from cpcompose.comm import CommMeter
+from cpcompose.config import ConfigError, JobConfig, Model
+from cpcompose.distributed import ParallelDims
+from cpcompose.models.spec import MemoryProfile
+from cpcompose.training.errors import TrainingError
+from cpcompose.training.families.hf.memory import hf_memory_profile
+from cpcompose.training.families.hf.model import (
+    HFModel,
+    build_hf_model,
+    build_unfilled_hf_model,
+    check_hf_model,
+    describe_hf_model,
+    parallelize_hf_model,
+    read_hf_config,
+)
+from cpcompose.training.families.record import TrainedModel
+
+__all__ = ["HuggingFaceFamily"]
+
+
+@dataclass(frozen=True)
+class HuggingFaceFamily:
+    """The record of a transformers causal LM from `model.path`."""
+
+    name: str = "hf"
+    reads_folder: bool = True
+    exports: bool = True
+    rank_imports: tuple[str, ...] = ("cpcompose.integrations.transformers",)
+
+    def refusal(self, config: JobConfig) -> ConfigError | None:
+        p, who = config.parallelism, f"a Hugging Face model (model.name = '{self.name}')"
+        if config.model.path is None:
+            return ConfigError(f"model.path: required with model.name = '{self.name}': a local folder with "
+                               "config.json, *.safetensors and the tokenizer files (e.g. one written by save_pretrained)")
+        if p.tp != 1:
+            return ConfigError(f"parallelism.tp: {p.tp}: {who} takes no tensor parallelism here; use parallelism.cp "
+                               "and parallelism.dp_shard (FSDP) instead")
+        if p.pp != 1:
+            return ConfigError(f"parallelism.pp: {p.pp}: {who} is not cut into pipeline stages here; use "
+                               "parallelism.cp and parallelism.dp_shard (FSDP) instead")
+        if config.training.compile:
+            return ConfigError(f"training.compile: not with model.name = '{self.name}': its attention runs "
+                               "cpcompose's checks in Python, which torch.compile(fullgraph=True) cannot trace; set "
+                               "training.compile = false")
+        return None
+
+    def resolve(self, config: JobConfig) -> JobConfig:
+        """The vocabulary is the folder's (its config.json, read without transformers): what the data's ids are
+        checked against."""
+        m = config.model
+        vocab = _folder_vocab_size(Path(m.path))
+        default = Model.__dataclass_fields__["vocab_size"].default
+        if m.vocab_size not in (default, vocab):
+            raise ConfigError(f"model.vocab_size: does not apply to model.name = '{self.name}': the vocabulary is "
+                              f"{m.path}/config.json's ({vocab}); remove it")
+        return replace(config, model=replace(m, vocab_size=vocab))
+
+    def check(self, config: JobConfig) -> None:
+        check_hf_model(config)
+
+    def describe(self, config: JobConfig) -> tuple[int, str]:
+        return describe_hf_model(config)
+
+    def memory_profile(self, config: JobConfig, *, tp: int, precision: str, mlp_tiles: int) -> MemoryProfile:
+        return hf_memory_profile(read_hf_config(config), tp=tp, precision=precision, mlp_tiles=mlp_tiles)
+
+    def parallelize(self, model: nn.Module, config: JobConfig, *, dims: ParallelDims, mesh: DeviceMesh,
+                    meter: CommMeter | None) -> TrainedModel:
+        module, cp_scope = parallelize_hf_model(model, config, dims=dims, mesh=mesh, meter=meter)
+        return TrainedModel(module=module, cp_scope=cp_scope)
+
+    def build(self, config: JobConfig, *, dims: ParallelDims, mesh: DeviceMesh, device: torch.device,
+              meter: CommMeter, stage: int = 0) -> TrainedModel:
+        try:
+            built = build_hf_model(config, dims=dims, mesh=mesh, device=device, meter=meter)
+        except ConfigError as e:  # the pre-launch checks, reached in-rank (a folder changed, or no preflight)
+            raise TrainingError(str(e), exit_code=2) from None
+        return _trained(built, config)
+
+    def build_unfilled(self, config: JobConfig, *, dims: ParallelDims, mesh: DeviceMesh,
+                       stage: int = 0) -> TrainedModel:
+        return TrainedModel(module=(built := build_unfilled_hf_model(config, dims=dims, mesh=mesh)).module,
+                            cp_scope=built.cp_scope)
+
+
+def _trained(built: HFModel, config: JobConfig) -> TrainedModel:
+    return TrainedModel(module=built.module, cp_scope=built.cp_scope, export=lambda folder: built.export(folder, config))
+
+
+def _folder_vocab_size(folder: Path) -> int:
+    """The vocabulary of the model in `folder`: its config.json's `vocab_size` (or its `text_config`'s)."""
+    config = folder / "config.json"
+    if not folder.is_dir():
+        raise ConfigError(f"model.path: {folder} is not a folder (model.name = 'hf' reads a local folder as "
+                          "save_pretrained writes it; nothing is downloaded)")
+    if not config.is_file():
+        raise ConfigError(f"model.path: {folder} has no config.json: not a Hugging Face model folder")
+    try:
+        fields = json.loads(config.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"model.path: {config} does not read as JSON ({e})") from None
+    vocab = fields.get("vocab_size") if isinstance(fields, dict) else None
+    if vocab is None and isinstance(fields, dict) and isinstance(fields.get("text_config"), dict):
+        vocab = fields["text_config"].get("vocab_size")
+    if not (isinstance(vocab, int) and vocab > 0):
+        raise ConfigError(f"model.path: {config} has no positive vocab_size")
+    return vocab

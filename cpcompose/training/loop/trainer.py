@@ -1,0 +1,411 @@
+"""The training loop: build, parallelize, step, log, checkpoint.
+
+The degrees and the mesh come from `ParallelDims`; the model, and where each
+parallelism applies to it, from its family (`families.py`, the one place that reads
+`model.name`). This file owns the step itself: each CP rank's shard of the batch,
+the global count of valid tokens, forward and backward (or the pipeline
+schedule), clipping, the update, logging and checkpoints.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import signal
+import time
+from pathlib import Path
+from types import FrameType
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from cpcompose import _compat
+from cpcompose.comm import CommMeter
+from cpcompose.config import ConfigError, JobConfig
+from cpcompose.data import IGNORE_INDEX, Batch, build_data_source
+from cpcompose.distributed import ParallelDims, build_pipeline_schedule, build_pipeline_stage, flat_mesh, fsdp_applied
+from cpcompose.layouts import PackedLayout, resolve_layout
+from cpcompose.sharding.packed import pack_documents
+from cpcompose.parallel import cp_cross_entropy, cp_linear_cross_entropy
+from cpcompose.training.loop.checkpoint import CheckpointManager
+from cpcompose.training.errors import TrainingError
+from cpcompose.training.families.export import export_folder, mark_export
+from cpcompose.training.families import family_of
+from cpcompose.training.resolve import resolve_config
+from cpcompose.training.loop.faults import Fault, Progress, describe_comm_failure, is_comm_failure
+from cpcompose.training.loop.grad_norm import clip_grad_norm
+from cpcompose.training.loop.lr_schedule import build_lr_scheduler
+from cpcompose.training.loop.metrics import MetricsLogger, StepMetrics, peak_memory_mib, stamp
+from cpcompose.training.loop.run_lock import FolderLocked, RunLock
+
+__all__ = ["Trainer"]
+
+
+@contextlib.contextmanager
+def _auto_choices_in_log(logger: MetricsLogger, *, enabled: bool):
+    """Print `strategy="auto"`'s line for each new call signature in the run's log (rank 0), for the run only."""
+    if not enabled:
+        yield
+        return
+
+    class Note(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            logger.note(record.getMessage())
+
+    source, handler = logging.getLogger("cpcompose.auto"), Note(logging.INFO)
+    level = source.level
+    source.addHandler(handler)
+    source.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        source.removeHandler(handler)
+        source.setLevel(level)
+
+
+class Trainer:
+    """One rank's share of a run described by `config` (the process group must exist)."""
+
+    def __init__(self, config: JobConfig) -> None:
+        world = dist.get_world_size()
+        self.config = c = resolve_config(config, world)  # the launcher resolved it too: the same config either way
+        p = c.parallelism
+        self.device = torch.device(
+            "cuda" if c.training.device == "cuda" or (c.training.device == "auto" and torch.cuda.is_available())
+            else "cpu"
+        )
+        self.dims = ParallelDims.from_config(p, world)
+        self.mesh = self.dims.build_mesh(self.device.type)
+        self.loss_mesh = flat_mesh(self.mesh, "dp_cp")
+        dp_mesh = flat_mesh(self.mesh, "dp")
+        self.cp_rank = self.mesh["cp"].get_local_rank()
+        self.layout = resolve_layout(p.cp_layout, p.cp)
+        self.meter = CommMeter()
+        # One options object from the config to every attention call; the family says how CP
+        # reaches its attention (a style on the modules, or a region around each micro-batch).
+        self.trained = family_of(c).build(
+            c, dims=self.dims, mesh=self.mesh, device=self.device, meter=self.meter,
+            stage=self.mesh["pp"].get_local_rank() if self.dims.pp_enabled else 0,
+        )
+        self.model = self.trained.module
+        # Fused (torchtitan's default): one kernel updates each parameter in place, with no per-parameter
+        # temporaries; on CPU those were mapped afresh every step (scripts/bench_host_memory.py).
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=c.optimizer.lr, betas=c.optimizer.betas,
+            weight_decay=c.optimizer.weight_decay, eps=c.optimizer.eps, fused=True,
+        )
+        s = c.lr_scheduler
+        self.scheduler = build_lr_scheduler(
+            self.optimizer, name=s.name, warmup_steps=s.warmup_steps, total_steps=c.training.steps,
+            min_lr_ratio=s.min_lr_ratio,
+        )
+        try:  # a bad record the pre-launch scan did not reach: the same one line on every rank, printed once
+            self.data = build_data_source(c, dp_rank=dp_mesh.get_local_rank(), dp_size=dp_mesh.size())
+        except ConfigError as e:
+            raise TrainingError(str(e), exit_code=2) from None
+        self.dp_group = dp_mesh.get_group()
+        self.schedule = self._build_schedule() if self.dims.pp_enabled else None
+        dump = Path(c.job.dump_folder)
+        self.checkpoints = CheckpointManager(
+            dump / c.checkpoint.folder, interval=c.checkpoint.interval, keep_latest_k=c.checkpoint.keep_latest_k
+        )
+        self.step = 0
+        self._num_tokens = torch.zeros(())  # this step's global count of valid labels
+        self.grad_norm = 0.0
+        self.step_lr = 0.0
+        self.history: list[tuple[int, float]] = []  # (step, loss) of the whole run, across resumes
+        self.stop_signal = 0  # set by the SIGTERM/SIGINT handler; acted on at the next step boundary
+        self.fault = Fault.from_env()
+        self.lock = RunLock(dump) if dist.get_rank() == 0 else None
+        self._claim_folder()
+        rank0 = dist.get_rank() == 0
+        self.logger = MetricsLogger(
+            enabled=rank0, total_steps=c.training.steps, log_freq=c.metrics.log_freq,
+            tb_folder=dump / c.metrics.save_tb_folder if c.metrics.enable_tensorboard else None,
+            plot_path=dump / "loss.png" if c.metrics.plot_loss else None, history=list(self.history),
+        )
+
+    # --- construction ---
+
+    def _build_schedule(self):  # -> a torch.distributed.pipelining schedule
+        p = self.config.parallelism
+        stage = build_pipeline_stage(self.model, parallel_dims=self.dims, mesh=self.mesh, device=self.device)
+        return build_pipeline_schedule(
+            stage, schedule=p.pp_schedule, microbatches=p.pp_microbatches, loss_fn=self._pipeline_loss
+        )
+
+    # --- one step ---
+
+    def _shard(self, batch: Batch) -> tuple[Tensor, Tensor, Tensor, PackedLayout | None]:
+        """This CP rank's tokens, labels and positions `[batch, local_seq]` (and the batch's pack layout)."""
+        if batch.cu_seqlens is not None:
+            return self._shard_packed(batch)
+        tokens = self.layout.shard(batch.input_ids, 1, self.cp_rank).to(self.device)
+        labels = self.layout.shard(batch.labels, 1, self.cp_rank).to(self.device)
+        positions = self.layout.position_ids(self.cp_rank, batch.input_ids.shape[1], self.device)
+        return tokens, labels, positions.expand(tokens.shape[0], -1).contiguous(), None
+
+    def _shard_packed(self, batch: Batch) -> tuple[Tensor, Tensor, Tensor, PackedLayout]:
+        """The micro-batch as one pack of documents, split with balanced attention work."""
+        seq = batch.input_ids.shape[1]
+        assert batch.cu_seqlens is not None
+        cu = [0] + [int(b) + i * seq for i, c in enumerate(batch.cu_seqlens) for b in c.tolist()[1:]]
+        packed = pack_documents([batch.input_ids, batch.labels], cu, self.mesh["cp"], pad_values=[0, IGNORE_INDEX],
+                                what="the trainer's packed batch", device=self.device)
+        tokens, labels = (t.to(self.device) for t in packed.local(self.cp_rank))
+        return tokens, labels, packed.position_ids(self.cp_rank, self.device), packed.layout
+
+    def _global_tokens(self, batches: list[Batch]) -> Tensor:
+        """Valid labels in this step's global batch (each dp rank counts its full sequences)."""
+        count = sum((b.labels != IGNORE_INDEX).sum() for b in batches).to(torch.float32).to(self.device)
+        if dist.get_world_size(self.dp_group) > 1:
+            dist.all_reduce(count, group=self.dp_group)
+        return count
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        """bfloat16 without FSDP (one rank over dp x cp, or pipelining): autocast. With FSDP, FSDP2's
+        MixedPrecisionPolicy gathers each unit in bfloat16 and nothing else is cast (as torchtitan)."""
+        if self.config.training.mixed_precision == "bfloat16" and not fsdp_applied(self.model):
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _loss(self, tokens: Tensor, labels: Tensor, positions: Tensor) -> Tensor:
+        """This rank's share of the micro-batch loss: fused into the model's head (`training.fused_loss`) or not."""
+        if not self.config.training.fused_loss:
+            return cp_cross_entropy(self.model(tokens, positions), labels, mesh=self.loss_mesh,
+                                    num_tokens=self._num_tokens)
+
+        def head(hidden: Tensor, weight: Tensor, *, bias: Tensor | None = None,
+                 softcap: float | None = None) -> Tensor:  # inside the model's forward: FSDP gathered weight
+            return cp_linear_cross_entropy(hidden, weight, labels, mesh=self.loss_mesh, num_tokens=self._num_tokens,
+                                           chunk_tokens=self.config.loss_chunk_tokens(), bias=bias,
+                                           softcap=softcap)
+
+        return self.model(tokens, positions, head=head)
+
+    def _pipeline_loss(self, logits: Tensor, labels: Tensor) -> Tensor:
+        return cp_cross_entropy(logits, labels, mesh=self.loss_mesh, num_tokens=self._num_tokens)
+
+    def train_step(self) -> float:
+        """Forward, backward, reduce, clip, update; returns the global mean loss."""
+        c = self.config
+        batches = [next(self.data) for _ in range(c.training.grad_accum_steps)]
+        self._num_tokens = self._global_tokens(batches)
+        self.optimizer.zero_grad(set_to_none=True)
+        local = torch.zeros((), device=self.device, dtype=torch.float64)
+        for batch in batches:
+            tokens, labels, positions, packed = self._shard(batch)
+            with self.trained.cp_scope(packed), self._autocast():  # backward inside too (recompute sees the layout)
+                if self.schedule is not None:
+                    local += self._pipeline_step(tokens, labels, positions)
+                else:
+                    loss = self._loss(tokens, labels, positions)
+                    loss.backward()
+                    local += loss.detach()
+        self.grad_norm = clip_grad_norm(
+            self.model.parameters(), c.training.max_norm,
+            pp_group=self.mesh["pp"].get_group() if self.dims.pp_enabled else None,
+        )
+        self.step_lr = self.optimizer.param_groups[0]["lr"]  # the rate this step used; the scheduler moves on
+        self.optimizer.step()
+        self.scheduler.step()
+        return self._global_loss(local)
+
+    def _pipeline_step(self, tokens: Tensor, labels: Tensor, positions: Tensor) -> Tensor:
+        stage = self.mesh["pp"].get_local_rank()
+        last = stage == self.dims.pp - 1
+        losses: list[Tensor] = []
+        args = (tokens,) if stage == 0 else ()
+        self.schedule.step(*args, target=labels if last else None, losses=losses, position_ids=positions)
+        return sum((x.detach().double() for x in losses), torch.zeros((), dtype=torch.float64, device=self.device))
+
+    def _global_loss(self, local: Tensor) -> float:
+        """Sum the shares over dp x cp; with PP only the last stage has them, so sum over pp too."""
+        dist.all_reduce(local, group=self.loss_mesh.get_group())
+        if self.dims.pp_enabled:
+            dist.all_reduce(local, group=self.mesh["pp"].get_group())
+        return local.item()
+
+    # --- the run ---
+
+    def run(self) -> list[float]:
+        """Train to `training.steps`; returns this invocation's losses.
+
+        Raises:
+            TrainingError: a non-finite loss, a failed or timed-out peer, a folder in use; one line each.
+        """
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            with _auto_choices_in_log(self.logger, enabled=self.config.parallelism.cp_strategy == "auto"):
+                return self._run()
+        except RuntimeError as e:
+            cause = is_comm_failure(e) if not isinstance(e, TrainingError) else None
+            if cause is None:
+                raise
+            raise TrainingError(describe_comm_failure(
+                cause, rank=dist.get_rank(), step=self.step, timeout_s=self.config.comm.timeout_s,
+                laggards=self.progress.laggards(self.step),
+            ), kind="consequence") from e
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            if self.lock is not None:
+                self.lock.release()
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        """Preemption or Ctrl-C: finish the step, save, exit. A second signal acts as it would have."""
+        if self.stop_signal:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+        self.stop_signal = signum
+
+    def _stop_requested(self) -> int:
+        """The signal any rank received, agreed on by all ranks so that they stop at the same step."""
+        flag = torch.tensor([self.stop_signal], dtype=torch.int64, device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag.item())
+
+    def _run(self) -> list[float]:
+        c = self.config
+        losses: list[float] = []
+        first = self.step + 1
+        tokens_per_step = c.training.batch_size * c.training.seq_len
+        saved = None
+        while self.step < c.training.steps:
+            if (signum := self._stop_requested()) != 0:
+                if c.checkpoint.enable and (saved is None or saved.path.name != f"step-{self.step}"):
+                    saved = self._save()
+                self.logger.note(
+                    f"stopped by {signal.Signals(signum).name} after step {self.step}"
+                    + (f"; resume with the same command (checkpoint {saved.path})" if saved else
+                       "; nothing saved (checkpoint.enable = false)")
+                )
+                break
+            if self.fault is not None:
+                self.fault.maybe_fire(dist.get_rank(), self.step + 1)
+            self.step += 1
+            self.progress.mark(self.step)
+            self.meter.reset()
+            start = time.perf_counter()
+            loss = self.train_step()
+            elapsed = time.perf_counter() - start
+            if not (math.isfinite(loss) and math.isfinite(self.grad_norm)):
+                last = self.checkpoints.newest_on_disk() if c.checkpoint.enable else None
+                raise TrainingError(
+                    f"step {self.step}: loss = {loss} and gradient norm = {self.grad_norm} (not finite); stopped "
+                    "without saving" + (f", the last good checkpoint is {last}" if last else "")
+                    + "; lower --optimizer.lr, or check the data and the initial weights"
+                )
+            losses.append(loss)
+            self.history.append((self.step, loss))
+            peaks = torch.tensor([peak_memory_mib(self.device)], device=self.device)
+            everyone = [torch.zeros_like(peaks) for _ in range(dist.get_world_size())]
+            dist.all_gather(everyone, peaks)
+            self.logger.log(
+                StepMetrics(
+                    step=self.step, loss=loss, lr=self.step_lr, grad_norm=float(self.grad_norm),
+                    tokens_per_s=tokens_per_step / elapsed, step_time_s=elapsed,
+                    peak_memory_mib=[float(x) for x in everyone], cp_bytes_sent=self.meter.total,
+                    cp_strategies=dict(self.meter.strategies), cp_predicted_s=self.meter.predicted_s,
+                ),
+                first_step=first,
+            )
+            if c.checkpoint.enable and self.checkpoints.due(self.step, last_step=c.training.steps):
+                saved = self._save()
+        if not losses and self.step >= c.training.steps:
+            self.logger.note(
+                f"nothing to train: the checkpoint is already at step {self.step} of training.steps = "
+                f"{c.training.steps}; raise --training.steps, or start fresh in another --job.dump_folder"
+            )
+        if (folder := export_folder(c)) is not None:
+            self._export_hf(folder)
+        self.logger.close(title=f"{c.job.name}: loss", checkpoint=saved.path if saved else None)
+        return losses
+
+    def _export_hf(self, folder: Path) -> None:
+        """`checkpoint.export_hf`: the model as a Hugging Face folder, once training.steps is reached."""
+        if self.step < self.config.training.steps:
+            self.logger.note(f"not exported to {folder}: stopped at step {self.step} of {self.config.training.steps}")
+            return
+        assert self.trained.export is not None  # the resolution step allows export_hf only for families that export
+        start = time.perf_counter()
+        self.trained.export(folder)
+        if dist.get_rank() == 0:
+            mark_export(folder, self.config)
+        self.logger.note(f"exported the model at step {self.step} to {folder} (Hugging Face format: "
+                         f"from_pretrained loads it; {time.perf_counter() - start:.1f} s)")
+
+    def _save(self):  # -> SavedCheckpoint
+        saved = self.checkpoints.save(self.step, self.model, self.optimizer, self._trainer_state())
+        self.logger.note(f"saved checkpoint {saved.path.name} ({saved.bytes / 2**20:,.1f} MiB, {saved.seconds:.1f} s)")
+        return saved
+
+    def _trainer_state(self) -> dict:
+        return {
+            "step": self.step,
+            "lr_scheduler": self.scheduler.state_dict(),
+            "data": self.data.state_dict(),
+            "rng": torch.get_rng_state(),
+            "loss_history": list(self.history),
+        }
+
+    # --- the dump folder: one job at a time, checkpoints of this run only ---
+
+    def _claim_folder(self) -> None:
+        """Lock the folder, refuse another run's checkpoints, clean stale saves, resume the newest intact.
+
+        Rank 0 decides from the file system and tells the others, so every rank
+        raises the same error or loads the same checkpoint.
+        """
+        c = self.config
+        decision: dict = {"error": None, "resume": None, "notes": []}
+        if dist.get_rank() == 0:
+            try:
+                decision = self._decide_resume()
+            except (FolderLocked, TrainingError) as e:
+                decision = {"error": str(e), "resume": None, "notes": []}
+            except OSError as e:
+                decision = {"error": f"job.dump_folder {c.job.dump_folder}: cannot write there ({e})",
+                            "resume": None, "notes": []}
+        box = [decision]
+        dist.broadcast_object_list(box, src=0)
+        decision = box[0]
+        if decision["error"] is not None:
+            if self.lock is not None:
+                self.lock.release()
+            raise TrainingError(decision["error"], exit_code=2)
+        if dist.get_rank() == 0:
+            for line in decision["notes"]:
+                print(f"{stamp()} {line}", flush=True)
+        self.progress = Progress(_compat.default_store(), dist.get_rank(), dist.get_world_size())
+        if decision["resume"] is not None:
+            try:
+                self._restore(Path(decision["resume"]))
+            except Exception:
+                if self.lock is not None:
+                    self.lock.release()
+                raise
+
+    def _decide_resume(self) -> dict:
+        """Rank 0: take the lock, then choose what to resume (or refuse)."""
+        assert self.lock is not None
+        self.lock.acquire()
+        c = self.config.checkpoint
+        path, notes = self.checkpoints.choose_resume(enable=c.enable, resume=c.resume)
+        if path is None:  # say it: a restart that silently began at step 0 looked like a lost run
+            notes.append(f"starting fresh at step 0: no checkpoint in {self.checkpoints.folder}" if c.enable else
+                         "starting fresh at step 0 (checkpoint.enable = false: this run saves nothing)")
+        return {"error": None, "resume": None if path is None else str(path), "notes": notes}
+
+    def _restore(self, path: Path) -> None:
+        state = self.checkpoints.load(path, self.model, self.optimizer)
+        self.step = state["step"]
+        self.scheduler.load_state_dict(state["lr_scheduler"])
+        self.data.load_state_dict(state["data"])
+        torch.set_rng_state(state["rng"])
+        self.history = [tuple(x) for x in state.get("loss_history", [])]
+        if dist.get_rank() == 0:
+            print(f"{stamp()} resumed from {path} at step {self.step}", flush=True)

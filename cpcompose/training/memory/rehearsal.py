@@ -1,0 +1,272 @@
+"""A training step at full size on fake tensors: torch's own memory tracker against the memory plan.
+
+torchtitan's method: a fake process group (any world size, no communication) and FakeTensorMode (shapes and
+dtypes, no storage) run one real step of the trainer's model (FSDP2, CP attention, the fused loss, AdamW) on
+this machine, and torch's `FSDPMemTracker` counts every tensor the step holds, by kind. Two steps run; the
+second (the optimizer's state exists) is measured. The tracker counts tensors only: compare it with the plan
+less its process and allocator-slack parts.
+
+What cannot run on fake tensors is routed around here, never in the training path:
+- the mesh is built without `ParallelDims.build_mesh`'s timeouts (the fake group has no backend options);
+- CP attention's host checks, which read values (the cross-rank agreement of each call's signature, the
+  non-finite V note, the CPU-only NaN-row shortcut), are replaced for the step by their no-sync forms (the
+  agreement assumed, the CUDA branch of the NaN rows);
+- every other cross-rank agreement (`agree_across_ranks`: the CP region's, the gradient sync's, the mixers'
+  checks) is assumed in each cpcompose module that imported it (a rank's own error is still raised);
+- a Hugging Face model is built from its config.json alone (no weights read), its non-persistent buffers left
+  unset (their initialisation reads them back), and its attention's position-id check (it compares values) is
+  skipped; transformers' default MoE path (grouped_mm) runs on fake tensors as it is;
+- torch.compile and the exactness probe (`parallelism.cp_verify`) are off;
+- the tracker gets statistics for the output layer, whose forward the fused loss never calls (it reads the
+  weight), so the tracker's backward hook finds them;
+- the tiled MLP's tiles are cut detached (views, as in the run), since the tracker's module hooks would take the
+  tiles its forward cuts without autograd for autograd inputs.
+One process, rank 0 of the fake group: it must be the only process group of the interpreter (a fresh one).
+
+The step runs on the CPU, where host and device are one memory; what a GPU run keeps in host memory is taken out
+of the measured peak as the GPU would: checkpointed block inputs (`activation_checkpoint.offload`) leave when saved
+and come back as new tensors at the recompute; with `training.offload_params` the tracker's sharded parameters,
+sharded gradients and optimizer state are not counted, and neither is the optimizer step (it runs on the host).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import importlib
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from cpcompose import _compat
+from cpcompose.agreement import agree_across_ranks, agreed_call
+from cpcompose.config import JobConfig
+from cpcompose.distributed import ParallelDims, flat_mesh
+from cpcompose.distributed.parallel_dims import MESH_DIM_NAMES
+from cpcompose.parallel import cp_cross_entropy, cp_linear_cross_entropy
+from cpcompose.training.families import family_of
+from cpcompose.training.resolve import resolve_config
+from cpcompose.training.memory.plan import GiB, plan_memory
+
+__all__ = ["Rehearsal", "describe_rehearsal", "rehearse"]
+
+HOST_KINDS = ("Sharded Param", "Sharded Grad", "OptState")
+"""The tracker's kinds that FSDP2's CPUOffloadPolicy keeps in host memory."""
+
+
+@dataclass(frozen=True)
+class Rehearsal:
+    """The tracker's peak of the measured step and the plan's tensors, bytes."""
+
+    tracked: int
+    """FSDPMemTracker's peak total over the second step."""
+    by_kind: dict[str, int]
+    """The tracker's parts at that peak (sharded/unsharded parameters, activations, temporaries, ...)."""
+    planned: int | None
+    """The plan (`device_type="cuda"`) less the process and the allocator slack: the tensors it predicts; None
+    where the plan cannot count the model (`unplanned` says why)."""
+    unplanned: str | None = None
+    """Why the plan has no figure (a family without a memory profile), else None."""
+
+    @property
+    def ratio(self) -> float | None:
+        """planned / tracked (None without a plan)."""
+        return None if self.planned is None else self.planned / max(1, self.tracked)
+
+
+def _saved_on_host(*args: object) -> contextlib.AbstractContextManager:
+    """What `save_on_cpu` does to device memory: the saved tensor leaves at pack, a new one is made at unpack."""
+
+    def pack(t: torch.Tensor) -> tuple:
+        return t.size(), t.stride(), t.dtype, t.device
+
+    def unpack(saved: tuple) -> torch.Tensor:
+        size, stride, dtype, device = saved
+        return torch.empty_strided(size, stride, dtype=dtype, device=device)
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
+def _device_peak_tracker(tracker_cls: type, offload_params: bool) -> type:
+    """`tracker_cls` that also keeps the peak of what a GPU would hold: with `offload_params`, less HOST_KINDS and
+    outside the optimizer step (on the host)."""
+
+    class DevicePeak(tracker_cls):  # type: ignore[misc, valid-type]
+        device_peak = 0
+        device_parts: dict[str, int] = {}
+
+        def _update_peak_stats(self, peak_state) -> None:  # noqa: ANN001 (torch's private hook, after every op)
+            super()._update_peak_stats(peak_state)
+            if offload_params and self._in_opt:
+                return
+            for snap in self._curr_mem_snap.values():
+                parts = {str(getattr(k, "value", k)): int(v) for k, v in snap.items()}
+                total = parts.pop("Total")
+                if offload_params:
+                    total -= sum(parts.pop(k, 0) for k in HOST_KINDS)
+                if total > self.device_peak:
+                    self.device_peak, self.device_parts = total, parts
+
+    return DevicePeak
+
+
+@contextlib.contextmanager
+def _as_on_a_gpu() -> Iterator[None]:
+    """Checkpoint offload as on a GPU (`_saved_on_host`), and the tiled MLP's tiles cut detached: the tracker's
+    module hooks would take the tiles its forward cuts without autograd for autograd inputs (views either way;
+    its backward detaches them too)."""
+    import cpcompose.distributed.activation_checkpoint as checkpointing
+    import cpcompose.distributed.tiled as tiled
+
+    cut = tiled._tiles_of
+
+    def detached_tiles(x: torch.Tensor, tiles: int, dim: int) -> list[torch.Tensor]:
+        return [t.detach() for t in cut(x, tiles, dim)]
+
+    with mock.patch.object(checkpointing, "offloaded_saved_inputs", _saved_on_host), \
+            mock.patch.object(tiled, "_tiles_of", detached_tiles):
+        yield
+
+
+@contextlib.contextmanager
+def _without_host_checks() -> Iterator[None]:
+    import cpcompose.attention.call.orchestrate as checks
+    import cpcompose.attention.local.merge as merge
+
+    def assumed_agreement(cp, error, signature, *, run, **kwargs):  # noqa: ANN001, ANN003, ANN202
+        if error is not None:
+            raise ValueError(error)
+        return run(), None
+
+    def nan_rows(q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:  # the CUDA branch
+        rows = torch.isnan(q).any(dim=-1)
+        out.masked_fill_(rows.unsqueeze(-1), float("nan"))
+        lse.masked_fill_(rows, float("nan"))
+
+    def assumed_across_ranks(cp, local_error, signature, *, what, device, note=0):  # noqa: ANN001, ANN202
+        if local_error is not None:
+            raise ValueError(f"{what}: invalid input on CP rank(s):\n  rank 0: {local_error}")
+        return 0
+
+    with contextlib.ExitStack() as stack:
+        for patch in (mock.patch.object(checks, "agreed_call", assumed_agreement),
+                      mock.patch.object(checks, "nonfinite_note", lambda v: 0),
+                      mock.patch.object(merge, "keep_nan_rows", nan_rows),
+                      mock.patch.object(_compat, "group_timeout", lambda group: datetime.timedelta(minutes=10)),
+                      *_everywhere(agree_across_ranks, assumed_across_ranks),
+                      *_everywhere(agreed_call, assumed_agreement), *_hf_checks()):
+            stack.enter_context(patch)
+        yield
+
+
+def _hf_checks() -> list:
+    """The Hugging Face attention's check of each rank's position ids (it compares values), where it is loaded."""
+    attention = sys.modules.get("cpcompose.integrations.transformers.attention")
+    return [] if attention is None else [mock.patch.object(attention, "_position_refusal", lambda *args: None)]
+
+
+def _everywhere(original: object, replacement: object) -> list:
+    """A patch of each loaded cpcompose module that imported `original` by name (sorted: a fixed order)."""
+    return [mock.patch.object(module, name, replacement)
+            for module_name, module in sorted(sys.modules.items()) if module_name.startswith("cpcompose")
+            for name, value in list(vars(module).items()) if value is original]
+
+
+def rehearse(config: JobConfig, world: int) -> Rehearsal:
+    """Run two steps of `config` on `world` fake ranks (this process is rank 0) and track the second.
+
+    Raises:
+        ValueError: pipelining (one stage would need each rank).
+        ConfigError: a Hugging Face folder whose config.json the trainer refuses.
+    """
+    config = resolve_config(config)  # a config straight from load_config too: a model folder's vocabulary counts
+    c = dataclasses.replace(config, training=dataclasses.replace(config.training, compile=False),
+                            parallelism=dataclasses.replace(config.parallelism, cp_verify=False))
+    if c.parallelism.pp > 1:
+        raise ValueError("rehearse: parallelism.pp > 1 is not rehearsed (each stage differs); use pp = 1")
+    for name in family_of(c).rank_imports:  # imported before the host checks are patched in every module that has them
+        importlib.import_module(name)
+    fake_mode, fake_store, tracker_cls, mod_stats = _compat.fake_rehearsal_tools()
+    dist.init_process_group("fake", store=fake_store(), rank=0, world_size=world)
+    try:
+        dims = ParallelDims.from_config(c.parallelism, world)
+        mesh = init_device_mesh("cpu", tuple(getattr(dims, n) for n in MESH_DIM_NAMES), mesh_dim_names=MESH_DIM_NAMES)
+        for name in ("dp_shard_cp", "dp_cp", "dp"):  # flattened before the fake mode (it makes groups from values)
+            flat_mesh(mesh, name)
+        if dims.dp_cp_size == 1:  # no FSDP on one rank over dp x cp: torch's tracker of a plain model
+            tracker_cls = _compat.plain_mem_tracker()
+        tracker_cls = _device_peak_tracker(tracker_cls, c.training.offload_params)
+        with _without_host_checks(), _as_on_a_gpu(), _compat.grouped_mm_of_any_dtype_on_fake_tensors(), \
+                fake_mode(allow_non_fake_inputs=True):
+            tracked, by_kind = _two_steps(c, dims, mesh, tracker_cls, mod_stats)
+    finally:
+        dist.destroy_process_group()
+    try:
+        plan = plan_memory(config, world, device_type="cuda")
+    except ValueError as e:  # a family the plan cannot count: the tracker alone, and why
+        return Rehearsal(tracked=tracked, by_kind=by_kind, planned=None, unplanned=str(e))
+    planned = plan.total - plan.part("process") - plan.part("allocator slack")
+    return Rehearsal(tracked=tracked, by_kind=by_kind, planned=planned)
+
+
+def _two_steps(c: JobConfig, dims: ParallelDims, mesh, tracker_cls, mod_stats) -> tuple[int, dict[str, int]]:  # noqa: ANN001
+    trained = family_of(c).build_unfilled(c, dims=dims, mesh=mesh)
+    model = trained.module
+    optimizer = torch.optim.AdamW(model.parameters(), lr=c.optimizer.lr, betas=c.optimizer.betas,
+                                  weight_decay=c.optimizer.weight_decay, eps=c.optimizer.eps, fused=True)
+    rows, T = c.training.batch_size // (dims.dp_size * c.training.grad_accum_steps), c.training.seq_len // dims.cp
+    # the loss's weight: a Hugging Face model's output embeddings, the Llama's `output`
+    output = (model.get_output_embeddings() if hasattr(model, "get_output_embeddings")
+              else getattr(model, "output", None))
+    vocab = output.weight.shape[0] if output is not None else c.model.vocab_size
+    tokens = torch.randint(0, vocab, (rows, T))
+    labels = torch.randint(0, vocab, (rows, T))
+    positions = torch.arange(T).expand(rows, T)
+    loss_mesh, count = flat_mesh(mesh, "dp_cp"), torch.tensor(float(rows * T * dims.dp_cp_size))
+
+    def head(hidden: torch.Tensor, weight: torch.Tensor, **kwargs: object) -> torch.Tensor:
+        return cp_linear_cross_entropy(hidden, weight, labels, mesh=loss_mesh, num_tokens=count,
+                                       chunk_tokens=c.loss_chunk_tokens())
+
+    output_name = next((name for name, m in model.named_modules() if m is output), "output")
+    if dims.dp_cp_size > 1:
+        tracker = tracker_cls(model, optimizer)
+    else:
+        tracker = tracker_cls()
+        tracker.track_external(model, optimizer)
+    with tracker:
+        for step in range(2):
+            if output is not None:  # the fused loss reads its weight without calling it: stats for its backward
+                tracker.memory_tracking[output] = mod_stats(output_name)
+            for _ in range(c.training.grad_accum_steps):
+                with trained.cp_scope(None):
+                    if c.training.fused_loss:
+                        loss = model(tokens, positions, head=head)
+                    else:
+                        loss = cp_cross_entropy(model(tokens, positions), labels, mesh=loss_mesh, num_tokens=count)
+                    loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if step == 0:
+                tracker.reset_mod_stats()
+                tracker.device_peak, tracker.device_parts = 0, {}
+    return tracker.device_peak, tracker.device_parts
+
+
+def describe_rehearsal(result: Rehearsal, world: int) -> list[str]:
+    """The dry run's and scripts/rehearse.py's lines: the tracker's peak and parts, and the plan's tensors beside
+    it (or why the plan has none)."""
+    lines = [f"  rehearsal on {world} fake ranks: torch's FSDPMemTracker peak {result.tracked / GiB:.3f} GiB"]
+    lines += [f"    {kind:<26} {nbytes / GiB:8.3f} GiB" for kind, nbytes in result.by_kind.items() if nbytes]
+    if result.planned is None:
+        lines.append(f"  memory plan (tensors): not predicted ({result.unplanned})")
+    else:
+        lines.append(f"  memory plan (tensors, less process and slack) {result.planned / GiB:.3f} GiB "
+                     f"({result.ratio - 1:+.1%} of the tracker)")
+    return lines

@@ -1,0 +1,62 @@
+"""The memory plan's profile of a Hugging Face model, from its config.json.
+
+Its parameter counts are exact: they must equal the model transformers builds (on the meta device) for each
+profiled family, the hybrid's layers of two kinds included. A family it cannot count is said in one line
+by the dry run's memory line, never a number. (What the counted tensors add up to is checked against torch's
+tracker by tests/training/memory/test_rehearsal.py.)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import transformers as hf
+
+from cpcompose.config import load_config
+from cpcompose.training.families.hf.memory import hf_memory_profile
+from cpcompose.training.memory.budget import describe_memory
+
+SMALL = dict(vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=16, intermediate_size=96, tie_word_embeddings=False)
+CONFIGS = {
+    "llama": lambda: hf.LlamaConfig(**SMALL, attention_bias=True),
+    "mistral": lambda: hf.MistralConfig(**SMALL),
+    "qwen2": lambda: hf.Qwen2Config(**SMALL),  # biases on q, k and v only
+    "qwen3": lambda: hf.Qwen3Config(**SMALL),
+    "qwen3_next": lambda: hf.Qwen3NextConfig(  # linear, linear, linear, full; MoE off the sparse step
+        **SMALL, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=16,
+        linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+        shared_expert_intermediate_size=32, decoder_sparse_step=2),
+}
+
+
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_the_profile_counts_the_parameters_transformers_builds(family: str) -> None:
+    config = CONFIGS[family]()
+    with torch.device("meta"):
+        model = hf.AutoModelForCausalLM.from_config(config)
+    layers = model.model.layers
+    profile = hf_memory_profile(config, tp=1, precision="bfloat16-params", mlp_tiles=1)
+    assert profile.layers == len(layers)
+    assert profile.body_params == sum(p.numel() for p in layers.parameters())
+    assert profile.block_params == max(sum(p.numel() for p in layer.parameters()) for layer in layers)
+    assert profile.root_params + profile.body_params == sum(p.numel() for p in model.parameters())
+    assert profile.output_params == model.lm_head.weight.numel()
+
+
+def test_a_family_the_plan_cannot_count_is_said_in_one_line(tmp_path: Path) -> None:
+    hf.Lfm2Config(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=96, layer_types=["conv", "full_attention"]).save_pretrained(tmp_path)
+    config = load_config(["--model.name=hf", f"--model.path={tmp_path}", "--training.seq_len=256",
+                          "--training.batch_size=1"])
+    lines = describe_memory(config, 1)
+    assert len(lines) == 1 and "not predicted" in lines[0] and "'lfm2'" in lines[0], lines
+    assert "qwen3_next" in lines[0], lines  # it names the families it can count
+
+
+def test_tied_word_embeddings_are_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="tied word embeddings"):
+        hf_memory_profile(hf.Qwen3Config(**{**SMALL, "tie_word_embeddings": True}), tp=1, precision="float32",
+                          mlp_tiles=1)
