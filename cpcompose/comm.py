@@ -11,12 +11,20 @@ CUDA tensors on a gloo group (several ranks sharing one GPU, where NCCL refuses
 to run) travel through host memory: `_staging` decides it once per group, and
 each helper copies to host, communicates, and copies back. CPU tensors, and CUDA
 tensors on NCCL, never take that path (no copies, no extra calls).
+
+`rehearsal_mode()` is the one switch for a step run on fake tensors over torch's "fake"
+process group (the memory rehearsal): there collectives move nothing and tensors hold no
+values, so the library's host checks that read either take their no-sync forms (see
+`rehearsing`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections import Counter
+from collections.abc import Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Callable, Sequence
@@ -30,8 +38,52 @@ from cpcompose import _compat
 
 __all__ = [
     "CPGroup", "CommMeter", "PendingCollective", "PendingRecv", "RingComm", "all_gather", "all_to_all_pieces",
-    "backend_for", "start_all_gather", "start_all_to_all_pieces", "start_reduce_scatter",
+    "backend_for", "rehearsal_mode", "rehearsing", "start_all_gather", "start_all_to_all_pieces",
+    "start_reduce_scatter",
 ]
+
+# A ContextVar, not a module flag: it is set only inside `rehearsal_mode()`'s `with` and only in the thread
+# (context) that entered it, and reset on the way out, exceptions included; a training process never sets it,
+# and nothing else running in the interpreter (another thread, a later step) can see one left behind.
+_REHEARSING: ContextVar[bool] = ContextVar("cpcompose_rehearsing", default=False)
+
+# What bounds a wait in a rehearsal (torch's default): the fake group has no backend options to read one from, and
+# its works never wait.
+_REHEARSAL_TIMEOUT = timedelta(minutes=10)
+
+
+@contextlib.contextmanager
+def rehearsal_mode() -> Iterator[None]:
+    """Run a block as a rehearsal: fake tensors (FakeTensorMode) over torch's "fake" process group.
+
+    There a collective returns nothing any rank sent and a tensor holds no value, so what reads values on the
+    host cannot run; inside the block the library's functions that do take the forms that read none
+    (`rehearsing` lists them). Nothing changes outside it. Everything the step runs must stay in this thread:
+    a rehearsal's tensors are on the CPU, where autograd runs backward (and checkpointed recomputes) in the
+    calling thread.
+    """
+    token = _REHEARSING.set(True)
+    try:
+        yield
+    finally:
+        _REHEARSING.reset(token)
+
+
+def rehearsing() -> bool:
+    """Whether this thread is inside `rehearsal_mode()`. Where the library asks it, and what it does then:
+
+    - the cross-rank agreement (`agreement.agree_across_ranks`, `agreement.agreed_call`) is assumed: this rank's
+      own error is still raised, nothing is gathered;
+    - CP attention's non-finite V note (`attention.call.nonfinite.nonfinite_note`) is 0;
+    - NaN query rows (`attention.local.merge.keep_nan_rows`) take the form other devices run (no sum read first);
+    - a CP group's wait timeout (`CPGroup.wait_timeout`) is a fixed 10 minutes;
+    - the Hugging Face attention's position-id check (it compares values) is skipped;
+    - checkpointed block inputs offloaded to the host (`distributed.activation_checkpoint`) leave device memory
+      as on a GPU, though a rehearsal runs on the CPU;
+    - the tiled MLP (`distributed.tiled`) cuts detached tiles (views either way), which a memory tracker's module
+      hooks do not take for autograd inputs.
+    """
+    return _REHEARSING.get()
 
 
 @dataclass
@@ -128,8 +180,13 @@ class CPGroup:
         return cls(mesh.get_group(), mesh.get_local_rank(), mesh.size())
 
     def wait_timeout(self) -> timedelta:
-        """What bounds a wait on this group: `timeout`, else the group's configured one (`set_timeout`)."""
-        return self.timeout if self.timeout is not None else _compat.group_timeout(self.group)
+        """What bounds a wait on this group: `timeout`, else the group's configured one (`set_timeout`), or in a
+        rehearsal (`rehearsal_mode`) a fixed one."""
+        if self.timeout is not None:
+            return self.timeout
+        if rehearsing():  # torch's fake group has no backend options to read the timeout from
+            return _REHEARSAL_TIMEOUT
+        return _compat.group_timeout(self.group)
 
 
 class PendingRecv:

@@ -10,6 +10,9 @@ The all-gather is read on the host (a device sync on CUDA). `cp_attention`, call
 per layer per microbatch, runs it only when a call is not the one every rank
 expects (`expected.py`); the once-per-step entry points (sharding,
 `context_parallel`) run it every time.
+
+In a rehearsal (`comm.rehearsal_mode`: fake tensors over a fake group, nothing to gather)
+the agreement is assumed: a rank's own error is still raised, in the same words.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from cpcompose.agreement.signature import Field
-from cpcompose.comm import CPGroup, all_gather
+from cpcompose.comm import CPGroup, all_gather, rehearsing
 
 __all__ = ["agree_across_ranks"]
 
@@ -43,6 +46,10 @@ def agree_across_ranks(
     Returns:
         The OR of every rank's `note`.
     """
+    if rehearsing():  # nothing to gather: the others are assumed to agree
+        if local_error is not None:
+            raise _invalid_input(what, [(cp.rank, local_error)])
+        return 0
     values = [int(v) for _, v in signature]
     mine = torch.tensor([int(local_error is not None), int(note), *values], dtype=torch.int64, device=device)
     table = all_gather(mine, cp).tolist()
@@ -52,8 +59,7 @@ def agree_across_ranks(
     if any(row[0] for row in table):
         errors: list[str | None] = [None] * cp.world
         dist.all_gather_object(errors, local_error, group=cp.group)
-        lines = [f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None]
-        raise ValueError(f"{what}: invalid input on CP rank(s):\n  " + "\n  ".join(lines))
+        raise _invalid_input(what, [(r, e) for r, e in enumerate(errors) if e is not None])
     if any(row != table[0] for row in table):
         differing = list(dict.fromkeys(
             name for i, (name, _) in enumerate(signature) if len({row[1 + i] for row in table}) > 1
@@ -64,3 +70,9 @@ def agree_across_ranks(
             f"local shards of the same shape, dtype and options. Per rank: {per_rank}"
         )
     return notes
+
+
+def _invalid_input(what: str, errors: Sequence[tuple[int, str]]) -> ValueError:
+    """The error every rank raises for the ranks' own complaints, `(rank, complaint)` in rank order."""
+    lines = [f"rank {r}: {e}" for r, e in errors]
+    return ValueError(f"{what}: invalid input on CP rank(s):\n  " + "\n  ".join(lines))

@@ -44,6 +44,9 @@ time was 2.5 ms against 2.05 with the gather, and their exchange's 90th percenti
 On CUDA the flags would need a device-to-host sync, so they are not sent: a rank
 deviating alone after warm-up is caught only by the backend's timeout
 (`comm.timeout_s`), and `validate="every_call"` restores the per-call check.
+
+In a rehearsal (`comm.rehearsal_mode`) every call is assumed agreed and runs at once; the
+history is left as it is.
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ import torch.distributed as dist
 
 from cpcompose.agreement.agree import agree_across_ranks
 from cpcompose.agreement.signature import Field
-from cpcompose.comm import CPGroup, PendingCollective, start_all_gather
+from cpcompose.comm import CPGroup, PendingCollective, rehearsing, start_all_gather
 
 __all__ = ["AgreementCache", "CallSpec", "agreed_call", "agreement_cache"]
 
@@ -246,8 +249,12 @@ def agreed_call(
     Returns:
         `run()`'s result, and the OR of every rank's `note` where they travelled (a full
         agreement, or the host flags of a predicted call), else None (a predicted call on
-        CUDA, which sends nothing).
+        CUDA, which sends nothing; a rehearsal).
     """
+    if rehearsing():  # nothing to gather: the others are assumed to make this call; this rank's error still raised
+        if local_error is not None:
+            raise ValueError(local_error)
+        return run(), None
     cache = agreement_cache(cp.group)
     key: Key = tuple(int(v) for _, v in signature)
     expected = cache.expected()

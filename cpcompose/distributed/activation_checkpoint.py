@@ -20,6 +20,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from cpcompose.comm import rehearsing
+
 __all__ = ["ContextFn", "apply_activation_checkpointing", "offloaded_saved_inputs"]
 
 
@@ -27,10 +29,27 @@ def offloaded_saved_inputs(*args: Any) -> contextlib.AbstractContextManager:
     """`save_on_cpu(pin_memory=True)` when a tensor in `args` is on CUDA; a no-op context otherwise.
 
     Decided per call from the inputs, so one model object runs on either device without a setting.
+    In a rehearsal (`comm.rehearsal_mode`, on the CPU) the inputs leave device memory as on a GPU
+    (`_as_if_saved_on_host`), so that a memory tracker counts what a GPU would hold.
     """
+    if rehearsing():
+        return _as_if_saved_on_host()
     if any(isinstance(a, torch.Tensor) and a.is_cuda for a in args):
         return torch.autograd.graph.save_on_cpu(pin_memory=True)
     return contextlib.nullcontext()
+
+
+def _as_if_saved_on_host() -> contextlib.AbstractContextManager:
+    """What `save_on_cpu` does to device memory: the saved tensor leaves at pack, a new one is made at unpack."""
+
+    def pack(t: torch.Tensor) -> tuple:
+        return t.size(), t.stride(), t.dtype, t.device
+
+    def unpack(saved: tuple) -> torch.Tensor:
+        size, stride, dtype, device = saved
+        return torch.empty_strided(size, stride, dtype=dtype, device=device)
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
 
 ContextFn = Callable[[], tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]]

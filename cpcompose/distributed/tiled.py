@@ -18,13 +18,18 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from cpcompose.comm import rehearsing
 from cpcompose.precision import accumulation_dtype
 
 __all__ = ["apply_tiled_mlp", "tiled_mlp"]
 
 
 def _tiles_of(x: Tensor, tiles: int, dim: int) -> list[Tensor]:
-    return [t for t in x.tensor_split(tiles, dim=dim) if t.shape[dim] > 0]  # no empty tile when seq < tiles
+    """`x` cut into `tiles` views along `dim`, detached in a rehearsal (`comm.rehearsal_mode`): a memory tracker's
+    module hooks would take the tiles forward cuts without autograd for autograd inputs (backward detaches its own).
+    """
+    cut = [t for t in x.tensor_split(tiles, dim=dim) if t.shape[dim] > 0]  # no empty tile when seq < tiles
+    return [t.detach() for t in cut] if rehearsing() else cut
 
 
 class _TiledMLP(torch.autograd.Function):

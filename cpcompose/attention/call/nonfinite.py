@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from cpcompose.attention.local.blocks import MaskSpec
-from cpcompose.comm import CPGroup, all_gather
+from cpcompose.comm import CPGroup, all_gather, rehearsing
 from cpcompose.layouts import Layout
 
 __all__ = ["NONFINITE_V", "nonfinite_note", "spread_nonfinite"]
@@ -34,8 +34,10 @@ def nonfinite_note(v: object) -> int:
 
     One sum answers it (any NaN or infinity reaches the sum, or makes it NaN; a finite
     overflow only costs an exchange that finds nothing); the device is never asked (that
-    would be a sync on CUDA).
+    would be a sync on CUDA). In a rehearsal (`comm.rehearsal_mode`) V holds no values: 0.
     """
+    if rehearsing():
+        return 0
     if not isinstance(v, Tensor) or v.device.type != "cpu" or not v.is_floating_point() or v.numel() == 0:
         return 0
     with torch.no_grad():  # nothing of this may join the autograd graph (a checkpoint counts saved tensors)

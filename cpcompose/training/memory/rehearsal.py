@@ -6,21 +6,18 @@ this machine, and torch's `FSDPMemTracker` counts every tensor the step holds, b
 second (the optimizer's state exists) is measured. The tracker counts tensors only: compare it with the plan
 less its process and allocator-slack parts.
 
-What cannot run on fake tensors is routed around here, never in the training path:
+What cannot run on fake tensors is routed around for the rehearsal only (the training path runs as it is): here,
 - the mesh is built without `ParallelDims.build_mesh`'s timeouts (the fake group has no backend options);
-- CP attention's host checks, which read values (the cross-rank agreement of each call's signature, the
-  non-finite V note, the CPU-only NaN-row shortcut), are replaced for the step by their no-sync forms (the
-  agreement assumed, the CUDA branch of the NaN rows);
-- every other cross-rank agreement (`agree_across_ranks`: the CP region's, the gradient sync's, the mixers'
-  checks) is assumed in each cpcompose module that imported it (a rank's own error is still raised);
 - a Hugging Face model is built from its config.json alone (no weights read), its non-persistent buffers left
-  unset (their initialisation reads them back), and its attention's position-id check (it compares values) is
-  skipped; transformers' default MoE path (grouped_mm) runs on fake tensors as it is;
+  unset (their initialisation reads them back); transformers' default MoE path (grouped_mm) runs on fake
+  tensors as it is;
 - torch.compile and the exactness probe (`parallelism.cp_verify`) are off;
 - the tracker gets statistics for the output layer, whose forward the fused loss never calls (it reads the
   weight), so the tracker's backward hook finds them;
-- the tiled MLP's tiles are cut detached (views, as in the run), since the tracker's module hooks would take the
-  tiles its forward cuts without autograd for autograd inputs.
+and in the library: the step runs inside `cpcompose.comm.rehearsal_mode()`, where the functions that read values
+on the host take their no-sync forms (every cross-rank agreement assumed, a rank's own error still raised),
+checkpoint offload behaves as on a GPU (below) and the tiled MLP cuts detached tiles (the tracker's module hooks
+would take the tiles its forward cuts without autograd for autograd inputs); `comm.rehearsing` lists each.
 One process, rank 0 of the fake group: it must be the only process group of the interpreter (a fresh one).
 
 The step runs on the CPU, where host and device are one memory; what a GPU run keeps in host memory is taken out
@@ -31,21 +28,15 @@ sharded gradients and optimizer state are not counted, and neither is the optimi
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import datetime
-import importlib
-import sys
-from collections.abc import Iterator
 from dataclasses import dataclass
-from unittest import mock
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from cpcompose import _compat
-from cpcompose.agreement import agree_across_ranks, agreed_call
+from cpcompose.comm import rehearsal_mode
 from cpcompose.config import JobConfig
 from cpcompose.distributed import ParallelDims, flat_mesh
 from cpcompose.distributed.parallel_dims import MESH_DIM_NAMES
@@ -80,19 +71,6 @@ class Rehearsal:
         return None if self.planned is None else self.planned / max(1, self.tracked)
 
 
-def _saved_on_host(*args: object) -> contextlib.AbstractContextManager:
-    """What `save_on_cpu` does to device memory: the saved tensor leaves at pack, a new one is made at unpack."""
-
-    def pack(t: torch.Tensor) -> tuple:
-        return t.size(), t.stride(), t.dtype, t.device
-
-    def unpack(saved: tuple) -> torch.Tensor:
-        size, stride, dtype, device = saved
-        return torch.empty_strided(size, stride, dtype=dtype, device=device)
-
-    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
-
-
 def _device_peak_tracker(tracker_cls: type, offload_params: bool) -> type:
     """`tracker_cls` that also keeps the peak of what a GPU would hold: with `offload_params`, less HOST_KINDS and
     outside the optimizer step (on the host)."""
@@ -116,68 +94,6 @@ def _device_peak_tracker(tracker_cls: type, offload_params: bool) -> type:
     return DevicePeak
 
 
-@contextlib.contextmanager
-def _as_on_a_gpu() -> Iterator[None]:
-    """Checkpoint offload as on a GPU (`_saved_on_host`), and the tiled MLP's tiles cut detached: the tracker's
-    module hooks would take the tiles its forward cuts without autograd for autograd inputs (views either way;
-    its backward detaches them too)."""
-    import cpcompose.distributed.activation_checkpoint as checkpointing
-    import cpcompose.distributed.tiled as tiled
-
-    cut = tiled._tiles_of
-
-    def detached_tiles(x: torch.Tensor, tiles: int, dim: int) -> list[torch.Tensor]:
-        return [t.detach() for t in cut(x, tiles, dim)]
-
-    with mock.patch.object(checkpointing, "offloaded_saved_inputs", _saved_on_host), \
-            mock.patch.object(tiled, "_tiles_of", detached_tiles):
-        yield
-
-
-@contextlib.contextmanager
-def _without_host_checks() -> Iterator[None]:
-    import cpcompose.attention.call.orchestrate as checks
-    import cpcompose.attention.local.merge as merge
-
-    def assumed_agreement(cp, error, signature, *, run, **kwargs):  # noqa: ANN001, ANN003, ANN202
-        if error is not None:
-            raise ValueError(error)
-        return run(), None
-
-    def nan_rows(q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:  # the CUDA branch
-        rows = torch.isnan(q).any(dim=-1)
-        out.masked_fill_(rows.unsqueeze(-1), float("nan"))
-        lse.masked_fill_(rows, float("nan"))
-
-    def assumed_across_ranks(cp, local_error, signature, *, what, device, note=0):  # noqa: ANN001, ANN202
-        if local_error is not None:
-            raise ValueError(f"{what}: invalid input on CP rank(s):\n  rank 0: {local_error}")
-        return 0
-
-    with contextlib.ExitStack() as stack:
-        for patch in (mock.patch.object(checks, "agreed_call", assumed_agreement),
-                      mock.patch.object(checks, "nonfinite_note", lambda v: 0),
-                      mock.patch.object(merge, "keep_nan_rows", nan_rows),
-                      mock.patch.object(_compat, "group_timeout", lambda group: datetime.timedelta(minutes=10)),
-                      *_everywhere(agree_across_ranks, assumed_across_ranks),
-                      *_everywhere(agreed_call, assumed_agreement), *_hf_checks()):
-            stack.enter_context(patch)
-        yield
-
-
-def _hf_checks() -> list:
-    """The Hugging Face attention's check of each rank's position ids (it compares values), where it is loaded."""
-    attention = sys.modules.get("cpcompose.integrations.transformers.attention")
-    return [] if attention is None else [mock.patch.object(attention, "_position_refusal", lambda *args: None)]
-
-
-def _everywhere(original: object, replacement: object) -> list:
-    """A patch of each loaded cpcompose module that imported `original` by name (sorted: a fixed order)."""
-    return [mock.patch.object(module, name, replacement)
-            for module_name, module in sorted(sys.modules.items()) if module_name.startswith("cpcompose")
-            for name, value in list(vars(module).items()) if value is original]
-
-
 def rehearse(config: JobConfig, world: int) -> Rehearsal:
     """Run two steps of `config` on `world` fake ranks (this process is rank 0) and track the second.
 
@@ -190,8 +106,6 @@ def rehearse(config: JobConfig, world: int) -> Rehearsal:
                             parallelism=dataclasses.replace(config.parallelism, cp_verify=False))
     if c.parallelism.pp > 1:
         raise ValueError("rehearse: parallelism.pp > 1 is not rehearsed (each stage differs); use pp = 1")
-    for name in family_of(c).rank_imports:  # imported before the host checks are patched in every module that has them
-        importlib.import_module(name)
     fake_mode, fake_store, tracker_cls, mod_stats = _compat.fake_rehearsal_tools()
     dist.init_process_group("fake", store=fake_store(), rank=0, world_size=world)
     try:
@@ -202,8 +116,7 @@ def rehearse(config: JobConfig, world: int) -> Rehearsal:
         if dims.dp_cp_size == 1:  # no FSDP on one rank over dp x cp: torch's tracker of a plain model
             tracker_cls = _compat.plain_mem_tracker()
         tracker_cls = _device_peak_tracker(tracker_cls, c.training.offload_params)
-        with _without_host_checks(), _as_on_a_gpu(), _compat.grouped_mm_of_any_dtype_on_fake_tensors(), \
-                fake_mode(allow_non_fake_inputs=True):
+        with rehearsal_mode(), _compat.grouped_mm_of_any_dtype_on_fake_tensors(), fake_mode(allow_non_fake_inputs=True):
             tracked, by_kind = _two_steps(c, dims, mesh, tracker_cls, mod_stats)
     finally:
         dist.destroy_process_group()
