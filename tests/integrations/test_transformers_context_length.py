@@ -1,7 +1,7 @@
 """`extend_context`: RoPE base, scaling and maximum position merged into a copy of a transformers config.
 
 What the merged settings do to the model is checked where they train (tests/training/
-test_hf_checkpoint.py: step 1 equals transformers' loss under the overridden config); here, what
+tests/training/families/hf/test_checkpoint.py: step 1 equals transformers' loss under the overridden config); here, what
 is merged, what is filled in, and what is refused (each with the argument it names).
 """
 

@@ -11,7 +11,7 @@ written as regexes, experts stacked), OLMo-Hybrid and Kimi-Linear (q/k/v short c
 concatenated along dim 0, each rank reading its own rows), Falcon-H1 (`mup_vector`, a buffer its
 `_init_weights` sets from the base model's branch), LaraMini (one stored `in_proj` split into four
 projections), Bailing-Hybrid (renamings applied in turn, an anchored one). (Qwen4-Exp's n-gram tables,
-stored as numbered shards, load in tests/training/families/hf/test_hf_hybrids.py; its integer buffers are beyond
+stored as numbered shards, load in tests/training/families/hf/test_hybrids.py; its integer buffers are beyond
 torch's safetensors consolidation, so its export is refused before launch.)
 """
 

@@ -7,13 +7,13 @@ document's global row (tests/integrations/test_transformers_indexer.py checks th
 each document alone on one process).
 Step 1 against transformers alone (`reference_first_loss`: each packed document run by itself, sdpa, no
 cpcompose), at cp=1 (a CP region of one rank around each pack) and cp=2: rtol 1e-6, the bound
-tests/training/families/hf/test_hf_trainer.py derives (float32 sums in another order). transformers' own packed row
+tests/training/families/hf/test_trainer.py derives (float32 sums in another order). transformers' own packed row
 would not do: its top-k over the whole row breaks ties among equal scores otherwise than each document
 alone does (this pack's first loss: 1.4e-4 relative apart), so "cp=2 equals cp=1" alone could compare two
 wrong answers.
 cp=2 against cp=1: float32 sums in another order (the attention over the selected rows, the loss over
 ranks), then one AdamW step, whose update moves a weight by up to lr when a tiny gradient's last bits move:
-rtol 1e-5, the bound tests/training/families/hf/test_hf_trainer.py derives for the same two steps.
+rtol 1e-5, the bound tests/training/families/hf/test_trainer.py derives for the same two steps.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ recomputed (Falcon-H1's `mup_vector` included), the loss head is cut where each 
 applies `lm_head` (Falcon-H1's muP multiplier, GraniteMoeHybrid's scaling, RecurrentGemma's and
 xLSTM's softcaps, RWKV's `head`), and a block shared between layers (Zamba) stays out of FSDP's units.
 
-Tolerances are those of tests/training/families/hf/test_hf_trainer.py, for the same reasons: step 1 equals
+Tolerances are those of tests/training/families/hf/test_trainer.py, for the same reasons: step 1 equals
 transformers' loss (each packed document alone through `from_pretrained`'s model) to rtol 1e-6
 (float32 sums in another order, and the SSM/delta-rule kernels' float32 chunk sums: measured at most
 1e-7 relative here); step 2 agrees between cp=1 and cp=2 to rtol 1e-5 (AdamW lets the last float32
@@ -32,7 +32,7 @@ from tests.support.hybrid_families import HYBRIDS
 RTOL = 1e-5
 REFERENCE_RTOL = 1e-6
 # The hybrids of issue 25 beyond those scripts/make_tiny_hf_model.py writes (qwen3_next and lfm2 are trained by
-# tests/training/families/hf/test_hf_trainer.py).
+# tests/training/families/hf/test_trainer.py).
 FAMILIES = ("mamba", "mamba2", "bamba", "falcon_h1", "granitemoehybrid", "nemotron_h", "zamba", "zamba2", "jamba",
             "qwen3_5", "olmo_hybrid", "kimi_linear", "minimax", "recurrent_gemma", "rwkv", "xlstm", "lfm2_moe",
             "lara_mini", "bailing_hybrid")  # qwen4_exp: its plan below (a training step costs ~20 s on 2 cores)

@@ -3,7 +3,7 @@
 Gemma 3 ties its output layer to its embedding (stored once, a buffer `embed_scale` in no
 checkpoint), Qwen3-Next stacks its experts (stored one tensor per expert): the two ways a model's
 tensors differ from its checkpoint's. Resuming in the same layout is bit-exact; into another
-layout (cp=2 -> cp=1) within the trainer's float32 tolerance (tests/training/families/hf/test_hf_trainer.py).
+layout (cp=2 -> cp=1) within the trainer's float32 tolerance (tests/training/families/hf/test_trainer.py).
 An export holds the trained weights exactly (same dtype, float32), and the model
 `from_pretrained` builds from it computes the same logits as the trained weights in the source
 model's class.
