@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cpcompose import comm
+from cpcompose.comm import collectives as comm
 from tests.support.attention_cases import Case, run_cp
 
 NAMES = ("out", "lse", "dq", "dk", "dv", "forward_bytes", "total_bytes")
