@@ -1,4 +1,36 @@
-"""The communication cpcompose does, in one place, with a byte meter (`collectives`)."""
+"""The communication cpcompose does, in one place, with a byte meter.
 
-from cpcompose.comm.collectives import *  # noqa: F403
-from cpcompose.comm.collectives import __all__, _runs_on_gloo, _staging  # noqa: F401
+Every byte cpcompose moves goes through this package, so an optional `CommMeter`
+can count it without CommDebugMode (which cannot see a backward in torch 2.13)
+and without patching torch, every wait is bounded, and the order of the
+collectives is one all ranks share. Counts are what *this rank sends* under the
+textbook algorithm of each collective: P-1 shards for an all-gather, (P-1)/P of
+the input for a reduce-scatter, the off-rank splits of an all-to-all, and the
+exact tensors of a point-to-point send.
+
+CUDA tensors on a gloo group (several ranks sharing one GPU, where NCCL refuses
+to run) travel through host memory: `staging` decides it once per group, and
+each helper copies to host, communicates, and copies back. CPU tensors, and CUDA
+tensors on NCCL, never take that path (no copies, no extra calls).
+
+Rooms: `meter` (the byte meter), `staging` (the host path), `group` (`CPGroup`),
+`ring` (point-to-point), `collectives` (posted collectives over a CP group).
+"""
+
+from cpcompose.comm.collectives import (
+    PendingCollective,
+    all_gather,
+    all_to_all_pieces,
+    start_all_gather,
+    start_all_to_all_pieces,
+    start_reduce_scatter,
+)
+from cpcompose.comm.group import CPGroup
+from cpcompose.comm.meter import CommMeter
+from cpcompose.comm.ring import PendingRecv, RingComm
+from cpcompose.comm.staging import backend_for
+
+__all__ = [
+    "CPGroup", "CommMeter", "PendingCollective", "PendingRecv", "RingComm", "all_gather", "all_to_all_pieces",
+    "backend_for", "start_all_gather", "start_all_to_all_pieces", "start_reduce_scatter",
+]
