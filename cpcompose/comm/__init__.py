@@ -14,7 +14,8 @@ each helper copies to host, communicates, and copies back. CPU tensors, and CUDA
 tensors on NCCL, never take that path (no copies, no extra calls).
 
 Rooms: `meter` (the byte meter), `staging` (the host path), `group` (`CPGroup`),
-`ring` (point-to-point), `collectives` (posted collectives over a CP group).
+`ring` (point-to-point), `collectives` (posted collectives over a CP group), `row_fetch` (rows fetched
+from their owners, differentiably: the conv halo's and sparse attention's one primitive).
 """
 
 from cpcompose.comm.collectives import (
@@ -28,9 +29,19 @@ from cpcompose.comm.collectives import (
 from cpcompose.comm.group import CPGroup
 from cpcompose.comm.meter import CommMeter
 from cpcompose.comm.ring import PendingRecv, RingComm
+from cpcompose.comm.row_fetch import (
+    FetchPlan,
+    PostedFetch,
+    fetch_positions,
+    fetch_rows,
+    plan_by_peer,
+    plan_fetch,
+    post_fetch,
+)
 from cpcompose.comm.staging import backend_for
 
 __all__ = [
-    "CPGroup", "CommMeter", "PendingCollective", "PendingRecv", "RingComm", "all_gather", "all_to_all_pieces",
-    "backend_for", "start_all_gather", "start_all_to_all_pieces", "start_reduce_scatter",
+    "CPGroup", "CommMeter", "FetchPlan", "PendingCollective", "PendingRecv", "PostedFetch", "RingComm", "all_gather",
+    "all_to_all_pieces", "backend_for", "fetch_positions", "fetch_rows", "plan_by_peer", "plan_fetch", "post_fetch",
+    "start_all_gather", "start_all_to_all_pieces", "start_reduce_scatter",
 ]

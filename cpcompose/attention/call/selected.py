@@ -24,9 +24,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from cpcompose.agreement import Signature, agree_across_ranks
 from cpcompose.attention.cost.selected import ALLGATHER, SELECTED, choose
 from cpcompose.attention.call.options import CPOptions
-from cpcompose.attention.strategies.selected_rows import RowPlan, all_rows_plan, fetch_rows, selected_rows_plan
+from cpcompose.attention.strategies.selected_rows import RowPlan, all_rows_plan, selected_rows_plan
 from cpcompose.attention.strategies.selection import allowed_keys
-from cpcompose.comm import CPGroup
+from cpcompose.comm import CPGroup, fetch_rows
 from cpcompose.layouts import Layout, resolve_layout
 from cpcompose.precision import accumulation_dtype
 
@@ -84,7 +84,7 @@ def attend_selected(
     heads_kv, dk = k.shape[1], k.shape[3]
     local = torch.cat([k.transpose(1, 2).reshape(-1, heads_kv * dk),
                        v.transpose(1, 2).reshape(-1, heads_kv * v.shape[3])], dim=1)
-    fetched = fetch_rows(local, plan, cp, options.meter)
+    fetched = fetch_rows(local, plan.route(), cp, options.meter)
     positions = layout.local_indices(cp.rank, seq_len, q.device)
     outs = [
         _attend_row(q[b], local.view(q.shape[0], q.shape[2], -1)[b], positions, fetched, plan, b, seq_len,
