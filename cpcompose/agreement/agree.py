@@ -17,10 +17,9 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
-import torch.distributed as dist
 
 from cpcompose.agreement.signature import Field
-from cpcompose.comm import CPGroup, all_gather
+from cpcompose.comm import CPGroup, all_gather, all_gather_objects
 
 __all__ = ["agree_across_ranks"]
 
@@ -50,8 +49,7 @@ def agree_across_ranks(
     for row in table:
         notes |= row.pop(1)
     if any(row[0] for row in table):
-        errors: list[str | None] = [None] * cp.world
-        dist.all_gather_object(errors, local_error, group=cp.group)
+        errors: list[str | None] = all_gather_objects(local_error, cp.group)
         lines = [f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None]
         raise ValueError(f"{what}: invalid input on CP rank(s):\n  " + "\n  ".join(lines))
     if any(row != table[0] for row in table):

@@ -14,10 +14,20 @@ each helper copies to host, communicates, and copies back. CPU tensors, and CUDA
 tensors on NCCL, never take that path (no copies, no extra calls).
 
 Rooms: `meter` (the byte meter), `staging` (the host path), `group` (`CPGroup`),
-`ring` (point-to-point), `collectives` (posted collectives over a CP group), `row_fetch` (rows fetched
+`ring` (point-to-point), `collectives` (posted collectives over a CP group), `blocking` (the few blocking
+collectives on any process group: the trainer's, the checkpoint's, the agreement's messages), `row_fetch` (rows fetched
 from their owners, differentiably: the conv halo's and sparse attention's one primitive).
 """
 
+from cpcompose.comm.blocking import (
+    ReduceOp,
+    all_gather_objects,
+    all_gather_tensors,
+    all_reduce,
+    barrier,
+    broadcast,
+    broadcast_object,
+)
 from cpcompose.comm.collectives import (
     PendingCollective,
     all_gather,
@@ -41,7 +51,8 @@ from cpcompose.comm.row_fetch import (
 from cpcompose.comm.staging import backend_for
 
 __all__ = [
-    "CPGroup", "CommMeter", "FetchPlan", "PendingCollective", "PendingRecv", "PostedFetch", "RingComm", "all_gather",
-    "all_to_all_pieces", "backend_for", "fetch_positions", "fetch_rows", "plan_by_peer", "plan_fetch", "post_fetch",
-    "start_all_gather", "start_all_to_all_pieces", "start_reduce_scatter",
+    "CPGroup", "CommMeter", "FetchPlan", "PendingCollective", "PendingRecv", "PostedFetch", "ReduceOp", "RingComm",
+    "all_gather", "all_gather_objects", "all_gather_tensors", "all_reduce", "all_to_all_pieces", "backend_for",
+    "barrier", "broadcast", "broadcast_object", "fetch_positions", "fetch_rows", "plan_by_peer", "plan_fetch",
+    "post_fetch", "start_all_gather", "start_all_to_all_pieces", "start_reduce_scatter",
 ]
