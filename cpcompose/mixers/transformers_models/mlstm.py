@@ -40,7 +40,7 @@ from torch import Tensor, nn
 
 from cpcompose.agreement import agree_across_ranks, dtype_code
 from cpcompose.comm import CPGroup, fetch_positions
-from cpcompose.mixers.kernel_calls import needs_grad, tensor_fields
+from cpcompose.mixers.api_checks import needs_grad, tensor_fields
 from cpcompose.layouts import Layout
 from cpcompose.mixers.chunked import cp_chunked_recurrence
 from cpcompose.mixers.states import tie
