@@ -14,9 +14,11 @@ each helper copies to host, communicates, and copies back. CPU tensors, and CUDA
 tensors on NCCL, never take that path (no copies, no extra calls).
 
 Rooms: `meter` (the byte meter), `staging` (the host path), `group` (`CPGroup`),
-`ring` (point-to-point), `collectives` (posted collectives over a CP group), `blocking` (the few blocking
-collectives on any process group: the trainer's, the checkpoint's, the agreement's messages), `row_fetch` (rows fetched
-from their owners, differentiably: the conv halo's and sparse attention's one primitive).
+`ring` (point-to-point), `collectives` (posted collectives over a CP group),
+`row_fetch` (rows fetched from their owners, differentiably: the conv halo's and
+sparse attention's one primitive) and `blocking` (the few blocking collectives on
+any process group: the trainer's, the checkpoint's, the agreement's messages).
+No other module calls a torch.distributed collective (tests/test_comm_boundary.py).
 """
 
 from cpcompose.comm.blocking import (
