@@ -18,7 +18,7 @@ Method. One "layer" of each kind, forward+backward, float32, B=1, at global leng
     (H=4 heads, dk=dv=64, chunks of 64; linear in L), routed the same way (matrix
     transitions; a stretch that continues a document runs once with dk more value columns).
   On --device cuda, mamba2 and gdn run mamba-ssm's Triton `mamba_chunk_scan_combined` and
-  fla's `chunk_gated_delta_rule` where importable (`cpcompose.mixers.cuda_kernels`), through
+  fla's `chunk_gated_delta_rule` where importable (`cpcompose.mixers.triton_scans`), through
   the CP versions directly as mamba2_linear does; the `kernel` column names the scan kernel
   each row ran (transformers' torch functions where the CUDA ones are absent).
 T1: one process, one thread, the full sequence. T_P: P processes of one thread each
@@ -82,7 +82,7 @@ from transformers.models.mamba2 import modeling_mamba2  # noqa: E402
 from transformers.models.qwen3_next import modeling_qwen3_next  # noqa: E402
 
 from cpcompose.comm import CPGroup, all_gather, start_all_gather  # noqa: E402
-from cpcompose.mixers.cuda_kernels import fla_chunk_gated_delta_rule, mamba_chunk_scan_combined  # noqa: E402
+from cpcompose.mixers.triton_scans import fla_chunk_gated_delta_rule, mamba_chunk_scan_combined  # noqa: E402
 from cpcompose.mixers.fla import cp_chunk_gated_delta_rule  # noqa: E402
 from cpcompose.mixers.mamba_ssm import cp_mamba2_chunk_scan  # noqa: E402
 

@@ -2,7 +2,7 @@
 
 Bytes are exact and need no processes: for each rank, the rows its queries select
 that other ranks own (a synthetic selection, see PATTERNS) give the count table, and
-`cpcompose.attention.cost.selected` turns it into the bytes each rank sends in a
+`cpcompose.attention.sparse.cost` turns it into the bytes each rank sends in a
 forward and backward (the same functions the strategy's `auto` choice uses). The
 all-gather moves every row another rank owns, forward and back.
 
@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from cpcompose.attention.cost.selected import allgather_sent, selected_sent
+from cpcompose.attention.sparse.cost import allgather_sent, selected_sent
 from cpcompose.layouts import resolve_layout
 
 PATTERNS = ("window", "sinks", "random")
@@ -81,7 +81,7 @@ def _timed(rank: int, world: int, seq_len: int, k: int, pattern: str, args: argp
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from cpcompose.attention.call.selected import attend_selected
+    from cpcompose.attention.sparse.call import attend_selected
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port))
     dist.init_process_group("gloo", rank=rank, world_size=world)

@@ -69,7 +69,7 @@ env_report() {
   python3 -c "import transformers; print('transformers imported from', transformers.__file__, transformers.__version__)"
   # Which scan kernels the mixer tests and the benchmark run on CUDA.
   python3 -c "
-from cpcompose.mixers.cuda_kernels import fla_chunk_gated_delta_rule, mamba_chunk_scan_combined
+from cpcompose.mixers.triton_scans import fla_chunk_gated_delta_rule, mamba_chunk_scan_combined
 for found in (fla_chunk_gated_delta_rule(), mamba_chunk_scan_combined()):
     state = 'importable' if found.kernel else 'NOT importable (' + found.reason + '): torch fallback'
     print('mixer kernels:', found.name, state)

@@ -20,10 +20,9 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
-import torch.distributed as dist
 
 from cpcompose.agreement.signature import Field
-from cpcompose.comm import CPGroup, all_gather, rehearsing
+from cpcompose.comm import CPGroup, all_gather, all_gather_objects, rehearsing
 
 __all__ = ["agree_across_ranks"]
 
@@ -57,8 +56,7 @@ def agree_across_ranks(
     for row in table:
         notes |= row.pop(1)
     if any(row[0] for row in table):
-        errors: list[str | None] = [None] * cp.world
-        dist.all_gather_object(errors, local_error, group=cp.group)
+        errors: list[str | None] = all_gather_objects(local_error, cp.group)
         raise _invalid_input(what, [(r, e) for r, e in enumerate(errors) if e is not None])
     if any(row != table[0] for row in table):
         differing = list(dict.fromkeys(

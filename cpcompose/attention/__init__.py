@@ -1,6 +1,7 @@
-"""Context-parallel attention, in four rooms, bottom to top: `local/` (kernels, block planning, the
-softmax merge), `cost/` (the cost model), `strategies/` (ring, all-gather, all-to-all, 2-D, indexer-selected
-rows) and `call/` (options, checks and agreement, the automatic choice, the entry points)."""
+"""Context-parallel attention, in five rooms, bottom to top: `local/` (kernels, block planning, the
+softmax merge), `cost/` (the cost model), `strategies/` (ring, all-gather, all-to-all, 2-D), `call/`
+(options, checks and agreement, the automatic choice, the entry points) and `sparse/` (indexer-selected
+attention: each query reads only the keys it selected)."""
 
 from cpcompose.attention.call.api import cp_attention
 from cpcompose.attention.call.op import CPContext

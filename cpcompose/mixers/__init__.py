@@ -18,9 +18,9 @@ arguments)`: `original` the kernel to run on this rank's stretches, `region` a
 region). None of them imports transformers.
 """
 
+from cpcompose.comm import fetch_positions
 from cpcompose.mixers.chunked import Correction, cp_chunked_recurrence
 from cpcompose.mixers.conv import cp_causal_conv1d
-from cpcompose.mixers.halo import fetch_positions
 from cpcompose.mixers.region import MixerOptions, MixerRegion, Region
 from cpcompose.mixers.scan import cp_delta_rule, cp_linear_scan
 from cpcompose.mixers.states import cp_initial_states

@@ -4,7 +4,7 @@ Mamba-style blocks mix each channel over its last `width` tokens. On a shard the
 first width-1 outputs of every run would read tokens held elsewhere (under zigzag
 each of a rank's two chunks has its own predecessor; in a pack a predecessor may
 span several ranks or be local), so each run gets the width-1 positions before it,
-same document only, in one exchange (`halo.post_fetch`), posted before the outputs
+same document only, in one exchange (`cpcompose.comm.row_fetch.post_fetch`), posted before the outputs
 that read no halo (all but each run's first width-1) are computed, so it travels
 behind them; a document start gets zeros, as if the convolution restarted there.
 """
@@ -24,9 +24,9 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from cpcompose.agreement import CallSpec
 from cpcompose.comm import CommMeter, CPGroup
+from cpcompose.comm.row_fetch import PostedFetch, assemble_rows, post_fetch, post_gradients_home
 from cpcompose.layouts import Layout, LayoutSpec, Run
 from cpcompose.mixers._checks import agreed, float_tensors_error, layout_fields, local_layout, shape_of
-from cpcompose.mixers.halo import PostedFetch, assemble_rows, post_fetch, post_gradients_home
 
 __all__ = ["ACTIVATIONS", "cp_causal_conv1d", "halo_positions"]
 

@@ -22,13 +22,12 @@ from __future__ import annotations
 import zlib
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from cpcompose.agreement import agree_across_ranks
-from cpcompose.comm import CPGroup
+from cpcompose.comm import CPGroup, all_reduce
 from cpcompose.precision import accumulation_dtype
 
 __all__ = ["allreduce_gradients"]
@@ -53,7 +52,7 @@ def allreduce_gradients(module: nn.Module, mesh: DeviceMesh) -> None:
     agree_across_ranks(cp, None, [("parameters", len(params)), ("parameter shapes and dtypes", zlib.crc32(layout))],
                        what="allreduce_gradients (every rank must pass the same model)", device=device)
     present = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=device)
-    dist.all_reduce(present, op=dist.ReduceOp.MAX, group=cp.group)
+    all_reduce(present, cp.group, op="max")
     summed = [p for p, somewhere in zip(params, present.tolist()) if somewhere]
     for p in summed:
         if p.grad is None:  # no token of this rank reached it: it adds nothing
@@ -62,7 +61,7 @@ def allreduce_gradients(module: nn.Module, mesh: DeviceMesh) -> None:
     for dtype in dict.fromkeys(g.dtype for g in grads):  # first-appearance order, the same on every rank
         same = [g for g in grads if g.dtype == dtype]
         flat = torch.cat([g.reshape(-1) for g in same]).to(accumulation_dtype(dtype))
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=cp.group)
+        all_reduce(flat, cp.group, op="sum")
         for g, reduced in zip(same, flat.split([g.numel() for g in same])):
             g.copy_(reduced.view_as(g))
 

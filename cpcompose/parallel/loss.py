@@ -19,13 +19,12 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
 from cpcompose import _compat
-from cpcompose.comm import CPGroup
+from cpcompose.comm import CPGroup, all_reduce
 from cpcompose.parallel.chunked_loss import linear_cross_entropy_sum
 from cpcompose.precision import accumulation_dtype
 
@@ -41,7 +40,7 @@ _CUDA_KERNELS = ("liger", "cut_cross_entropy")  # auto's order of preference
 def global_token_count(labels: Tensor, mesh: DeviceMesh, *, ignore_index: int = -100) -> Tensor:
     """Valid (non-ignored) labels summed over `mesh` (1-D, e.g. the flattened dp x cp mesh)."""
     count = (labels != ignore_index).sum().to(torch.float32)
-    dist.all_reduce(count, op=dist.ReduceOp.SUM, group=CPGroup.from_mesh(mesh).group)
+    all_reduce(count, CPGroup.from_mesh(mesh).group, op="sum")
     return count
 
 

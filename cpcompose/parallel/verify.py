@@ -23,12 +23,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from cpcompose.attention.call.options import CPOptions
-from cpcompose.comm import CPGroup, all_gather
+from cpcompose.comm import CPGroup, all_gather, all_gather_objects
 from cpcompose.layouts import Layout, resolve_layout
 from cpcompose.parallel.context import context_parallel
 from cpcompose.parallel.reference import FACTOR, allowed_error, castable, in_float64, relative_error
@@ -229,8 +228,8 @@ def verify(
     first = int(all_gather(mine, cp).min().item())
     if first == 1 << 62:
         return
-    reports: list[Difference | None] = [None] * cp.world
-    dist.all_gather_object(reports, found if found is not None and found.index == first else None, group=cp.group)
+    mine_to_report = found if found is not None and found.index == first else None
+    reports: list[Difference | None] = all_gather_objects(mine_to_report, cp.group)
     report = next(r for r in reports if r is not None)
     raise ValueError(
         f"cpcompose.verify: module '{report.name}' ({report.cls}) computes something else under CP than on one "

@@ -346,12 +346,12 @@ def test_sliding_window_pattern_steady_state_on_a_real_group(pools) -> None:
     for rank, counts in enumerate(pools.get(2).run(windowed_steps)):
         assert counts[0] >= 2 and counts[2] == 0, f"rank {rank}: agreements per step {counts}"
 def cuda_steady_state_syncs(mesh, strategy: str) -> dict[str, Any]:
-    """Host syncs of a steady-state step on CUDA, each with where it happened (outside comm.py's staging or not).
+    """Host syncs of a steady-state step on CUDA, each with where it happened (outside comm's staging or not).
 
     `torch.cuda.set_sync_debug_mode("warn")` warns at every synchronizing CUDA call
     (a device-to-host copy, `.item()`, `.tolist()`, `nonzero`...); the recorded Python
     stack says who asked. On one GPU the ranks share it over gloo, whose host staging
-    in `cpcompose/comm.py` syncs by design (NCCL has no staging); anything else, such
+    in `cpcompose/comm/` syncs by design (NCCL has no staging); anything else, such
     as an agreement, a plan built from device data or a kernel dispatch reading a
     tensor, would sync on NCCL too, and is what this looks for.
     """
@@ -383,7 +383,7 @@ def cuda_steady_state_syncs(mesh, strategy: str) -> dict[str, Any]:
         finally:
             torch.cuda.set_sync_debug_mode("default")
             warnings.showwarning = show
-    staging = [s for s in stacks if "cpcompose/comm.py" in s]
+    staging = [s for s in stacks if "cpcompose/comm/" in s]
     return {"syncs": len(stacks), "staging": len(staging), "elsewhere": [s for s in stacks if s not in staging]}
 
 

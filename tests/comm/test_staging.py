@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cpcompose import comm
+from cpcompose.comm import staging
 from tests.support.attention_cases import Case, run_cp
 
 NAMES = ("out", "lse", "dq", "dk", "dv", "forward_bytes", "total_bytes")
@@ -27,7 +27,7 @@ NAMES = ("out", "lse", "dq", "dk", "dv", "forward_bytes", "total_bytes")
     ],
 )
 def test_backend_for_device(backend: str, device: str, expected: str) -> None:
-    assert comm.backend_for(backend, device) == expected
+    assert staging.backend_for(backend, device) == expected
 
 
 def test_cpu_tensors_never_stage(pools) -> None:
@@ -36,17 +36,17 @@ def test_cpu_tensors_never_stage(pools) -> None:
 
 
 def _staging_of_cpu_tensor(mesh) -> torch.device | None:
-    return comm._staging(torch.zeros(1), mesh.get_group())
+    return staging.host_staging(torch.zeros(1), mesh.get_group())
 
 
 def run_staged(mesh, case: Case) -> dict:
     """`run_cp` with every communication forced through the host-staging path."""
-    original = comm._staging
-    comm._staging = lambda t, group: t.device  # stage everything, back to where it was
+    original = staging.host_staging
+    staging.host_staging = lambda t, group: t.device  # stage everything, back to where it was
     try:
         return run_cp(mesh, case)
     finally:
-        comm._staging = original
+        staging.host_staging = original
 
 
 @pytest.mark.parametrize(

@@ -224,7 +224,7 @@ def test_pooled_sparse_attention_is_refused_by_class(path: str) -> None:
     name, cls_name = path.split(".")
     cls = getattr(importlib.import_module(f"transformers.models.{name}.modeling_{name}"), cls_name)
     assert getattr(cls.forward, "__cpcompose_refused__", False)
-    assert any(p.endswith(f".{cls_name}") for p in cphf.kernels.REFUSED)
+    assert any(p.endswith(f".{cls_name}") for p in cphf.mixer_routes.REFUSED)
 
 
 def sdpa_on_one_rank(mesh, state: dict) -> dict[str, Any]:

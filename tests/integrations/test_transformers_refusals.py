@@ -1,6 +1,6 @@
 """Hugging Face families CP cannot make exact, refused by class on every rank inside a CP region.
 
-Each family's attention needs what a rank's shard cannot give (`kernels/refused.py`):
+Each family's attention needs what a rank's shard cannot give (`mixer_routes/refused.py`):
 GLM-5.3's DSA and Qwen4-Exp's QSA select keys per query with an indexer over every
 earlier token; the Inkling families add a relative position bias computed per query
 (Inkling 2 also per-query sinks, and attention over depth through the attention

@@ -5,7 +5,7 @@ the layout, and the CP versions run the kernel they are given on this rank's str
 CPU the kernels are transformers' module-level torch functions for those APIs
 (`torch_chunk_gated_delta_rule`, `mamba2_chunk_scan`), in float32 as they compute; on a GPU
 (`gpu` marker) fla's `chunk_gated_delta_rule` and mamba-ssm's Triton `mamba_chunk_scan_combined`
-where importable (`cpcompose.mixers.cuda_kernels`), else the same torch functions: the test
+where importable (`cpcompose.mixers.triton_scans`), else the same torch functions: the test
 prints and records (junit property `kernel`) which ran, and prints every comparison's error
 against its tolerance (one GPU run shows all the margins). Each rank's outputs and input
 gradients are compared with its shard of the same kernel run on each document of the full
@@ -35,7 +35,7 @@ from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated
 from cpcompose.agreement import agreement_cache
 from cpcompose.layouts import Layout, Run
 from cpcompose.mixers import MixerOptions, MixerRegion, cp_causal_conv1d
-from cpcompose.mixers.cuda_kernels import FoundKernel, fla_chunk_gated_delta_rule, mamba_chunk_scan_combined
+from cpcompose.mixers.triton_scans import FoundKernel, fla_chunk_gated_delta_rule, mamba_chunk_scan_combined
 from cpcompose.mixers.fla import cp_chunk_gated_delta_rule
 from cpcompose.mixers.mamba_ssm import cp_mamba2_chunk_scan
 from cpcompose.mixers.states import continued_runs

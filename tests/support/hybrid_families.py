@@ -1,7 +1,7 @@
 """The hybrid families' tiny float64 configs and the tolerance each family's kernels allow (`HYBRIDS`).
 
 One entry per family whose token mixers outside attention cpcompose makes exact (routed kernel
-functions or methods, `cpcompose.integrations.transformers.kernels`); `hybrid_cases` builds
+functions or methods, `cpcompose.integrations.transformers.mixer_routes`); `hybrid_cases` builds
 them, runs transformers' single-process reference and the CP runs, and compares.
 """
 
@@ -24,7 +24,7 @@ Jamba, Zamba) hand the scan A, D and the dt bias as float32 (`.float()`), so tho
 float32-rounded (~1e-7 relative at P=2); Mamba's and FalconMamba's logits are float32. BailingHybrid's
 KDA reaches 7e-8 absolute (a third of the allowance), xLSTM's recurrent kernel (float32 states) a
 sixth, Qwen4-Exp's float32 norms 1e-9. The CP kernels themselves are held to 1e-12 in float64 by
-tests/integrations/test_transformers_kernels_delta_rule.py, ..._selective_scan.py and ..._recurrent.py."""
+tests/integrations/test_transformers_mixer_routes_delta_rule.py, ..._selective_scan.py and ..._recurrent.py."""
 FLOAT32_WKV = dict(rtol=1e-5, atol=1e-5)
 """RWKV's WKV loop (transformers' CPU kernel) keeps exp(key) and its denominator in float32. Its
 embeddings start at gain 1e-4, so the first LayerNorm scales their gradient up to ~200 here, and

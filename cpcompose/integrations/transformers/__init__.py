@@ -2,7 +2,7 @@
 
 Importing this package registers "cpcompose" with transformers' attention and mask
 interfaces (`attention.py`) and routes the kernel functions of its hybrid models' token
-mixers (`kernels/`); `pack_batch` (`batch.py`) turns a batch into one packed row of
+mixers (`mixer_routes/`); `pack_batch` (`batch.py`) turns a batch into one packed row of
 documents for CP; `verify` (`probe.py`) checks a model is exact under CP, and runs by
 itself on a model's first forward in a CP region; `causal_lm_head` (`head.py`) cuts a causal LM at
 its output layer for a loss that never builds the logits; `weights/` loads a checkpoint folder
@@ -36,7 +36,7 @@ from cpcompose.integrations.transformers.checkpointing import install_checkpoint
 from cpcompose.integrations.transformers.context_length import SCALED_ROPE_TYPES, extend_context
 from cpcompose.integrations.transformers.head import HEADS, CausalLMHead, causal_lm_head
 from cpcompose.integrations.transformers.indexer import INDEXERS, install_indexers, routed_indexers
-from cpcompose.integrations.transformers.kernels import install, refused_in
+from cpcompose.integrations.transformers.mixer_routes import install, refused_in
 from cpcompose.integrations.transformers.probe import install_first_use_probe, verify
 from cpcompose.integrations.transformers.weights import (
     StoredTensor,

@@ -47,7 +47,7 @@ except ImportError as e:  # an optional dependency: say which extra brings it
     ) from e
 
 from cpcompose import _compat
-from cpcompose.attention.call.selected import attend_selected
+from cpcompose.attention.sparse.call import attend_selected
 from cpcompose.comm import CPGroup, rehearsing
 from cpcompose.integrations.transformers.implementation import ATTN_IMPLEMENTATION
 from cpcompose.integrations.transformers.indexer import INDEXED_FAMILIES

@@ -22,7 +22,7 @@ same holds on one process for a model built with attn_implementation="cpcompose"
 packed row (positions restarting at each document, as transformers detects packing).
 The indices are global positions (a document shorter than `index_topk` fills its lists
 with a position outside it, which the attention ignores), which
-`cpcompose.attention.call.selected` reads (and which GLM-5's "shared" layers reuse as they are).
+`cpcompose.attention.sparse.call` reads (and which GLM-5's "shared" layers reuse as they are).
 The indexer is not trained through the model's loss in transformers (its forward runs
 under no_grad, and no family computes an indexer loss), so there is no gradient to carry.
 
@@ -45,7 +45,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from cpcompose.agreement import Signature, agree_across_ranks
-from cpcompose.attention.strategies.selection import (
+from cpcompose.attention.sparse.selection import (
     DocumentRows,
     allowed_keys,
     document_rows,

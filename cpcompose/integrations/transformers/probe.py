@@ -1,7 +1,7 @@
 """The exactness probe for Hugging Face models: by class first, then measured, once per model.
 
 `verify(model, mesh)` refuses the module classes cpcompose knows it cannot make exact
-(`kernels.REFUSED`, no communication), then runs `cpcompose.verify` on a short random
+(`mixer_routes.REFUSED`, no communication), then runs `cpcompose.verify` on a short random
 sequence: transformers on one process against the same model under CP, module by module.
 Importing the integration also runs it automatically on a model's first forward inside
 a CP region (`CPOptions.verify`, default on; `context_parallel(..., verify=False)` skips
@@ -29,7 +29,7 @@ from cpcompose.agreement import agree_across_ranks
 from cpcompose.attention.call.options import CPOptions
 from cpcompose.comm import CPGroup
 from cpcompose.integrations.transformers.implementation import ATTN_IMPLEMENTATION
-from cpcompose.integrations.transformers.kernels import refused_in
+from cpcompose.integrations.transformers.mixer_routes import refused_in
 from cpcompose.parallel.dispatch import active_cp_region
 from cpcompose.parallel.verify import verify as verify_modules
 

@@ -43,7 +43,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from cpcompose.mixers.kernel_calls import needs_grad, tensor_fields, whole_pack_refusal
+from cpcompose.mixers.api_checks import needs_grad, tensor_fields, whole_pack_refusal
 from cpcompose.mixers.chunked import Correction, Stretch, cp_chunked_recurrence
 from cpcompose.mixers.region import Region
 

@@ -16,7 +16,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from cpcompose.mixers.decay import decay_since_start
-from cpcompose.mixers.kernel_calls import needs_grad, tensor_fields, whole_pack_refusal
+from cpcompose.mixers.api_checks import needs_grad, tensor_fields, whole_pack_refusal
 from cpcompose.mixers.chunked import Correction, Stretch, cp_chunked_recurrence, token_pieces
 from cpcompose.mixers.region import Region
 from cpcompose.precision import accumulation_dtype

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from cpcompose.mixers.kernel_calls import needs_grad, tensor_fields, whole_pack_refusal
+from cpcompose.mixers.api_checks import needs_grad, tensor_fields, whole_pack_refusal
 from cpcompose.mixers.chunked import Correction, cp_chunked_recurrence
 from cpcompose.mixers.region import Region
 

@@ -39,11 +39,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from cpcompose.agreement import agree_across_ranks, dtype_code
-from cpcompose.comm import CPGroup
-from cpcompose.mixers.kernel_calls import needs_grad, tensor_fields
+from cpcompose.comm import CPGroup, fetch_positions
+from cpcompose.mixers.api_checks import needs_grad, tensor_fields
 from cpcompose.layouts import Layout
 from cpcompose.mixers.chunked import cp_chunked_recurrence
-from cpcompose.mixers.halo import fetch_positions
 from cpcompose.mixers.states import tie
 from cpcompose.mixers.region import Region
 

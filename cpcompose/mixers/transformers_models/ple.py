@@ -23,10 +23,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from cpcompose.agreement import agree_across_ranks
-from cpcompose.comm import CPGroup
-from cpcompose.mixers.kernel_calls import tensor_fields
+from cpcompose.comm import CPGroup, fetch_positions
+from cpcompose.mixers.api_checks import tensor_fields
 from cpcompose.mixers.conv import cp_causal_conv1d, halo_positions
-from cpcompose.mixers.halo import fetch_positions
 from cpcompose.mixers.region import Region
 
 __all__ = ["cp_ngram_embedding", "cp_ple_short_conv"]

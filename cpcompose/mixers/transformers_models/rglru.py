@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from cpcompose.comm import CPGroup
-from cpcompose.mixers.kernel_calls import needs_grad, tensor_fields, whole_pack_refusal
+from cpcompose.mixers.api_checks import needs_grad, tensor_fields, whole_pack_refusal
 from cpcompose.layouts import PackedLayout
 from cpcompose.mixers.chunked import Correction, cp_chunked_recurrence
 from cpcompose.mixers.conv import cp_causal_conv1d

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from cpcompose.mixers.kernel_calls import needs_grad, tensor_fields, whole_pack_refusal
+from cpcompose.mixers.api_checks import needs_grad, tensor_fields, whole_pack_refusal
 from cpcompose.mixers.chunked import cp_chunked_recurrence
 from cpcompose.mixers.conv import cp_causal_conv1d
 from cpcompose.mixers.region import Region

@@ -35,6 +35,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.optim import Optimizer
 
+from cpcompose.comm import barrier, broadcast
 from cpcompose.training.errors import TrainingError
 
 __all__ = [
@@ -188,19 +189,19 @@ class CheckpointManager:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
-        dist.barrier()
+        barrier()
         model_state, optim_state = get_state_dict(model, optimizer)
         dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(tmp))
         if rank == 0:
             torch.save(trainer_state, tmp / TRAINER_STATE)
-        dist.barrier()  # every shard is on disk before the checkpoint counts
+        barrier()  # every shard is on disk before the checkpoint counts
         size = torch.zeros((), dtype=torch.float64)
         if rank == 0:
             size += write_manifest(tmp)
             shutil.rmtree(final, ignore_errors=True)
             tmp.rename(final)
             self._rotate(keep=final)
-        dist.broadcast(size, src=0)
+        broadcast(size, src=0)
         return SavedCheckpoint(final, int(size.item()), time.perf_counter() - start)
 
     def _rotate(self, keep: Path) -> None:

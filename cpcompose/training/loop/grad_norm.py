@@ -16,6 +16,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from cpcompose.comm import all_reduce
+
 __all__ = ["clip_grad_norm", "global_grad_norm"]
 
 
@@ -49,10 +51,10 @@ def global_grad_norm(parameters: Iterable[nn.Parameter], *, pp_group: dist.Proce
             squares += g.to_local().float().pow(2).sum() / copies
         for dim in range(mesh.ndim):
             if mesh.size(dim) > 1:
-                dist.all_reduce(squares, group=mesh.get_group(dim))
+                all_reduce(squares, mesh.get_group(dim))
         total += squares
     if pp_group is not None:
-        dist.all_reduce(total, group=pp_group)
+        all_reduce(total, pp_group)
     return total.sqrt()
 
 

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from cpcompose import _compat
-from cpcompose.comm import CommMeter
+from cpcompose.comm import CommMeter, all_gather_tensors, all_reduce, broadcast_object
 from cpcompose.config import ConfigError, JobConfig
 from cpcompose.data import IGNORE_INDEX, Batch, build_data_source
 from cpcompose.distributed import ParallelDims, build_pipeline_schedule, build_pipeline_stage, flat_mesh, fsdp_applied
@@ -162,7 +162,7 @@ class Trainer:
         """Valid labels in this step's global batch (each dp rank counts its full sequences)."""
         count = sum((b.labels != IGNORE_INDEX).sum() for b in batches).to(torch.float32).to(self.device)
         if dist.get_world_size(self.dp_group) > 1:
-            dist.all_reduce(count, group=self.dp_group)
+            all_reduce(count, self.dp_group)
         return count
 
     def _autocast(self) -> contextlib.AbstractContextManager:
@@ -224,9 +224,9 @@ class Trainer:
 
     def _global_loss(self, local: Tensor) -> float:
         """Sum the shares over dp x cp; with PP only the last stage has them, so sum over pp too."""
-        dist.all_reduce(local, group=self.loss_mesh.get_group())
+        all_reduce(local, self.loss_mesh.get_group())
         if self.dims.pp_enabled:
-            dist.all_reduce(local, group=self.mesh["pp"].get_group())
+            all_reduce(local, self.mesh["pp"].get_group())
         return local.item()
 
     # --- the run ---
@@ -265,7 +265,7 @@ class Trainer:
     def _stop_requested(self) -> int:
         """The signal any rank received, agreed on by all ranks so that they stop at the same step."""
         flag = torch.tensor([self.stop_signal], dtype=torch.int64, device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        all_reduce(flag, op="max")
         return int(flag.item())
 
     def _run(self) -> list[float]:
@@ -302,8 +302,7 @@ class Trainer:
             losses.append(loss)
             self.history.append((self.step, loss))
             peaks = torch.tensor([peak_memory_mib(self.device)], device=self.device)
-            everyone = [torch.zeros_like(peaks) for _ in range(dist.get_world_size())]
-            dist.all_gather(everyone, peaks)
+            everyone = all_gather_tensors(peaks)
             self.logger.log(
                 StepMetrics(
                     step=self.step, loss=loss, lr=self.step_lr, grad_norm=float(self.grad_norm),
@@ -370,9 +369,7 @@ class Trainer:
             except OSError as e:
                 decision = {"error": f"job.dump_folder {c.job.dump_folder}: cannot write there ({e})",
                             "resume": None, "notes": []}
-        box = [decision]
-        dist.broadcast_object_list(box, src=0)
-        decision = box[0]
+        decision = broadcast_object(decision, src=0)
         if decision["error"] is not None:
             if self.lock is not None:
                 self.lock.release()

@@ -167,12 +167,14 @@ def _measure(imports: list[str]) -> int:
     import torch
     import torch.distributed as dist
 
+    from cpcompose.comm import all_reduce
+
     for name in ("cpcompose.train", *imports):
         importlib.import_module(name)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        dist.all_reduce(torch.ones(1024))
+        all_reduce(torch.ones(1024))
         layers = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU(), torch.nn.Linear(256, 256))
         optimizer = torch.optim.AdamW(layers.parameters())
         q = torch.randn(1, 4, 256, 64, requires_grad=True)

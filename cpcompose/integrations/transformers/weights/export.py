@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from transformers import PretrainedConfig
 
+from cpcompose.comm import barrier
 from cpcompose.integrations.transformers.weights.index import INDEX_FILE
 from cpcompose.integrations.transformers.weights.plan import WeightPlan
 from cpcompose.integrations.transformers.weights.shards import expert_pieces
@@ -105,4 +106,4 @@ def _is_rank0() -> bool:
 def _barrier() -> None:
     """Wait for every rank (when there are several): what one rank wrote is there for all after it."""
     if dist.is_initialized():
-        dist.barrier()
+        barrier()

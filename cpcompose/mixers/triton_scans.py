@@ -1,4 +1,4 @@
-"""flash-linear-attention's and mamba-ssm's CUDA (Triton) kernels for the CP mixer APIs, where importable.
+"""flash-linear-attention's and mamba-ssm's Triton scans (CUDA) for the CP mixer APIs, found where importable.
 
 The CP versions take the kernel to run as their first argument
 (`cp_chunk_gated_delta_rule(kernel, region, ...)`, `cp_mamba2_chunk_scan(kernel, region, ...)`);

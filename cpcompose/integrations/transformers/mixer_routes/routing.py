@@ -11,7 +11,7 @@ from typing import Any
 
 from torch import nn
 
-from cpcompose.integrations.transformers.kernels.registry import (
+from cpcompose.integrations.transformers.mixer_routes.registry import (
     METHOD_ROUTES,
     MODELING_MODULES,
     ONE_PROCESS_FIXES,

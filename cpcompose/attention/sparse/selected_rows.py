@@ -1,11 +1,12 @@
-"""Moving only the K/V rows that queries selected: the request plan and its differentiable exchange.
+"""Moving only the K/V rows that queries selected: the request plan for comm's row fetch.
 
 Each rank lists the global rows its queries selected (and may read: causal, same
 document) that other ranks own, asks each owner for them (an all-to-all of row ids),
-and receives exactly those rows (an all-to-all of rows, uneven splits). In backward
-the rows' gradients go back the same way to their owners, which add them to their
-own rows' gradients. Every list is sorted by owner rank, then batch row, then global
-position, so all ranks build the same exchange whatever the order of their selections.
+and receives exactly those rows (`cpcompose.comm.fetch_rows`: an all-to-all of rows,
+uneven splits). In backward the rows' gradients go back the same way to their owners,
+which add them to their own rows' gradients. Every list is sorted by owner rank, then
+batch row, then global position, so all ranks build the same exchange whatever the
+order of their selections.
 
 A row is one token's K and V of every K/V head, side by side: `(Hk*dk + Hk*dv)` values.
 """
@@ -13,16 +14,14 @@ A row is one token's K and V of every K/V head, side by side: `(Hk*dk + Hk*dv)` 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
-from cpcompose.comm import CommMeter, CPGroup, all_gather
+from cpcompose.comm import CommMeter, CPGroup, FetchPlan, all_gather, all_to_all_pieces, plan_by_peer
 from cpcompose.layouts import Layout
 
-__all__ = ["RowPlan", "all_rows_plan", "fetch_rows", "owners", "selected_rows_plan"]
+__all__ = ["RowPlan", "all_rows_plan", "owners", "selected_rows_plan"]
 
 
 @dataclass(frozen=True)
@@ -44,6 +43,11 @@ class RowPlan:
 
     def serve_counts(self) -> list[int]:
         return [row[self.rank] for row in self.counts]
+
+    def route(self) -> FetchPlan:
+        """The exchange for `cpcompose.comm.fetch_rows` over this rank's `(B * S_local, width)` rows (dim 0)."""
+        moves = any(c for r, row in enumerate(self.counts) for s, c in enumerate(row) if r != s)
+        return plan_by_peer(self.served.split(self.serve_counts()), self.fetch_counts(), moves=moves, row_dim=0)
 
 
 def owners(layout: Layout, seq_len: int, device: torch.device) -> tuple[Tensor, Tensor]:
@@ -68,12 +72,9 @@ def _plan(wanted: Tensor, layout: Layout, seq_len: int, local_len: int, cp: CPGr
     wanted, by_owner = wanted[order], by_owner[order]
     mine = torch.bincount(by_owner, minlength=cp.world)
     counts = tuple(tuple(int(c) for c in row) for row in all_gather(mine, cp, meter).tolist())
-    send_splits = list(counts[cp.rank])
-    recv_splits = [row[cp.rank] for row in counts]
-    requests = wanted.new_empty(sum(recv_splits))
-    dist.all_to_all_single(requests, wanted.contiguous(), recv_splits, send_splits, group=cp.group)
-    if meter is not None:
-        meter.add("all_to_all", wanted.numel() * wanted.element_size())
+    asks = [[part] for part in wanted.split(list(counts[cp.rank]))]  # to each owner, the ids wanted from it
+    arrived = all_to_all_pieces(asks, [[torch.Size((row[cp.rank],))] for row in counts], cp, meter)
+    requests = torch.cat([pieces[0] for pieces in arrived])  # requester-major
     served = (requests // seq_len) * local_len + local[requests % seq_len]
     return RowPlan(counts, wanted, served, cp.rank)
 
@@ -103,32 +104,3 @@ def all_rows_plan(batch: int, layout: Layout, seq_len: int, cp: CPGroup, device:
     counts = tuple(tuple(0 if r == s else batch * local_len for s in range(cp.world)) for r in range(cp.world))
     served = torch.arange(batch * local_len, device=device).repeat(cp.world - 1)
     return RowPlan(counts, torch.cat(rows), served, cp.rank)
-
-
-class _FetchRows(torch.autograd.Function):
-    """The planned rows forward; their gradients back to the owners (added to the owners' rows)."""
-
-    @staticmethod
-    def forward(ctx: Any, rows: Tensor, plan: RowPlan, cp: CPGroup, meter: CommMeter | None) -> Tensor:
-        ctx.plan, ctx.cp, ctx.meter, ctx.shape = plan, cp, meter, rows.shape
-        send = rows.index_select(0, plan.served.to(rows.device))
-        out = rows.new_empty(len(plan.fetched), rows.shape[1])
-        dist.all_to_all_single(out, send.contiguous(), plan.fetch_counts(), plan.serve_counts(), group=cp.group)
-        if meter is not None:
-            meter.add("all_to_all", send.numel() * send.element_size())
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
-        plan, cp = ctx.plan, ctx.cp
-        back = grad.new_empty(len(plan.served), grad.shape[1])
-        dist.all_to_all_single(back, grad.contiguous(), plan.serve_counts(), plan.fetch_counts(), group=cp.group)
-        if ctx.meter is not None:
-            ctx.meter.add("all_to_all", grad.numel() * grad.element_size())
-        full = grad.new_zeros(ctx.shape)
-        return full.index_add_(0, plan.served.to(grad.device), back), None, None, None
-
-
-def fetch_rows(rows: Tensor, plan: RowPlan, cp: CPGroup, meter: CommMeter | None = None) -> Tensor:
-    """`rows` `(B * S_local, width)`, this rank's; returns the planned rows `(len(plan.fetched), width)`."""
-    return _FetchRows.apply(rows, plan, cp, meter)

@@ -1,7 +1,7 @@
 """Bytes of indexer-selected attention under CP: fetching the selected rows, or gathering them all.
 
 The one owner of these volumes (the strategy's choice and `scripts/bench_sparse.py`
-read them from here); each count mirrors `cpcompose.attention.strategies.selected_rows`:
+read them from here); each count mirrors `cpcompose.attention.sparse.selected_rows`:
 
 * selected rows: forward, each rank shares its count of rows wanted from each rank
   (an all-gather of `P` int64), sends its row requests (int64 ids) to their owners

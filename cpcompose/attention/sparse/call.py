@@ -7,7 +7,7 @@ selected from their owners (`selected_rows`), attends locally over those rows wi
 each query's own mask (selected, causal, same document), and autograd sends the rows'
 gradients back. Where the selections cover most of the sequence, fetching every row
 (the all-gather's traffic) sends fewer bytes (no row ids): the choice is made from the
-exact count table every rank holds (`cost.selected.choose`), so all ranks agree.
+exact count table every rank holds (`sparse.cost.choose`), so all ranks agree.
 
 Every rank checks the call and agrees with the others (`agree_across_ranks`) before
 any row moves, so a bad input raises the same ValueError everywhere.
@@ -22,11 +22,11 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
 from cpcompose.agreement import Signature, agree_across_ranks
-from cpcompose.attention.cost.selected import ALLGATHER, SELECTED, choose
 from cpcompose.attention.call.options import CPOptions
-from cpcompose.attention.strategies.selected_rows import RowPlan, all_rows_plan, fetch_rows, selected_rows_plan
-from cpcompose.attention.strategies.selection import allowed_keys
-from cpcompose.comm import CPGroup
+from cpcompose.attention.sparse.cost import ALLGATHER, SELECTED, choose
+from cpcompose.attention.sparse.selected_rows import RowPlan, all_rows_plan, selected_rows_plan
+from cpcompose.attention.sparse.selection import allowed_keys
+from cpcompose.comm import CPGroup, fetch_rows
 from cpcompose.layouts import Layout, resolve_layout
 from cpcompose.precision import accumulation_dtype
 
@@ -84,7 +84,7 @@ def attend_selected(
     heads_kv, dk = k.shape[1], k.shape[3]
     local = torch.cat([k.transpose(1, 2).reshape(-1, heads_kv * dk),
                        v.transpose(1, 2).reshape(-1, heads_kv * v.shape[3])], dim=1)
-    fetched = fetch_rows(local, plan, cp, options.meter)
+    fetched = fetch_rows(local, plan.route(), cp, options.meter)
     positions = layout.local_indices(cp.rank, seq_len, q.device)
     outs = [
         _attend_row(q[b], local.view(q.shape[0], q.shape[2], -1)[b], positions, fetched, plan, b, seq_len,

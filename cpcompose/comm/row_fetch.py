@@ -1,42 +1,55 @@
-"""Fetching rows of the global sequence from whichever ranks hold them, differentiably.
+"""Fetching rows from the ranks that own them, differentiably: the one row fetch cpcompose has.
 
-A mixer that reads a few positions outside a rank's runs (a causal conv's last
-width-1 tokens before each run) asks for them by global position. Every rank's
-request is computed from the layout, identically on every rank, so each rank
-knows what to send to whom without a metadata exchange: one all-to-all with
-uneven (often zero) splits moves the rows, positions a rank holds itself are
-copied locally, and the backward sends each row's gradient back to its owner,
-which adds it there.
+A causal conv reads the width-1 positions before each of a rank's runs (its halo);
+indexer-selected attention reads the K/V rows its queries selected. Both fetch rows
+of the global sequence from their owners, and both send each row's gradient back
+to its owner, which adds it to its own rows' gradient (`index_add`).
+
+A `FetchPlan` says which local rows this rank sends each peer and where the rows it
+receives land. It comes from every rank's request when every rank can compute them
+all from the layout (`plan_fetch`: the conv's halo; no metadata exchange), or from
+the rows each peer asked for, after the caller exchanged the requests
+(`plan_by_peer`: the selected rows). One all-to-all with uneven (often zero) splits
+moves the rows (`start_all_to_all_pieces`: its meter, its bounded wait); rows a rank
+holds itself are copied locally; the backward is the same exchange reversed, posted
+by every rank in the same order.
 """
 
 from __future__ import annotations
 
 import bisect
+import itertools
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
 from torch import Tensor
 
-from cpcompose.comm import CommMeter, CPGroup, start_all_to_all_pieces
+from cpcompose.comm.collectives import start_all_to_all_pieces
+from cpcompose.comm.group import CPGroup
+from cpcompose.comm.meter import CommMeter
 from cpcompose.layouts import Layout
 
 __all__ = [
-    "FetchPlan", "PostedFetch", "assemble_rows", "fetch_positions", "plan_fetch", "post_fetch", "post_gradients_home",
-    "send_gradients_home",
+    "FetchPlan", "PostedFetch", "assemble_rows", "fetch_positions", "fetch_rows", "plan_by_peer", "plan_fetch",
+    "post_fetch", "post_gradients_home", "send_gradients_home",
 ]
 
 
 @dataclass(frozen=True)
 class FetchPlan:
-    """Which local rows this rank sends to each peer, and where the rows it receives land."""
+    """Which local rows this rank sends to each peer, and where the rows it receives land.
+
+    A row is a slice of `x` along `row_dim` (1 for `(batch, seq_local, ...)`; 0 for a flat `(rows, width)`).
+    """
 
     send_rows: tuple[Tensor, ...]  # per peer: local rows to send it, in the order it asked (empty for self)
     recv_slots: tuple[Tensor, ...]  # per peer: output slots of the rows it sends here (empty for self)
     local_rows: Tensor  # rows of asked positions this rank holds itself ...
     local_slots: Tensor  # ... and their output slots
-    count: int  # positions this rank asked for
+    count: int  # rows this rank asked for
     moves: bool  # whether any rank sends to another (the same answer on every rank)
+    row_dim: int = 1
 
 
 def plan_fetch(
@@ -74,14 +87,32 @@ def plan_fetch(
     )
 
 
+def plan_by_peer(send_rows: Sequence[Tensor], recv_counts: Sequence[int], *, moves: bool, row_dim: int) -> FetchPlan:
+    """The plan when the caller knows what each peer asked for: `send_rows[d]`, the local rows rank d asked for
+    (in its order); `recv_counts[s]`, how many rows rank s sends here. They land side by side, in rank order.
+
+    `moves` must be the same on every rank (from a table every rank holds): when it is False no exchange runs.
+    """
+    device = send_rows[0].device
+    ends = [0, *itertools.accumulate(recv_counts)]
+    slots = tuple(torch.arange(a, b, device=device) for a, b in zip(ends, ends[1:]))
+    none = torch.empty(0, dtype=torch.long, device=device)
+    return FetchPlan(tuple(send_rows), slots, none, none, ends[-1], moves, row_dim)
+
+
+def _rows_of(x: Tensor, rows: Tensor, dim: int) -> Tensor:
+    """`x`'s rows `rows` along `dim`, by indexing (which copies only them, where `index_select` on a strided
+    dim copies the whole shard first)."""
+    return x[(slice(None),) * dim + (rows,)]
+
+
 def _start_exchange(
-    src: Tensor, take: Sequence[Tensor], give: Sequence[Tensor], rest: torch.Size, cp: CPGroup,
-    meter: CommMeter | None,
+    src: Tensor, take: Sequence[Tensor], give: Sequence[Tensor], dim: int, cp: CPGroup, meter: CommMeter | None,
 ) -> Callable[[], list[Tensor]]:
-    """Post sending `src[:, take[d]]` to each rank d; `wait()` gives, from each rank s, as many rows as `give[s]`."""
-    batch = src.shape[0]
-    send = [[src[:, rows]] for rows in take]  # indexing, not index_select: see `_Arrived`
-    shapes = [[torch.Size((batch, len(where), *rest))] for where in give]
+    """Post sending `src`'s rows `take[d]` to each rank d; `wait()` gives, from each rank s, as many rows as
+    `give[s]` (shaped as `src` but for `dim`)."""
+    send = [[_rows_of(src, rows, dim)] for rows in take]
+    shapes = [[torch.Size((*src.shape[:dim], len(where), *src.shape[dim + 1:]))] for where in give]
     wait = start_all_to_all_pieces(send, shapes, cp, meter)
     return lambda: [pieces[0] for pieces in wait()]
 
@@ -90,41 +121,42 @@ class _Arrived(torch.autograd.Function):
     """The fetched rows (this rank's own copied, the others' already received) in `x`'s graph; the backward
     sends each row's gradient back to its owner, which adds it there.
 
-    `x` is often a transposed view (a conv's channels-first input seen as `(batch, seq, channels)`): its rows
-    are read by indexing, which copies only them, where `index_select` on a strided dim copies the whole
-    shard first; and its gradient is laid out as `x` is, so adding it to the conv's needs no transpose.
+    `x` is often a transposed view (a conv's channels-first input seen as `(batch, seq, channels)`): its
+    gradient is laid out as `x` is, so adding it to the conv's needs no transpose. Only `x`'s layout is kept
+    for the backward (a meta tensor), not `x`.
     """
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, plan: FetchPlan, cp: CPGroup, meter: CommMeter | None,
                 *received: Tensor) -> Tensor:
         ctx.plan, ctx.cp, ctx.meter = plan, cp, meter
-        ctx.save_for_backward(x)  # for its shape and memory layout only
+        ctx.layout_of_x, ctx.device = torch.empty_like(x, device="meta"), x.device
         return assemble_rows(x, plan, list(received))
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        plan, (x,) = ctx.plan, ctx.saved_tensors
-        grad_x = torch.zeros_like(x, dtype=grad.dtype)
+        plan = ctx.plan
+        grad_x = torch.zeros_like(ctx.layout_of_x, dtype=grad.dtype, device=ctx.device)
         send_gradients_home(grad, plan, grad_x, ctx.cp, ctx.meter)
         return (grad_x, None, None, None, *([None] * len(plan.recv_slots) if plan.moves else []))
 
 
 def assemble_rows(x: Tensor, plan: FetchPlan, received: list[Tensor]) -> Tensor:
-    """The asked rows in order, `(batch, plan.count, ...)`: this rank's own copied from `x`, the others' as received
-    (outside autograd: `PostedFetch.rows` puts them in `x`'s graph, a caller with its own backward uses
-    `send_gradients_home`)."""
-    out = x.new_zeros((x.shape[0], plan.count, *x.shape[2:]))
-    out.index_copy_(1, plan.local_slots, x[:, plan.local_rows])
+    """The asked rows in order (`x`'s shape with `plan.count` rows): this rank's own copied from `x`, the others'
+    as received (outside autograd: `PostedFetch.rows` puts them in `x`'s graph, a caller with its own backward
+    uses `send_gradients_home`)."""
+    dim = plan.row_dim
+    out = x.new_zeros((*x.shape[:dim], plan.count, *x.shape[dim + 1:]))
+    out.index_copy_(dim, plan.local_slots, _rows_of(x, plan.local_rows, dim))
     for where, rows in zip(plan.recv_slots, received):
-        out.index_copy_(1, where, rows)
+        out.index_copy_(dim, where, rows)
     return out
 
 
 def send_gradients_home(grad: Tensor, plan: FetchPlan, grad_x: Tensor, cp: CPGroup, meter: CommMeter | None) -> None:
-    """The fetch's backward: adds the gradient of each asked row (`grad`, `(batch, plan.count, ...)`) to its owner's
-    `grad_x` (`x`'s shape; this rank's rows here, the others' after the forward's exchange reversed). A collective
-    when the fetch moved rows: every rank calls it."""
+    """The fetch's backward: adds the gradient of each asked row (`grad`, shaped as the fetched rows) to its
+    owner's `grad_x` (`x`'s shape; this rank's rows here, the others' after the forward's exchange reversed).
+    A collective when the fetch moved rows: every rank calls it."""
     post_gradients_home(grad, plan, cp, meter)(grad_x)
 
 
@@ -132,14 +164,20 @@ def post_gradients_home(
     grad: Tensor, plan: FetchPlan, cp: CPGroup, meter: CommMeter | None
 ) -> Callable[[Tensor], None]:
     """`send_gradients_home` posted: the exchange starts now, the returned `add(grad_x)` waits for it and adds, so
-    a backward computes the rest of `x`'s gradient while the fetched rows' gradients travel."""
-    returned = (_start_exchange(grad, plan.recv_slots, plan.send_rows, grad.shape[2:], cp, meter)
+    a backward computes the rest of `x`'s gradient while the fetched rows' gradients travel.
+
+    The addition is one `index_add_` over this rank's own rows then each peer's, in rank order: a row several
+    ranks fetched gets its gradients summed in one call, in the same order on every run.
+    """
+    dim = plan.row_dim
+    returned = (_start_exchange(grad, plan.recv_slots, plan.send_rows, dim, cp, meter)
                 if plan.moves else None)  # the forward's exchange reversed: each row's gradient goes home
 
     def add(grad_x: Tensor) -> None:
-        grad_x.index_add_(1, plan.local_rows, grad.index_select(1, plan.local_slots))
-        for rows, g in zip(plan.send_rows, returned() if returned is not None else []):
-            grad_x.index_add_(1, rows, g)
+        arrived = returned() if returned is not None else []
+        rows = [plan.local_rows, *(plan.send_rows if returned is not None else ())]
+        grads = [grad.index_select(dim, plan.local_slots), *arrived]
+        grad_x.index_add_(dim, torch.cat(rows), torch.cat(grads, dim))
 
     return add
 
@@ -149,7 +187,7 @@ class PostedFetch:
 
     def __init__(self, x: Tensor, plan: FetchPlan, cp: CPGroup, meter: CommMeter | None) -> None:
         self.x, self.plan, self.cp, self.meter = x, plan, cp, meter
-        self.wait = (_start_exchange(x.detach(), plan.send_rows, plan.recv_slots, x.shape[2:], cp, meter)
+        self.wait = (_start_exchange(x.detach(), plan.send_rows, plan.recv_slots, plan.row_dim, cp, meter)
                      if plan.moves else None)
 
     def received(self) -> list[Tensor]:
@@ -158,6 +196,11 @@ class PostedFetch:
 
     def rows(self) -> Tensor:
         return _Arrived.apply(self.x, self.plan, self.cp, self.meter, *self.received())  # type: ignore[no-any-return]
+
+
+def fetch_rows(x: Tensor, plan: FetchPlan, cp: CPGroup, meter: CommMeter | None = None) -> Tensor:
+    """The rows `plan` names, differentiable w.r.t. `x` on every rank; a collective when `plan.moves`."""
+    return PostedFetch(x, plan, cp, meter).rows()
 
 
 def post_fetch(

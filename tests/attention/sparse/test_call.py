@@ -14,9 +14,9 @@ import torch
 import torch.distributed as dist
 
 from cpcompose import CommMeter, cp_shard, cp_unshard
-from cpcompose.attention.cost.selected import allgather_sent, selected_sent
-from cpcompose.attention.call.selected import attend_selected
-from cpcompose.attention.strategies.selected_rows import selected_rows_plan
+from cpcompose.attention.sparse.cost import allgather_sent, selected_sent
+from cpcompose.attention.sparse.call import attend_selected
+from cpcompose.attention.sparse.selected_rows import selected_rows_plan
 from cpcompose.comm import CPGroup
 from cpcompose.layouts import PackedLayout, resolve_layout
 
@@ -100,7 +100,7 @@ def cp_run(mesh, rows: str, docs: tuple[int, ...] | None, local_pattern: bool = 
 
 
 def _readable(indices: torch.Tensor, layout: object, cp: CPGroup) -> torch.Tensor:
-    from cpcompose.attention.strategies.selection import allowed_keys
+    from cpcompose.attention.sparse.selection import allowed_keys
 
     allowed = allowed_keys(resolve_layout(layout, cp.world), cp.rank, SEQ, is_causal=True, device=indices.device)
     ok = allowed.unsqueeze(0).expand(B, -1, -1).gather(2, indices)

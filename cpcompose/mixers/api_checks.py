@@ -1,4 +1,8 @@
-"""What every CP kernel shares: whether a backward will run, what it refuses, its signature fields."""
+"""What every CP version of a kernel API checks: whether a backward will run, what it refuses, its signature fields.
+
+The versions live by API (`mamba_ssm/`, `fla/`, `transformers_models/`); what every mixer entry point shares
+(validation and the cross-rank agreement) is in `_checks.py`.
+"""
 
 from __future__ import annotations
 

@@ -13,8 +13,8 @@ from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
 
-from cpcompose.integrations.transformers.kernels.fused import local_only
-from cpcompose.integrations.transformers.kernels.refused import REFUSED
+from cpcompose.integrations.transformers.mixer_routes.fused import local_only
+from cpcompose.integrations.transformers.mixer_routes.refused import REFUSED
 from cpcompose.mixers.causal_conv1d import cp_causal_conv1d_fn
 from cpcompose.mixers.fla import cp_chunk_gated_delta_rule, cp_chunk_kimi_delta_attention
 from cpcompose.mixers.mamba_ssm import cp_mamba2_chunk_scan, cp_mamba_selective_scan

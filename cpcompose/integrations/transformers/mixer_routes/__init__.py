@@ -34,8 +34,13 @@ a relative position bias, a mixer with no CP version) are refused by class insid
 mixes tokens outside attention is what `cpcompose.parallel.verify` finds.
 """
 
-from cpcompose.integrations.transformers.kernels.registry import METHOD_ROUTES, MODELING_MODULES, REFUSED, ROUTES
-from cpcompose.integrations.transformers.kernels.routing import install, refused_in, routed_functions, routed_methods
+from cpcompose.integrations.transformers.mixer_routes.registry import METHOD_ROUTES, MODELING_MODULES, REFUSED, ROUTES
+from cpcompose.integrations.transformers.mixer_routes.routing import (
+    install,
+    refused_in,
+    routed_functions,
+    routed_methods,
+)
 
 __all__ = [
     "METHOD_ROUTES", "MODELING_MODULES", "REFUSED", "ROUTES",

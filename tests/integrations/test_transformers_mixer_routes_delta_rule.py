@@ -162,7 +162,7 @@ def test_bad_input_on_one_rank_raises_on_every_rank(pools) -> None:
 
 
 def test_kernels_are_routed_in_every_delta_rule_family() -> None:
-    from cpcompose.integrations.transformers.kernels import install, routed_functions
+    from cpcompose.integrations.transformers.mixer_routes import install, routed_functions
 
     install()
     routed = routed_functions()
