@@ -178,8 +178,9 @@ class Parallelism:
     """A registered layout (zigzag, contiguous): zigzag gives rank r chunks r and 2cp-1-r so causal
     work is balanced; contiguous gives chunk r. Packed documents (data.pack) are split per batch."""
     cp_calibration: str | None = None
-    """cp_strategy = "auto" only: a JSON of machine constants written by scripts/calibrate_cost_model.py
-    (unset: the shipped defaults for the device type; see docs/strategy_choice.md)."""
+    """cp_strategy = "auto" only: a JSON of machine constants written by
+    `python -m cpcompose.attention.cost.calibrate` (unset: the shipped defaults for the device type; see
+    docs/strategy_choice.md)."""
     cp_verify: bool = True
     """Run the exactness probe at start (two forwards of a copy of the model at 16 tokens per CP rank, before
     FSDP): every module's output under CP must equal the single-process one, or the run stops naming the first
@@ -195,7 +196,8 @@ class Parallelism:
                 f"must be >= 1 or -1, got {self.dp_shard}")
         if self.cp_calibration is not None:
             require(Path(self.cp_calibration).is_file(), "parallelism.cp_calibration",
-                    f"{self.cp_calibration!r} is not a file; write one with scripts/calibrate_cost_model.py")
+                    f"{self.cp_calibration!r} is not a file; write one with "
+                    "python -m cpcompose.attention.cost.calibrate")
         try:
             options = self.cp_options()
         except (ValueError, OSError) as e:  # the calibration file cannot be read as one

@@ -1,5 +1,11 @@
 """Measure the cost model's machine constants here and write them as a `Calibration` JSON.
 
+    python -m cpcompose.attention.cost.calibrate [--out bench_results/calibration.json] [--repeats 7]
+
+Installed as the `cpcompose-calibrate` command too; `parallelism.cp_calibration` (or `cp_attention`'s
+`calibration=Calibration.load(path)`) reads the JSON. The one module of the cost model that runs processes:
+the rest is arithmetic on what it measured.
+
 What it measures (one thread per process; the fastest of repeats in one process, the
 median of repeats (max over ranks) in a group; take /work/BENCH_LOCK
 and keep the machine quiet):
@@ -24,7 +30,6 @@ The JSON says `executor="cpu_gloo"`: what was measured is PyTorch's CPU kernel o
 gloo, so the model costs causal blocks as the row tiles cpcompose runs there and the
 gradients' reduce-scatter as gloo's all-to-all and local sum.
 
-Usage: `python scripts/calibrate_cost_model.py [--out bench_results/calibration.json]`.
 The printed table and the JSON are what `cpcompose.attention.cost.CPU_DEFAULT` ships.
 """
 
@@ -45,14 +50,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as tmp
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+from cpcompose.attention.cost.calibration import INTER, INTRA, Calibration, Link
 from cpcompose.attention.local.blocks import BlockTask
 from cpcompose.attention.local.execute import backward_blocks, forward_blocks
 from cpcompose.attention.local.kernels import KernelArgs
 from cpcompose.attention.local.kernels import attention_backward, attention_forward
 from cpcompose.attention.local.merge import SoftmaxAccumulator
-from cpcompose.attention.cost import INTER, INTRA, Calibration, Link
+
+__all__ = ["calibrate", "main"]
 
 H, HKV, D = 8, 2, 64
 BLOCKS = (32, 128, 256, 512, 1024, 2048, 4096)
@@ -209,6 +214,14 @@ def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
 
 
 def calibrate(repeats: int) -> tuple[Calibration, dict[str, Any]]:
+    """Measure this machine (module docstring): spawns gloo groups of 2 and 4 processes; minutes.
+
+    Args:
+        repeats: runs of each measurement (the fastest, or in a group the median, is kept).
+
+    Returns:
+        The constants, and the raw measurements they were fitted from (`local`, `groups` by P).
+    """
     local = measure_local(repeats)
     groups = {p: measure_group(p, repeats) for p in (2, 4)}
     cores = os.cpu_count() or 1
@@ -241,11 +254,16 @@ def calibrate(repeats: int) -> tuple[Calibration, dict[str, Any]]:
     return cal, {"local": local, "groups": groups}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
+    """The `cpcompose-calibrate` command and `python -m cpcompose.attention.cost.calibrate`; returns 0.
+
+    Args:
+        argv: `--out PATH` and `--repeats N` (default: this process's arguments).
+    """
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=Path("bench_results/calibration.json"))
     p.add_argument("--repeats", type=int, default=7)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     cal, raw = calibrate(args.repeats)
     print("| block | fwd+bwd (ms) | GFLOP/s |\n|---:|---:|---:|")
     for n, t in raw["local"]["block_times"].items():
@@ -254,7 +272,8 @@ def main() -> None:
     print("\n| P | bytes/peer | p2p exchange (ms) | all_to_all (ms) | all_gather (ms) |\n|---:|---:|---:|---:|---:|")
     for world, g in raw["groups"].items():
         for n in P2P_SIZES:
-            print(f"| {world} | {n} | {g[f'p2p_{n}'] * 1e3:.3f} | {g[f'a2a_{n}'] * 1e3:.3f} | {g[f'ag_{n}'] * 1e3:.3f} |")
+            print(f"| {world} | {n} | {g[f'p2p_{n}'] * 1e3:.3f} | {g[f'a2a_{n}'] * 1e3:.3f} | "
+                  f"{g[f'ag_{n}'] * 1e3:.3f} |")
     link = cal.link(INTRA)
     print(f"\nkernel call {cal.kernel_call_s * 1e6:.1f} us, merge {cal.merge_s_per_elem * 1e9:.2f} ns/elem, "
           f"copy {cal.copy_bandwidth / 1e9:.2f} GB/s, "
@@ -265,7 +284,8 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     cal.save(args.out)
     print(f"fingerprint {cal.fingerprint()}; wrote {args.out}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
