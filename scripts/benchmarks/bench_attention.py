@@ -106,16 +106,14 @@ import torch.multiprocessing as tmp
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
-
-from cpcompose import CommMeter, cp_attention, cp_shard  # noqa: E402
-from cpcompose.attention import STRATEGIES  # noqa: E402
-from cpcompose.attention.local.heads import query_head_ranges  # noqa: E402
-from cpcompose.attention.local.blocks import BlockTask, MaskSpec, plan  # noqa: E402
-from cpcompose.data import long_tailed_lengths  # noqa: E402
-from cpcompose.layouts import LAYOUTS, Layout, PackedLayout, resolve_layout  # noqa: E402
-from cpcompose.sharding.packed import pad_pack  # noqa: E402
-from cpcompose.attention.cost import AttentionCall, bytes_sent  # noqa: E402
+from cpcompose import CommMeter, cp_attention, cp_shard
+from cpcompose.attention import STRATEGIES
+from cpcompose.attention.local.heads import query_head_ranges
+from cpcompose.attention.local.blocks import BlockTask, MaskSpec, plan
+from cpcompose.data import long_tailed_lengths
+from cpcompose.layouts import LAYOUTS, Layout, PackedLayout, resolve_layout
+from cpcompose.sharding.packed import pad_pack
+from cpcompose.attention.cost import AttentionCall, bytes_sent
 
 B, H, HKV, D = 1, 8, 2, 64
 DTYPE = torch.float32

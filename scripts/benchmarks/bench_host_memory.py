@@ -21,7 +21,7 @@ Cases:
 The settings take turns within each repeat, so a machine that slows down slows each alike.
 
     git worktree add /tmp/cpcompose-before <previous commit>
-    python scripts/bench_host_memory.py --before /tmp/cpcompose-before --repeats 3 --out docs/bench/host_memory.json
+    python scripts/benchmarks/bench_host_memory.py --before /tmp/cpcompose-before --repeats 3 --out docs/bench/host_memory.json
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 HEAP = {"MALLOC_MMAP_THRESHOLD_": "4294967296", "MALLOC_TRIM_THRESHOLD_": "4294967296"}
 CASES = {
     "parameters": ["--config", "train_configs/debug_cpu.toml", "--model.dim=1024", "--model.n_layers=2",

@@ -19,8 +19,8 @@ given sizes, written once into ``--work``. The tokenizer is the tiny model's byt
    ranks (read from /proc every 20 ms while they run), and the launcher's own (which builds the store, before
    the ranks start).
 
-    python scripts/bench_data.py --work /tmp/bench-data --sizes-mib 1 64 --repeats 3 --out docs/bench/data.json
-    python scripts/bench_data.py --work /tmp/bench-data --sizes-mib 0.25 --skip-in-memory   # a quick check
+    python scripts/benchmarks/bench_data.py --work /tmp/bench-data --sizes-mib 1 64 --repeats 3 --out docs/bench/data.json
+    python scripts/benchmarks/bench_data.py --work /tmp/bench-data --sizes-mib 0.25 --skip-in-memory   # a quick check
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 WORDS = ("the of and to in is was for on that with as by at from his her it an were are which this be or has "
          "context parallel attention ranks keys values sequence model training long document corpus token store "
          "memory mapped shuffle epoch window packing mixture weight river mountain history science language").split()

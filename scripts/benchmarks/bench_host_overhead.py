@@ -32,7 +32,6 @@ import json
 import os
 import platform
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -41,8 +40,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cpcompose.attention.call import orchestrate as checks
 from cpcompose.attention.local.call_setup import AttentionSetup

@@ -11,7 +11,7 @@ more columns of K (and of Q for all-to-all), so bytes grow by 8/D of K (and Q), 
 kernels' score products by 8/D. Bytes: what one rank sends per forward+backward
 (`CommMeter`, max over ranks).
 
-    python scripts/bench_key_padding.py --world 2 --seq-lens 4096 8192 --strategies ring allgather alltoall
+    python scripts/benchmarks/bench_key_padding.py --world 2 --seq-lens 4096 8192 --strategies ring allgather alltoall
 """
 
 from __future__ import annotations

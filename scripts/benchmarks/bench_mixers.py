@@ -75,16 +75,14 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.utils.flop_counter import FlopCounterMode
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+import transformers  # noqa: F401
+from transformers.models.mamba2 import modeling_mamba2
+from transformers.models.qwen3_next import modeling_qwen3_next
 
-import transformers  # noqa: E402,F401
-from transformers.models.mamba2 import modeling_mamba2  # noqa: E402
-from transformers.models.qwen3_next import modeling_qwen3_next  # noqa: E402
-
-from cpcompose.comm import CPGroup, all_gather, start_all_gather  # noqa: E402
-from cpcompose.mixers.cuda_kernels import fla_chunk_gated_delta_rule, mamba_chunk_scan_combined  # noqa: E402
-from cpcompose.mixers.fla import cp_chunk_gated_delta_rule  # noqa: E402
-from cpcompose.mixers.mamba_ssm import cp_mamba2_chunk_scan  # noqa: E402
+from cpcompose.comm import CPGroup, all_gather, start_all_gather
+from cpcompose.mixers.cuda_kernels import fla_chunk_gated_delta_rule, mamba_chunk_scan_combined
+from cpcompose.mixers.fla import cp_chunk_gated_delta_rule
+from cpcompose.mixers.mamba_ssm import cp_mamba2_chunk_scan
 
 SCAN_WORK: dict[str, float] = {"tokens": 0.0, "weighted": 0.0}
 """What the scan kernels processed since the last reset (the script's one counter: the routes capture

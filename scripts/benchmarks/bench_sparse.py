@@ -6,8 +6,8 @@ that other ranks own (a synthetic selection, see PATTERNS) give the count table,
 forward and backward (the same functions the strategy's `auto` choice uses). The
 all-gather moves every row another rank owns, forward and back.
 
-    python scripts/bench_sparse.py                          # the table: L 8k-32k, top-k 64-2048, P 2 and 4
-    python scripts/bench_sparse.py --time --lengths 8192 --topks 256 2048 --worlds 2 4   # also time (gloo)
+    python scripts/benchmarks/bench_sparse.py                          # the table: L 8k-32k, top-k 64-2048, P 2 and 4
+    python scripts/benchmarks/bench_sparse.py --time --lengths 8192 --topks 256 2048 --worlds 2 4   # also time (gloo)
 
 PATTERNS (which keys each query at global position p selects, k of them, causal):
   window  the k keys up to p (a local window: what trained DSA indexers pick most)

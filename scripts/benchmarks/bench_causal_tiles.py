@@ -18,19 +18,16 @@ import argparse
 import datetime
 import json
 import platform
-import sys
 import time
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
-
-from cpcompose.attention.local.blocks import BlockTask  # noqa: E402
-from cpcompose.attention.local.cpu_tiles import tile_causal, tile_rows  # noqa: E402
-from cpcompose.attention.local.kernels import attention_backward, attention_forward  # noqa: E402
-from cpcompose.attention.local.merge import SoftmaxAccumulator  # noqa: E402
+from cpcompose.attention.local.blocks import BlockTask
+from cpcompose.attention.local.cpu_tiles import tile_causal, tile_rows
+from cpcompose.attention.local.kernels import attention_backward, attention_forward
+from cpcompose.attention.local.merge import SoftmaxAccumulator
 
 H, HKV, D = 8, 2, 64
 TILES = (32, 64, 128, 256)

@@ -38,8 +38,6 @@ import torch.distributed as dist
 import torch.multiprocessing as tmp
 from torch.distributed.device_mesh import init_device_mesh
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from cpcompose import CommMeter, cp_attention, cp_shard
 from cpcompose.attention import STRATEGIES
 from cpcompose.attention.local.blocks import MaskSpec

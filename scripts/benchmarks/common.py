@@ -1,4 +1,4 @@
-"""One measured training run on fresh rank processes: what `scripts/bench_memory.py` repeats.
+"""One measured training run on fresh rank processes: what `scripts/benchmarks/bench_memory.py` repeats.
 
 `run_trial` starts P ranks, each a fresh Python process running this file with `--_rank`
 (so nothing of the benchmark's own memory is counted), that joins a gloo group, builds the
@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "train_configs" / "debug_cpu.toml"
 
 
@@ -225,5 +225,4 @@ if __name__ == "__main__":  # a rank started by run_trial
     w.add_argument("--_out")
     a = w.parse_args()
     spec = json.loads(a._spec)
-    sys.path.insert(0, str(ROOT))
     rank_main(a._rank, spec["world"], spec["store"], spec["timeout"], spec["argv"], a._out)
