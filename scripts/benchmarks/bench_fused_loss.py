@@ -1,7 +1,7 @@
 """Step time of the fused loss against the unfused one, at cp = 1 and 2 (issue 26: at most 5% dearer).
 
-    python scripts/benchmarks/bench_fused_loss.py                       # Llama-3 proportions, dim 256, 128k vocabulary
-    python scripts/benchmarks/bench_fused_loss.py --vocab 1024 --seq-len 256 --repeats 1     # a quick check that it runs
+    python scripts/benchmarks/bench_fused_loss.py                    # Llama-3 proportions, dim 256, 128k vocabulary
+    python scripts/benchmarks/bench_fused_loss.py --vocab 1024 --seq-len 256 --repeats 1   # a quick check that it runs
 
 Each measurement is a fresh set of rank processes (`common.run_trial`), `--steps` steps, the
 last step's wall time (the first pays one-off set-up), repeated `--repeats` times; prints the median per

@@ -69,13 +69,12 @@ glibc's defaults. The machine may be shared: wall times are noisy, CPU times les
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 from pathlib import Path
 from typing import Any
 
-from common import fit_line, fmt, machine, mem_available_mib, run_trial, table, trainer_args
+from common import fit_line, fmt, machine, markdown_table, mem_available_mib, run_trial, trainer_args, write_json
 
 # Table 1: activations are most of the memory (4 layers, dim 256, vocab 4096).
 TABLE_MODEL = {"dim": 256, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "ffn_hidden_dim": 768, "vocab_size": 4096}
@@ -181,7 +180,7 @@ def print_fixed(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
           f"({m['n_kv_heads']} kv), ffn {m['ffn_hidden_dim']}, vocab {m['vocab_size']}, fp32, batch 1, no AC, "
           f"ring/zigzag; fixed part measured at L={args.tiny_len}; max over ranks; last of {args.steps} steps\n")
     cores = os.cpu_count() or 1
-    print(table(
+    print(markdown_table(
         ["cp", "threads/rank", "peak/rank (MiB)", "fixed (MiB)", "activation/rank (MiB)", "act. vs cp=1",
          "saved for bwd/rank (MiB)", "saved vs cp=1", "tok/s", "s/step", "CPU s/step (max rank)",
          "of which sys"],
@@ -202,7 +201,7 @@ def print_budget(results: list[dict[str, Any]], args: argparse.Namespace) -> Non
     print(f"\nLongest trainable sequence under {args.budget_gib} GiB peak RSS per rank: Llama {m['n_layers']} layers, "
           f"dim {m['dim']}, vocab {m['vocab_size']}, fp32, batch 1, no AC, ring/zigzag, {args.steps} steps, "
           f"resolution {args.resolution} tokens\n")
-    print(table(
+    print(markdown_table(
         ["cp", "longest L", "first L over", "runs", "fit a (MiB)", "fit b (KiB/token)",
          f"EXTRAPOLATED longest L at {args.extrapolate_gib} GiB/rank"],
         [[str(r["cp"]), f"{r['longest']:,}", "n/a" if r["shortest_over"] is None else f"{r['shortest_over']:,}",
@@ -382,18 +381,20 @@ def print_vocab(results: dict[str, Any], args: argparse.Namespace) -> None:
     base = {r["cp"]: r["longest"] for r in ran if r["mode"] == "before"}
     print("Per-token memory by part (the plan, KiB per token of a rank's shard, at the longest L) and the measured "
           "slope (KiB/token of the fit over that mode's runs):\n")
-    print(table(["mode", "cp", *SCALING, "plan total", "measured slope"],
-                [[r["mode"], str(r["cp"]), *(fmt(r["per_token_kib"][p], "{:,.1f}") for p in SCALING),
-                  fmt(sum(r["per_token_kib"].values()), "{:,.1f}"),
-                  fmt(r["fit_b_mib_per_token"] * 1024 * r["cp"], "{:,.1f}")] for r in ran]))  # per local token
+    print(markdown_table(["mode", "cp", *SCALING, "plan total", "measured slope"],
+                         [[r["mode"], str(r["cp"]), *(fmt(r["per_token_kib"][p], "{:,.1f}") for p in SCALING),
+                           fmt(sum(r["per_token_kib"].values()), "{:,.1f}"),
+                           fmt(r["fit_b_mib_per_token"] * 1024 * r["cp"], "{:,.1f}")]  # per local token
+                          for r in ran]))
     how = (f"EXTRAPOLATED from the linear fit of runs at {args.vocab_fit_lens} local tokens (not searched)"
            if getattr(args, "vocab_fit_lens", None) else f"bisection step {args.resolution} tokens")
     print(f"\nLongest sequence at {args.budget_gib} GiB per rank ({how}):\n")
-    print(table(["mode", "cp", "longest L", "plan's longest L", "vs before", "L of tok/s", "tok/s", "s/step", "runs"],
-                [[r["mode"], str(r["cp"]), f"{r['longest']:,}", f"{r['predicted_longest']:,}",
-                  fmt(r["longest"] / base[r["cp"]] if base.get(r["cp"]) else None, "{:.2f}x"),
-                  f"{r['tokens_at']:,}" if r.get("tokens_at") else "n/a",
-                  fmt(r["tokens_per_s"]), fmt(r["step_s"], "{:.2f}"), str(len(r["trials"]))] for r in ran]))
+    print(markdown_table(["mode", "cp", "longest L", "plan's longest L", "vs before", "L of tok/s", "tok/s", "s/step",
+                          "runs"],
+                         [[r["mode"], str(r["cp"]), f"{r['longest']:,}", f"{r['predicted_longest']:,}",
+                           fmt(r["longest"] / base[r["cp"]] if base.get(r["cp"]) else None, "{:.2f}x"),
+                           f"{r['tokens_at']:,}" if r.get("tokens_at") else "n/a",
+                           fmt(r["tokens_per_s"]), fmt(r["step_s"], "{:.2f}"), str(len(r["trials"]))] for r in ran]))
     print("\nPredicted (plan) vs measured peak per rank, every run that finished:\n")
     lines, worst = [], 0.0
     for r in ran:
@@ -403,7 +404,7 @@ def print_vocab(results: dict[str, Any], args: argparse.Namespace) -> None:
                 worst = max(worst, abs(err))
                 lines.append([r["mode"], str(r["cp"]), f"{t['seq_len']:,}", fmt(t["peak_mib"]),
                               fmt(t["predicted_mib"]), f"{err:+.1f}%"])
-    print(table(["mode", "cp", "L", "measured (MiB)", "predicted (MiB)", "error"], lines))
+    print(markdown_table(["mode", "cp", "L", "measured (MiB)", "predicted (MiB)", "error"], lines))
     print(f"\nlargest |error|: {worst:.1f}% (target <= 15%)")
     for r in rows.values():
         if "skipped" in r:
@@ -473,8 +474,7 @@ def main() -> None:
         print_budget(result["budget"], args)
     if "vocab" in result:
         print_vocab(result["vocab"], args)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
+    write_json(args.out, result)
     print(f"\n{result['wall_s']:.0f} s in all; wrote {args.out}")
 
 

@@ -20,7 +20,6 @@ values, bf16) unless --heads/--dk/--dv/--itemsize say otherwise; the ratio barel
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 
@@ -28,6 +27,8 @@ import torch
 
 from cpcompose.attention.cost.selected import allgather_sent, selected_sent
 from cpcompose.layouts import resolve_layout
+
+from common import write_json
 
 PATTERNS = ("window", "sinks", "random")
 
@@ -147,8 +148,7 @@ def main() -> None:
             print(f"P={r['world']} L={r['seq_len']:6d} k={r['topk']:5d} {r['pattern']:6s}  selected "
                   f"{r['selected_s']:.3f} s  all-gather {r['allgather_s']:.3f} s")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        write_json(args.json, rows)
 
 
 if __name__ == "__main__":
