@@ -86,7 +86,7 @@ step b "${MIXERS_S:-150}" mixer_tests.log python3 -m pytest tests/mixers -m gpu 
   ${has_timeout:+--timeout=130} --junitxml="$work/mixer_tests.xml"
 # One length a call, so a timeout at 16384 keeps 4096's table (the script prints it at its end).
 for n in 4096 16384; do
-  step c "${BENCH_S:-55}" "bench_mixers_$n.log" python3 scripts/bench_mixers.py --device cuda --seq-lens $n \
+  step c "${BENCH_S:-55}" "bench_mixers_$n.log" python3 scripts/benchmarks/bench_mixers.py --device cuda --seq-lens $n \
     --kinds mamba2 gdn --warmup 1 --repeats 3 --out "$work/mixers_cuda_$n.json"
 done
 # transformers/torchtitan hold no gpu tests; (b)'s file already ran.

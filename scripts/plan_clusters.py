@@ -20,11 +20,8 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
-import sys
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cpcompose.attention.local.blocks import MaskSpec
 from cpcompose.data import long_tailed_lengths

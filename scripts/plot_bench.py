@@ -8,13 +8,14 @@ not drawn (and an old PNG of it is removed), so the script runs whatever subset 
 
 * attention_dense.png, attention_packed.png: efficiency T1 / (P * T_P) against L, one line per strategy and
   split (zigzag against contiguous; the balanced document split against plain zigzag), one panel per run
-  (`scripts/bench_attention.py [--packed]`: docs/bench/attention*.json, docs/gpu_runs/*attention*.json);
-* mixers.png: efficiency against L per token mixer, one line per run (`scripts/bench_mixers.py`);
-* memory.png: peak memory per rank against L, one line per option and CP degree (`scripts/bench_memory.py`:
-  every trial it ran, docs/bench/memory*.json);
+  (`scripts/benchmarks/bench_attention.py [--packed]`: docs/bench/attention*.json,
+  docs/gpu_runs/*attention*.json);
+* mixers.png: efficiency against L per token mixer, one line per run (`scripts/benchmarks/bench_mixers.py`);
+* memory.png: peak memory per rank against L, one line per option and CP degree
+  (`scripts/benchmarks/bench_memory.py`: every trial it ran, docs/bench/memory*.json);
 * longest.png: the longest sequence each option and CP degree fits in the per-rank budget (the same JSON);
 * cuda_kernels.png: forward and backward TFLOP/s of one attention block per CUDA backend against the block's
-  length (`scripts/bench_cuda_kernels.py`: docs/gpu_runs/*cuda_kernels*.json).
+  length (`scripts/benchmarks/bench_cuda_kernels.py`: docs/gpu_runs/*cuda_kernels*.json).
 
 Only the standard library is imported at module level (the test imports `sources` without matplotlib).
 """

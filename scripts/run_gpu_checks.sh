@@ -35,10 +35,10 @@ timeout "${SUITE_S:-420}" python3 -m pytest -m gpu --ignore=tests/integrations/t
   --junitxml="$out/junit.xml" 2>&1 | tee "$out/gpu_suite.log"
 echo "suite exit: $?"
 [ -n "$NO_BENCH" ] && exit 0
-timeout "${KERNELS_S:-90}" python3 scripts/bench_cuda_kernels.py --out "$out/cuda_kernels.json" 2>&1 | tee "$out/cuda_kernels.log"
-timeout "${BENCH_S:-150}" python3 scripts/bench_attention.py --device cuda --out "$out/attention_cuda.json" 2>&1 | tee "$out/bench.log"
-timeout "${BENCH_S:-150}" python3 scripts/bench_attention.py --device cuda --packed --out "$out/attention_cuda_packed.json" 2>&1 | tee "$out/bench_packed.log"
-timeout "${BENCH_S:-150}" python3 scripts/bench_mixers.py --device cuda --seq-lens 4096 16384 --kinds mamba2 mamba2_linear gdn \
+timeout "${KERNELS_S:-90}" python3 scripts/benchmarks/bench_cuda_kernels.py --out "$out/cuda_kernels.json" 2>&1 | tee "$out/cuda_kernels.log"
+timeout "${BENCH_S:-150}" python3 scripts/benchmarks/bench_attention.py --device cuda --out "$out/attention_cuda.json" 2>&1 | tee "$out/bench.log"
+timeout "${BENCH_S:-150}" python3 scripts/benchmarks/bench_attention.py --device cuda --packed --out "$out/attention_cuda_packed.json" 2>&1 | tee "$out/bench_packed.log"
+timeout "${BENCH_S:-150}" python3 scripts/benchmarks/bench_mixers.py --device cuda --seq-lens 4096 16384 --kinds mamba2 mamba2_linear gdn \
   --repeats 3 --out "$out/mixers_cuda.json" 2>&1 | tee "$out/bench_mixers.log"
 [ -n "$NO_LONGEST" ] && exit 0
 timeout "${LONGEST_S:-540}" python3 scripts/gpu_longest.py --time-budget $(( ${LONGEST_S:-540} - 60 )) \

@@ -1,12 +1,18 @@
-"""Packaging: a LICENSE file, an SPDX license string, a console script, no dead dependency markers."""
+"""Packaging: a LICENSE file, an SPDX license string, the console scripts, no dead dependency markers."""
 
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS: dict[str, str] = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
 
 
 def test_pyproject_is_valid_and_tidy() -> None:
@@ -29,3 +35,24 @@ def test_integration_extras_pin_what_the_suite_installs() -> None:
     assert not any(d.split("=")[0].split(">")[0].strip() == "torch" for d in extras["torchtitan"]), (
         "pinning torch in an extra could pull a CUDA build; the README's command pins it instead"
     )
+
+
+def test_every_console_script_is_installed() -> None:
+    """The installed cpcompose has the commands pyproject.toml declares, with the same targets."""
+    dist = importlib.metadata.distribution("cpcompose")
+    installed = {e.name: e.value for e in dist.entry_points if e.group == "console_scripts"}
+    assert installed == SCRIPTS, (
+        "the installed console scripts differ from pyproject.toml's: an editable install keeps the commands of "
+        f"when it was made; run `pip install -e .` again (installed {sorted(installed)}, declared {sorted(SCRIPTS)})"
+    )
+
+
+@pytest.mark.parametrize("name", sorted(SCRIPTS))
+def test_every_console_script_answers_help(name: str) -> None:
+    """Each command's target, called as the installed wrapper calls it, prints its usage and exits 0."""
+    module, _, function = SCRIPTS[name].partition(":")
+    wrapper = f"import sys; sys.argv[0] = {name!r}; from {module} import {function}; sys.exit({function}())"
+    done = subprocess.run([sys.executable, "-c", wrapper, "--help"], capture_output=True, text=True, cwd=ROOT,
+                          timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith("usage:"), done.stdout[:500]

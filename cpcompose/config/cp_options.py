@@ -38,7 +38,7 @@ def cp_options_error(p: Parallelism) -> ConfigError | None:
     load), keyed by the config's names; None when the options hold."""
     if p.cp_calibration is not None and not Path(p.cp_calibration).is_file():
         return ConfigError(f"parallelism.cp_calibration: {p.cp_calibration!r} is not a file; write one with "
-                           "scripts/calibrate_cost_model.py")
+                           "python -m cpcompose.attention.cost.calibrate")
     try:
         options = cp_options(p)
     except (ValueError, OSError) as e:  # the calibration file cannot be read as one

@@ -145,8 +145,9 @@ class Parallelism:
     """A registered layout (zigzag, contiguous): zigzag gives rank r chunks r and 2cp-1-r so causal
     work is balanced; contiguous gives chunk r. Packed documents (data.pack) are split per batch."""
     cp_calibration: str | None = None
-    """cp_strategy = "auto" only: a JSON of machine constants written by scripts/calibrate_cost_model.py
-    (unset: the shipped defaults for the device type; see docs/strategy_choice.md)."""
+    """cp_strategy = "auto" only: a JSON of machine constants written by
+    `python -m cpcompose.attention.cost.calibrate` (unset: the shipped defaults for the device type; see
+    docs/strategy_choice.md)."""
     cp_verify: bool = True
     """Run the exactness probe at start (two forwards of a copy of the model at 16 tokens per CP rank, before
     FSDP): every module's output under CP must equal the single-process one, or the run stops naming the first
@@ -268,7 +269,7 @@ class Data:
     path: str | None = None
     """A .txt file (one document), a .jsonl file (one JSON object per line), a .parquet file (one record per row;
     needs pyarrow) or a folder of them (read recursively in sorted order; also the .arrow shards of a dataset
-    saved with `datasets`' save_to_disk), or a token store built by scripts/build_token_store.py."""
+    saved with `datasets`' save_to_disk), or a token store built by `python -m cpcompose.data.build_token_store`."""
     format: Literal["text", "completion", "chat"] = "text"
     """text: documents for continued pretraining, loss on every token; completion: {prompt, completion} records,
     loss on the completion and its EOS; chat: {messages: [{role, content}, ...]} records rendered with the
@@ -319,9 +320,9 @@ class Data:
     $XDG_CACHE_HOME/cpcompose/token-stores (else ~/.cache/cpcompose/token-stores); the banner names the folder."""
     sources: list = field(default_factory=list)
     """A mixture, instead of data.path: [[data.sources]] tables with path (files, a folder, or a token store
-    built by scripts/build_token_store.py), weight (share of the samples, default 1; normalized), and for packed
-    data long_doc_tokens / long_doc_repeat (documents at least that long are packed repeat times: the
-    long-context upsampling recipe). Read from token stores (data.store). On the command line, JSON:
+    built by `python -m cpcompose.data.build_token_store`), weight (share of the samples, default 1;
+    normalized), and for packed data long_doc_tokens / long_doc_repeat (documents at least that long are packed
+    repeat times: the long-context upsampling recipe). Read from token stores (data.store). On the command line, JSON:
     --data.sources='[{"path": "a/", "weight": 0.7}, {"path": "b/", "weight": 0.3}]'."""
     store_wait_s: float = 3600.0
     """How long a process waits for another one's build of the same token store before giving up."""

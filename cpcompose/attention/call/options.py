@@ -62,8 +62,8 @@ class CPOptions:
             Ulysses, 1 is the ring.
         calibration: "auto" only: the machine constants of the cost model (a
             `cpcompose.attention.cost.Calibration`, e.g. loaded from the JSON of
-            `scripts/calibrate_cost_model.py`); None = the shipped defaults for the
-            device type. Its fingerprint joins the agreement: every rank must use the same.
+            `python -m cpcompose.attention.cost.calibrate`); None = the shipped defaults for
+            the device type. Its fingerprint joins the agreement: every rank must use the same.
         topology: "auto" only: which CP ranks share a node (`cpcompose.attention.cost.Topology`);
             None = LOCAL_WORLD_SIZE ranks per node when torchrun sets it, else one node.
         verify: run the exactness probe (`cpcompose.verify`) where a front end offers it: the

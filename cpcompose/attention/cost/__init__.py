@@ -4,6 +4,8 @@ Pure functions of the call, the topology and the constants: no process group, no
 communication, the same answer on every rank. A strategy's record names its family's
 model (`model.RING_FAMILY`, `model.GATHER`); `cpcompose.attention.call.choose` weighs the
 registry's strategies with it, and `strategy="auto"` (`cpcompose.attention.call.auto`) runs the choice.
+The constants are measured by `calibrate` (`python -m cpcompose.attention.cost.calibrate`, the
+`cpcompose-calibrate` command), the one module here that runs processes; nothing imports it.
 """
 
 from cpcompose.attention.cost.calibration import (

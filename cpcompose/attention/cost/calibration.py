@@ -1,6 +1,6 @@
 """The machine constants of the cost model (`Calibration`) and where ranks sit (`Topology`).
 
-A `Calibration` is what `scripts/calibrate_cost_model.py` measures on the machine at
+A `Calibration` is what `cost.calibrate` (`cpcompose-calibrate`) measures on the machine at
 hand: the attention kernel's throughput by block size and its fixed cost per call,
 the float32 merge and copy costs, and each link level's bandwidth and latency
 (point-to-point, and how much of that the collectives reach). It is frozen and
@@ -53,7 +53,7 @@ class Link:
 
 @dataclass(frozen=True)
 class Calibration:
-    """Machine constants, measured (`scripts/calibrate_cost_model.py`) or published.
+    """Machine constants, measured (`cpcompose-calibrate`) or published.
 
     Attributes:
         name: where they come from (printed in tables and logs).
@@ -209,7 +209,7 @@ H100_CLUSTER = Calibration(
     executor="cuda_nccl",
 )
 
-# Defaults measured on this project's machine by `scripts/calibrate_cost_model.py` (2-core AMD
+# Defaults measured on this project's machine by `cpcompose-calibrate` (2-core AMD
 # EPYC VM, torch 2.13 CPU, gloo loopback, one thread per rank; both link levels are loopback).
 CPU_DEFAULT = Calibration(
     name="measured 2026-11-22 on the project's 2-core AMD EPYC VM, torch 2.13 CPU, gloo loopback, 1 thread/rank",
@@ -232,6 +232,6 @@ CPU_DEFAULT = Calibration(
 def default_calibration(device_type: str) -> Calibration:
     """The shipped constants for a device type: `H100_CLUSTER` for "cuda", `CPU_DEFAULT` otherwise.
 
-    A job on other hardware should calibrate (`scripts/calibrate_cost_model.py`) and load its JSON.
+    A job on other hardware should calibrate (`cpcompose-calibrate`) and load its JSON.
     """
     return H100_CLUSTER if device_type == "cuda" else CPU_DEFAULT

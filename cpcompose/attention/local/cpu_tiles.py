@@ -12,7 +12,7 @@ full block on all the keys before it: exactly the same visible pairs, with at mo
 partial results, merged through their LSE like any other blocks. The rule (tile
 blocks of 257-2048 rows; smaller ones gain nothing reliable from the extra calls
 and merges, larger ones lose: thin full blocks over thousands of keys run slower)
-comes from `scripts/bench_causal_tiles.py` (README): fwd+bwd of one causal block
+comes from `scripts/benchmarks/bench_causal_tiles.py` (README): fwd+bwd of one causal block
 21-32% faster at 384-1024 rows, 11% at 1536-2048; at 4096 rows tiles of 64-256 are
 0-3% slower and at 8192 rows 9-31% slower, so those stay whole.
 

@@ -21,7 +21,7 @@ V may have its own head dim (MLA); the fused kernels get zero-padded inputs.
 (`explicit.py`) everywhere else. Which kernel runs: `select_backend`, the one
 dispatch point (bf16/fp16 to flash-attn when installed, else "cuda_fused":
 PyTorch's cuDNN or flash kernel per block, by the rule `cudnn_is_faster` measured
-with `scripts/bench_cuda_kernels.py`; fp32 to the memory-efficient kernel; float64
+with `scripts/benchmarks/bench_cuda_kernels.py`; fp32 to the memory-efficient kernel; float64
 to the explicit path, which the fused CUDA kernels do not support).
 """
 

@@ -1,6 +1,6 @@
 """Bytes of indexer-selected attention under CP: fetching the selected rows, or gathering them all.
 
-The one owner of these volumes (the strategy's choice and `scripts/bench_sparse.py`
+The one owner of these volumes (the strategy's choice and `scripts/benchmarks/bench_sparse.py`
 read them from here); each count mirrors `cpcompose.attention.sparse.selected_rows`:
 
 * selected rows: forward, each rank shares its count of rows wanted from each rank

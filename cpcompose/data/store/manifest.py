@@ -69,14 +69,14 @@ def read_manifest(folder: Path) -> dict[str, Any]:
         manifest = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ConfigError(f"data.path: {path} is not a readable token-store manifest ({e}); rebuild the store "
-                          "(scripts/build_token_store.py)") from None
+                          "(python -m cpcompose.data.build_token_store)") from None
     if not isinstance(manifest, dict) or manifest.get("kind") != _KIND:
         raise ConfigError(f"data.path: {folder} is not a cpcompose token store ({path} was written by something "
                           "else); point data.path at the data files or at a store built by "
-                          "scripts/build_token_store.py")
+                          "python -m cpcompose.data.build_token_store")
     if manifest.get("version") != VERSION:
         raise ConfigError(f"data.path: the token store {folder} has version {manifest.get('version')}, this "
-                          f"cpcompose reads version {VERSION}; rebuild it (scripts/build_token_store.py)")
+                          f"cpcompose reads version {VERSION}; rebuild it (python -m cpcompose.data.build_token_store)")
     return manifest
 
 

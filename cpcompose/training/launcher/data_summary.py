@@ -114,7 +114,7 @@ def _store_lines(config: JobConfig, lengths_png: Path | None) -> list[str]:
             # A dry run before the first launch: building is the launch's work (or the build script's); the files
             # are counted here as without a store (all of a corpus up to FULL_SCAN_BYTES).
             unbuilt = [f"  data: the token store of {path} is not built yet: the launch builds it in {root} before "
-                       "any rank starts (or build it ahead: python scripts/build_token_store.py)"]
+                       "any rank starts (or build it ahead: python -m cpcompose.data.build_token_store)"]
             return (describe_data(summarize_data(config), config) if not d.sources else []) + unbuilt
     mixture = store_mixture(config, config_tokenizer(config), emit=None)
     samples = t.steps * t.batch_size  # batch_size counts every dp rank and micro-step

@@ -92,7 +92,7 @@ class Trainer:
         )
         self.model = self.trained.module
         # Fused (torchtitan's default): one kernel updates each parameter in place, with no per-parameter
-        # temporaries; on CPU those were mapped afresh every step (scripts/bench_host_memory.py).
+        # temporaries; on CPU those were mapped afresh every step (scripts/benchmarks/bench_host_memory.py).
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=c.optimizer.lr, betas=c.optimizer.betas,
             weight_decay=c.optimizer.weight_decay, eps=c.optimizer.eps, fused=True,

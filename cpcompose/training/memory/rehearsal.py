@@ -173,7 +173,7 @@ def _two_steps(c: JobConfig, dims: ParallelDims, mesh, tracker_cls, mod_stats) -
 
 
 def describe_rehearsal(result: Rehearsal, world: int) -> list[str]:
-    """The dry run's and scripts/rehearse.py's lines: the tracker's peak and parts, and the plan's tensors beside
+    """The dry run's and cpcompose-rehearse's lines: the tracker's peak and parts, and the plan's tensors beside
     it (or why the plan has none)."""
     lines = [f"  rehearsal on {world} fake ranks: torch's FSDPMemTracker peak {result.tracked / GiB:.3f} GiB"]
     lines += [f"    {kind:<26} {nbytes / GiB:8.3f} GiB" for kind, nbytes in result.by_kind.items() if nbytes]

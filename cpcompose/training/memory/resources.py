@@ -29,7 +29,7 @@ Why not the heap settings the launcher used to set (`MALLOC_MMAP_THRESHOLD_` and
 afresh each step, but the heap fragments: a parameter-dominated Llama (128k vocabulary, cp = 2, bf16) peaked at
 6.9-7.9 GiB per rank against a plan of 3.9 and measured peaks of 3.9 with glibc's defaults, growing for four
 steps. With glibc's defaults and AdamW fused (no per-parameter temporaries) its steps are as fast as they were
-with those settings and the for-loop AdamW (scripts/bench_host_memory.py)."""
+with those settings and the for-loop AdamW (scripts/benchmarks/bench_host_memory.py)."""
 
 
 def run_device_type(config: JobConfig) -> str:

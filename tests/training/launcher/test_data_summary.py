@@ -54,7 +54,7 @@ def test_token_stores_report_themselves_once_built_and_say_so_before(tmp_path: P
     config = store_config(corpus.parent, tmp_path / "stores", "--training.steps=2")
     *counted, line = data_lines(config)
     assert "not built yet" in line and f"builds it in {tmp_path / 'stores'} " in line, line
-    assert "build_token_store.py" in line and counted[1].startswith("  data: 20 documents, "), counted
+    assert "python -m cpcompose.data.build_token_store" in line and counted[1].startswith("  data: 20 documents, "), counted
     assert not (tmp_path / "stores").exists() or not any((tmp_path / "stores").iterdir())
     store_mixture(config, config_tokenizer(config), emit=None)  # what the pre-launch check does
     lines = data_lines(config, tmp_path / "lengths.png")

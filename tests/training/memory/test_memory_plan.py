@@ -11,7 +11,7 @@ Allocator. Every run has glibc's defaults, as a user's shell has them and the la
 plan predicts those. (The launcher used to set a heap that keeps everything, whose fragmentation made one
 config's peak vary from 1.37 to 1.89 GiB over five runs, and a parameter-dominated run's grow to 1.8x the plan
 over four steps.) Three steps each: under the old heap settings the benchmark's parameter-dominated run
-(scripts/bench_host_memory.py) was already about 1.5x its plan at the second step; with glibc's defaults its
+(scripts/benchmarks/bench_host_memory.py) was already about 1.5x its plan at the second step; with glibc's defaults its
 peak is flat after the first.
 """
 

@@ -30,9 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -41,8 +39,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cpcompose.attention.call import orchestrate as checks
 from cpcompose.attention.local.call_setup import AttentionSetup
@@ -55,6 +51,8 @@ from cpcompose.attention.strategies.ring_loop import ring_round
 from cpcompose.attention.local.plans import cached_plan
 from cpcompose.data.documents import long_tailed_lengths
 from cpcompose.layouts import Layout, PackedLayout, ZigzagLayout
+
+from common import machine, write_json
 
 
 def _median_time(fn: Callable[[], object], repeats: int, inner: int = 1) -> float:
@@ -190,11 +188,8 @@ def main() -> None:
     for mode, row in e2e.items():
         print(f"validate={mode:<11} wall {row['wall_us']:7.0f} us/call   main-thread CPU {row['cpu_us']:7.0f} us/call")
 
-    info = {"machine": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-            "torch": torch.__version__, "python": platform.python_version()}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"machine": info, "planning": dense + packed, "decision": decisions,
-                                    "end_to_end": e2e}, indent=2))
+    write_json(args.out, {"machine": machine(), "planning": dense + packed, "decision": decisions,
+                          "end_to_end": e2e})
     print(f"\nwrote {args.out}")
 
 

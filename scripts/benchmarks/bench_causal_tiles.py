@@ -15,22 +15,16 @@ takes its tile-size rule from this table.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import platform
-import sys
-import time
 from pathlib import Path
-from typing import Callable
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+from cpcompose.attention.local.blocks import BlockTask
+from cpcompose.attention.local.cpu_tiles import tile_causal, tile_rows
+from cpcompose.attention.local.kernels import attention_backward, attention_forward
+from cpcompose.attention.local.merge import SoftmaxAccumulator
 
-from cpcompose.attention.local.blocks import BlockTask  # noqa: E402
-from cpcompose.attention.local.cpu_tiles import tile_causal, tile_rows  # noqa: E402
-from cpcompose.attention.local.kernels import attention_backward, attention_forward  # noqa: E402
-from cpcompose.attention.local.merge import SoftmaxAccumulator  # noqa: E402
+from common import best_time, machine, markdown_header, markdown_row, write_json
 
 H, HKV, D = 8, 2, 64
 TILES = (32, 64, 128, 256)
@@ -54,30 +48,20 @@ def run_tasks(tasks: list[BlockTask], q, k, v, dout) -> None:
         dv[:, :, t.kv] += g[2]
 
 
-def best_of(fn: Callable[[], None], repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
-
-
 def measure(n: int, repeats: int) -> dict:
     g = torch.Generator().manual_seed(n)
     q, dout = (torch.randn(1, H, n, D, generator=g) for _ in range(2))
     k, v = (torch.randn(1, HKV, n, D, generator=g) for _ in range(2))
     whole = BlockTask(slice(0, n), slice(0, n), "causal")
-    row = {"n": n, "whole_ms": 1e3 * best_of(lambda: run_tasks([whole], q, k, v, dout), repeats)}
+    row = {"n": n, "whole_ms": 1e3 * best_time(lambda: run_tasks([whole], q, k, v, dout), repeats)}
     full = BlockTask(slice(0, n), slice(0, n), "full")
-    row["full_ms"] = 1e3 * best_of(lambda: run_tasks([full], q, k, v, dout), repeats)
+    row["full_ms"] = 1e3 * best_time(lambda: run_tasks([full], q, k, v, dout), repeats)
     row["ns_per_pair_causal"] = 1e6 * row["whole_ms"] / (H * n * (n + 1) / 2)
     row["ns_per_pair_full"] = 1e6 * row["full_ms"] / (H * n * n)
     for b in TILES:
         if b < n:
             tiles = tile_causal(whole, rows=b)
-            row[f"tiled_{b}_ms"] = 1e3 * best_of(lambda: run_tasks(tiles, q, k, v, dout), repeats)
+            row[f"tiled_{b}_ms"] = 1e3 * best_time(lambda: run_tasks(tiles, q, k, v, dout), repeats)
     row["rule"] = tile_rows(n)
     return row
 
@@ -92,22 +76,17 @@ def main() -> None:
     rows = []
     print(f"One causal block fwd+bwd on the CPU kernel, B=1 H={H} Hkv={HKV} D={D} fp32, one thread, "
           f"best of {args.repeats} (torch {torch.__version__})\n")
-    print("| n | whole (ms) | " + " | ".join(f"tiles of {b} (ms)" for b in TILES)
-          + " | rule: b | saved by the rule | ns/visible pair, causal vs full |")
-    print("|---:|---:|" + "---:|" * len(TILES) + "---:|---:|---:|")
+    print(markdown_header(["n", "whole (ms)", *(f"tiles of {b} (ms)" for b in TILES), "rule: b", "saved by the rule",
+                           "ns/visible pair, causal vs full"]))
     for n in args.sizes:
         row = measure(n, args.repeats)
         rows.append(row)
         cells = [f"{row[f'tiled_{b}_ms']:.2f}" if f"tiled_{b}_ms" in row else "-" for b in TILES]
         ruled = row.get(f"tiled_{row['rule']}_ms", row["whole_ms"])
         rule = "whole" if row["rule"] >= n else row["rule"]
-        print(f"| {n} | {row['whole_ms']:.2f} | " + " | ".join(cells)
-              + f" | {rule} | {1 - ruled / row['whole_ms']:+.0%} | "
-              f"{row['ns_per_pair_causal']:.0f} vs {row['ns_per_pair_full']:.0f} |", flush=True)
-    meta = {"torch": torch.__version__, "python": platform.python_version(), "platform": platform.platform(),
-            "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"machine": meta, "rows": rows}, indent=1))
+        print(markdown_row([str(n), f"{row['whole_ms']:.2f}", *cells, str(rule), f"{1 - ruled / row['whole_ms']:+.0%}",
+                            f"{row['ns_per_pair_causal']:.0f} vs {row['ns_per_pair_full']:.0f}"]), flush=True)
+    write_json(args.out, {"machine": machine(), "rows": rows})
     print(f"\nwrote {args.out}")
 
 

@@ -11,19 +11,16 @@ more columns of K (and of Q for all-to-all), so bytes grow by 8/D of K (and Q), 
 kernels' score products by 8/D. Bytes: what one rank sends per forward+backward
 (`CommMeter`, max over ranks).
 
-    python scripts/bench_key_padding.py --world 2 --seq-lens 4096 8192 --strategies ring allgather alltoall
+    python scripts/benchmarks/bench_key_padding.py --world 2 --seq-lens 4096 8192 --strategies ring allgather alltoall
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import time
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -31,6 +28,8 @@ import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 
 from cpcompose import CommMeter, cp_attention, cp_shard
+
+from common import machine, write_json
 
 H, KV, D = 8, 2, 64
 
@@ -83,10 +82,7 @@ def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
     if rank == 0 and args.out:
         shape = {"world": args.world, "batch": args.batch, "heads": H, "kv_heads": KV, "head_dim": D,
                  "dtype": "float32", "repeats": args.repeats}
-        machine = {"cores": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
-                   "processor": platform.processor() or platform.machine()}
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"machine": machine, "shape": shape, "rows": rows}, indent=1) + "\n")
+        write_json(args.out, {"machine": machine(), "shape": shape, "rows": rows})
         print(f"wrote {args.out}")
     dist.destroy_process_group()
 

@@ -19,17 +19,16 @@ given sizes, written once into ``--work``. The tokenizer is the tiny model's byt
    ranks (read from /proc every 20 ms while they run), and the launcher's own (which builds the store, before
    the ranks start).
 
-    python scripts/bench_data.py --work /tmp/bench-data --sizes-mib 1 64 --repeats 3 --out docs/bench/data.json
-    python scripts/bench_data.py --work /tmp/bench-data --sizes-mib 0.25 --skip-in-memory   # a quick check
+    python scripts/benchmarks/bench_data.py --work /tmp/bench-data --sizes-mib 1 64 --repeats 3 \
+        --out docs/bench/data.json
+    python scripts/benchmarks/bench_data.py --work /tmp/bench-data --sizes-mib 0.25 --skip-in-memory   # a quick check
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -39,17 +38,11 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from common import ROOT, machine, tiny_hf_model, write_json
+
 WORDS = ("the of and to in is was for on that with as by at from his her it an were are which this be or has "
          "context parallel attention ranks keys values sequence model training long document corpus token store "
          "memory mapped shuffle epoch window packing mixture weight river mountain history science language").split()
-
-
-def tiny_model_script():
-    spec = importlib.util.spec_from_file_location("make_tiny_hf_model", ROOT / "scripts" / "make_tiny_hf_model.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def write_corpus(path: Path, mib: float, seed: int = 0) -> Path:
@@ -72,19 +65,6 @@ def write_corpus(path: Path, mib: float, seed: int = 0) -> Path:
 
 def cores() -> int:
     return len(os.sched_getaffinity(0))
-
-
-def machine() -> dict:
-    """What the numbers were measured on (the CPU model from /proc/cpuinfo where there is one)."""
-    model = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
-    except OSError:
-        pass
-    memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return {"cpu": model, "cores": cores(), "memory_gib": memory_gib, "python": sys.version.split()[0],
-            "torch": torch.__version__}
 
 
 def build_throughput(corpus: Path, tokenizer_path: str, work: Path) -> dict:
@@ -199,9 +179,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="write the results as JSON here too")
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
-    model = args.work / "tiny-llama"
-    if not (model / "config.json").exists():
-        tiny_model_script().make_tiny_model(model)
+    model = tiny_hf_model(args.work / "tiny-llama")
     tokenizer = args.tokenizer or str(model)
     results: dict = {"machine": machine(), "load_average_before": os.getloadavg()}
     size = args.throughput_mib or min(max(args.sizes_mib), 64)
@@ -230,8 +208,7 @@ def main() -> None:
                   flush=True)
     results["load_average_after"] = os.getloadavg()
     if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(results, indent=1) + "\n")
+        write_json(args.out, results)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,11 @@
 """Measure the cost model's machine constants here and write them as a `Calibration` JSON.
 
+    python -m cpcompose.attention.cost.calibrate [--out bench_results/calibration.json] [--repeats 7]
+
+Installed as the `cpcompose-calibrate` command too; `parallelism.cp_calibration` (or `cp_attention`'s
+`calibration=Calibration.load(path)`) reads the JSON. The one module of the cost model that runs processes:
+the rest is arithmetic on what it measured.
+
 What it measures (one thread per process; the fastest of repeats in one process, the
 median of repeats (max over ranks) in a group; take /work/BENCH_LOCK
 and keep the machine quiet):
@@ -24,7 +30,6 @@ The JSON says `executor="cpu_gloo"`: what was measured is PyTorch's CPU kernel o
 gloo, so the model costs causal blocks as the row tiles cpcompose runs there and the
 gradients' reduce-scatter as gloo's all-to-all and local sum.
 
-Usage: `python scripts/calibrate_cost_model.py [--out bench_results/calibration.json]`.
 The printed table and the JSON are what `cpcompose.attention.cost.CPU_DEFAULT` ships.
 """
 
@@ -45,14 +50,15 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as tmp
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+from cpcompose.attention.cost.calibration import INTER, INTRA, Calibration, Link
 from cpcompose.attention.local.blocks import BlockTask
 from cpcompose.attention.local.execute import backward_blocks, forward_blocks
 from cpcompose.attention.local.kernels import KernelArgs
 from cpcompose.attention.local.kernels import attention_backward, attention_forward
 from cpcompose.attention.local.merge import SoftmaxAccumulator
-from cpcompose.attention.cost import INTER, INTRA, Calibration, Link
+from cpcompose.comm import CPGroup, RingComm, all_gather, all_reduce, all_to_all_pieces, barrier
+
+__all__ = ["calibrate", "main"]
 
 H, HKV, D = 8, 2, 64
 BLOCKS = (32, 128, 256, 512, 1024, 2048, 4096)
@@ -134,21 +140,22 @@ def _group_worker(rank: int, world: int, store: str, repeats: int, out: str) -> 
     try:
         res: dict[str, Any] = {}
         peer = (rank + 1) % world
+        cp = CPGroup(dist.group.WORLD, rank, world)  # timed through cpcompose.comm, as the strategies move bytes
 
         def timed(fn: Callable[[], None]) -> float:
             samples = []
             for i in range(repeats + 1):
-                dist.barrier()
+                barrier()
                 start = time.perf_counter()
                 fn()
                 t = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-                dist.all_reduce(t, op=dist.ReduceOp.MAX)
+                all_reduce(t, op="max")
                 if i:
                     samples.append(t.item())
             return statistics.median(samples)
 
         for n in P2P_SIZES:
-            res.update(_time_size(n, rank, world, timed))
+            res.update(_time_size(n, cp, timed))
         if world == 2:  # overlap: a 4 MiB exchange and a 1024-block kernel, alone and together
             send, recv = torch.zeros(1 << 20), torch.empty(1 << 20)
             q = torch.randn(1, H, 1024, D)
@@ -158,18 +165,18 @@ def _group_worker(rank: int, world: int, store: str, repeats: int, out: str) -> 
                 out, lse = attention_forward(q, kv, kv, causal=False, scale=0.125, backend="cpu_flash")
                 attention_backward(q, q, kv, kv, out, lse, causal=False, scale=0.125, backend="cpu_flash")
 
-            def post() -> list:
-                ops = [dist.P2POp(dist.isend, send, peer), dist.P2POp(dist.irecv, recv, peer)]
-                return dist.batch_isend_irecv(ops)
+            ring = RingComm(cp)
+
+            def post() -> Any:
+                return ring.exchange_with([send], dst=peer, recv_like=[recv], src=peer)
 
             def both() -> None:
-                works = post()
+                pending = post()
                 compute()
-                for w in works:
-                    w.wait()
+                pending.wait()
 
             res["ov_compute"] = timed(compute)
-            res["ov_comm"] = timed(lambda: [w.wait() for w in post()])
+            res["ov_comm"] = timed(lambda: post().wait())
             res["ov_both"] = timed(both)
         if rank == 0:
             torch.save(res, out)
@@ -177,21 +184,22 @@ def _group_worker(rank: int, world: int, store: str, repeats: int, out: str) -> 
         dist.destroy_process_group()
 
 
-def _time_size(n: int, rank: int, world: int, timed: Callable[[Callable[[], Any]], float]) -> dict[str, float]:
-    """Exchange (as a ring round), all_to_all_single and all_gather of n bytes per peer."""
+def _time_size(n: int, cp: CPGroup, timed: Callable[[Callable[[], Any]], float]) -> dict[str, float]:
+    """Exchange (as a ring round), all-to-all and all-gather of n bytes per peer, through cpcompose.comm (the
+    calls the strategies make)."""
+    rank, world = cp.rank, cp.world
     send, recv = torch.zeros(n // 4), torch.empty(n // 4)
+    ring = RingComm(cp)
 
     def exchange() -> None:
-        ops = [dist.P2POp(dist.isend, send, (rank + 1) % world), dist.P2POp(dist.irecv, recv, (rank - 1) % world)]
-        for w in dist.batch_isend_irecv(ops):
-            w.wait()
+        ring.exchange_with([send], dst=(rank + 1) % world, recv_like=[recv], src=(rank - 1) % world).wait()
 
-    x = torch.zeros(n // 4 * world)  # n bytes to each peer
-    y = torch.empty_like(x)
-    shard, gathered = torch.zeros(n // 4), torch.empty(n // 4 * world)
+    pieces = [[torch.zeros(n // 4)] for _ in range(world)]  # n bytes to each peer
+    shapes = [[p[0].shape] for p in pieces]
+    shard = torch.zeros(n // 4)
     p2p = timed(exchange) if n > P2P_SIZES[0] else min(timed(exchange) for _ in range(3))
-    return {f"p2p_{n}": p2p, f"a2a_{n}": timed(lambda: dist.all_to_all_single(y, x)),
-            f"ag_{n}": timed(lambda: dist.all_gather_single(gathered, shard))}
+    return {f"p2p_{n}": p2p, f"a2a_{n}": timed(lambda: all_to_all_pieces(pieces, shapes, cp)),
+            f"ag_{n}": timed(lambda: all_gather(shard, cp))}
 
 
 def measure_group(world: int, repeats: int) -> dict[str, Any]:
@@ -209,6 +217,14 @@ def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
 
 
 def calibrate(repeats: int) -> tuple[Calibration, dict[str, Any]]:
+    """Measure this machine (module docstring): spawns gloo groups of 2 and 4 processes; minutes.
+
+    Args:
+        repeats: runs of each measurement (the fastest, or in a group the median, is kept).
+
+    Returns:
+        The constants, and the raw measurements they were fitted from (`local`, `groups` by P).
+    """
     local = measure_local(repeats)
     groups = {p: measure_group(p, repeats) for p in (2, 4)}
     cores = os.cpu_count() or 1
@@ -241,11 +257,16 @@ def calibrate(repeats: int) -> tuple[Calibration, dict[str, Any]]:
     return cal, {"local": local, "groups": groups}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
+    """The `cpcompose-calibrate` command and `python -m cpcompose.attention.cost.calibrate`; returns 0.
+
+    Args:
+        argv: `--out PATH` and `--repeats N` (default: this process's arguments).
+    """
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=Path("bench_results/calibration.json"))
     p.add_argument("--repeats", type=int, default=7)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     cal, raw = calibrate(args.repeats)
     print("| block | fwd+bwd (ms) | GFLOP/s |\n|---:|---:|---:|")
     for n, t in raw["local"]["block_times"].items():
@@ -254,7 +275,8 @@ def main() -> None:
     print("\n| P | bytes/peer | p2p exchange (ms) | all_to_all (ms) | all_gather (ms) |\n|---:|---:|---:|---:|---:|")
     for world, g in raw["groups"].items():
         for n in P2P_SIZES:
-            print(f"| {world} | {n} | {g[f'p2p_{n}'] * 1e3:.3f} | {g[f'a2a_{n}'] * 1e3:.3f} | {g[f'ag_{n}'] * 1e3:.3f} |")
+            print(f"| {world} | {n} | {g[f'p2p_{n}'] * 1e3:.3f} | {g[f'a2a_{n}'] * 1e3:.3f} | "
+                  f"{g[f'ag_{n}'] * 1e3:.3f} |")
     link = cal.link(INTRA)
     print(f"\nkernel call {cal.kernel_call_s * 1e6:.1f} us, merge {cal.merge_s_per_elem * 1e9:.2f} ns/elem, "
           f"copy {cal.copy_bandwidth / 1e9:.2f} GB/s, "
@@ -265,7 +287,8 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     cal.save(args.out)
     print(f"fingerprint {cal.fingerprint()}; wrote {args.out}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

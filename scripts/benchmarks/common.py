@@ -1,4 +1,18 @@
-"""One measured training run on fresh rank processes: what `scripts/bench_memory.py` repeats.
+"""What the benchmarks of this folder share: where they ran, their tables and JSON, their timers, their rank
+processes, and the training trials on fresh processes that bench_memory.py and bench_fused_loss.py run.
+
+A benchmark run as `python scripts/benchmarks/bench_x.py` has this folder on sys.path, so `from common import
+...` needs no path edit; cpcompose is the installed one. Only the standard library is imported here at module
+level: a trial's rank runs this file (below), and imports what a rank needs and nothing more.
+
+* `machine(device)`: the one description of the machine a benchmark's JSON records;
+* `markdown_table`, `markdown_header`, `markdown_row`, `fmt`: the printed tables;
+* `write_json(path, data)`: a benchmark's JSON, its folder made;
+* `best_time`, `repeated`, `sync`: timers;
+* `spawn_ranks`, `init_rank`, `exit_rank`: P spawned processes of one thread in a gloo (or NCCL) group, rank 0
+  handing back the results;
+* `tiny_hf_model(folder)`: the tiny Llama `scripts/make_tiny_hf_model.py` writes;
+* `run_trial`, `trainer_args`, `fit_line`, `mem_available_mib`: one measured training run on fresh rank processes.
 
 `run_trial` starts P ranks, each a fresh Python process running this file with `--_rank`
 (so nothing of the benchmark's own memory is counted), that joins a gloo group, builds the
@@ -22,11 +36,157 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn, TypeVar
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
+"""The repository."""
 CONFIG = ROOT / "train_configs" / "debug_cpu.toml"
+T = TypeVar("T")
+
+
+# --- where it ran ---
+
+
+def machine(device: str = "cpu") -> dict[str, Any]:
+    """What the numbers were measured on: the CPU model (from /proc/cpuinfo where there is one), its architecture,
+    cores, ISA level and memory, the software, the date; and on CUDA the GPU, their count and the CUDA and cuDNN
+    versions."""
+    import torch
+
+    cpu = processor = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    info = {
+        "cpu": cpu, "processor": processor, "cores": os.cpu_count(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "ram_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+        "torch": torch.__version__, "python": platform.python_version(), "platform": platform.platform(),
+        "libc": " ".join(platform.libc_ver()),
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+    }
+    if device == "cuda":
+        info.update(gpu=torch.cuda.get_device_name(), gpus=torch.cuda.device_count(), cuda=torch.version.cuda,
+                    cudnn=torch.backends.cudnn.version())
+    return info
+
+
+# --- tables and JSON ---
+
+
+def markdown_header(headers: Sequence[str], left: Collection[str] = ()) -> str:
+    """A Markdown table's header and rule; the columns named in `left` align left, the others right."""
+    rule = "|".join("---" if head in left else "---:" for head in headers)
+    return "| " + " | ".join(headers) + f" |\n|{rule}|"
+
+
+def markdown_row(cells: Sequence[str]) -> str:
+    """One row of a Markdown table (an empty cell stays one space wide)."""
+    return "|" + "|".join(f" {cell} " if cell else " " for cell in cells) + "|"
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[str]], left: Collection[str] = ()) -> str:
+    """A Markdown table of `rows` (strings, one per header); the columns named in `left` align left."""
+    return "\n".join([markdown_header(headers, left), *(markdown_row(row) for row in rows)])
+
+
+def fmt(x: float | None, f: str = "{:,.0f}") -> str:
+    """`x` in format `f`, or n/a."""
+    return "n/a" if x is None else f.format(x)
+
+
+def write_json(path: Path | str, data: Any) -> None:
+    """A benchmark's results as JSON (indented, a newline at the end), its folder made if missing."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1) + "\n")
+
+
+# --- timers ---
+
+
+def best_time(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> float:
+    """Seconds of the fastest of `repeats` calls after `warmup` untimed ones: on a shared machine, interference only
+    ever adds time."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def repeated(fn: Callable[[], T], warmup: int, repeats: int) -> list[T]:
+    """`repeats` results of `fn()` after `warmup` discarded calls."""
+    for _ in range(warmup):
+        fn()
+    return [fn() for _ in range(repeats)]
+
+
+def sync(device: str) -> None:
+    """Wait for queued GPU work, so that a timer reads finished work (a no-op on CPU)."""
+    if device == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+
+
+# --- rank processes ---
+
+
+def spawn_ranks(worker: Callable[..., None], world: int, *args: Any, prefix: str = "cpcompose-bench-") -> Any:
+    """Run `worker(rank, world, store, *args, out)` on `world` spawned processes and return the JSON rank 0 wrote
+    to the file `out`; `store` is a file for `init_rank`. Raises (and kills the other ranks) if any worker fails:
+    a non-zero exit, no hang."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory(prefix=prefix) as folder:
+        store, out = os.path.join(folder, "store"), os.path.join(folder, "results.json")
+        mp.spawn(worker, args=(world, store, *args, out), nprocs=world, join=True)
+        return json.loads(Path(out).read_text())
+
+
+def init_rank(rank: int, world: int, store: str, *, device: str = "cpu", timeout_s: float = 300.0) -> None:
+    """Join the group of a `spawn_ranks` worker, with one thread. On CUDA: GPU rank % device_count; NCCL when every
+    rank has its own GPU, else gloo (NCCL refuses two ranks on one GPU; cpcompose stages CUDA tensors for gloo)."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    backend = "gloo"
+    if device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        backend = "nccl" if torch.cuda.device_count() >= world else "gloo"
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def exit_rank() -> NoReturn:
+    """Leave a rank that succeeded without interpreter teardown: after a gloo job it intermittently aborts
+    ("terminate called without an active exception", static destructors racing the backend's threads;
+    cpcompose.train does the same), which failed a finished run."""
+    sys.stdout.flush()
+    os._exit(0)
+
+
+# --- models ---
+
+
+def tiny_hf_model(folder: Path) -> Path:
+    """`folder`, holding the tiny Llama and its tokenizer that `scripts/make_tiny_hf_model.py` writes (once)."""
+    if not (folder / "config.json").exists():
+        subprocess.run([sys.executable, str(ROOT / "scripts" / "make_tiny_hf_model.py"), str(folder)], cwd=ROOT,
+                       check=True, capture_output=True)
+    return folder
+
+
+# --- training trials on fresh rank processes ---
 
 
 def trainer_args(model: dict[str, int], cp: int, seq_len: int, steps: int, dump: str,
@@ -185,37 +345,12 @@ def run_trial(
     return row
 
 
-# --- shared by the experiments ---
-
-
 def fit_line(points: list[tuple[int, float]]) -> tuple[float, float]:
     """Least-squares a, b of peak = a + b * L."""
     n = len(points)
     mx, my = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
     b = sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points)
     return my - b * mx, b
-
-
-def machine() -> dict[str, Any]:
-    import torch
-
-    model = "unknown"
-    with open("/proc/cpuinfo") as f:
-        model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), model)
-    with open("/proc/meminfo") as f:
-        total = next(int(ln.split()[1]) for ln in f if ln.startswith("MemTotal:")) / 2**20
-    return {"cpu": model, "cores": os.cpu_count(), "ram_gib": round(total, 1), "torch": torch.__version__,
-            "python": platform.python_version(), "platform": platform.platform(),
-            "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}
-
-
-def table(headers: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---:" for _ in headers) + "|"]
-    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
-
-
-def fmt(x: float | None, f: str = "{:,.0f}") -> str:
-    return "n/a" if x is None else f.format(x)
 
 
 if __name__ == "__main__":  # a rank started by run_trial
@@ -225,5 +360,4 @@ if __name__ == "__main__":  # a rank started by run_trial
     w.add_argument("--_out")
     a = w.parse_args()
     spec = json.loads(a._spec)
-    sys.path.insert(0, str(ROOT))
     rank_main(a._rank, spec["world"], spec["store"], spec["timeout"], spec["argv"], a._out)

@@ -6,8 +6,8 @@ that other ranks own (a synthetic selection, see PATTERNS) give the count table,
 forward and backward (the same functions the strategy's `auto` choice uses). The
 all-gather moves every row another rank owns, forward and back.
 
-    python scripts/bench_sparse.py                          # the table: L 8k-32k, top-k 64-2048, P 2 and 4
-    python scripts/bench_sparse.py --time --lengths 8192 --topks 256 2048 --worlds 2 4   # also time (gloo)
+    python scripts/benchmarks/bench_sparse.py                          # the table: L 8k-32k, top-k 64-2048, P 2 and 4
+    python scripts/benchmarks/bench_sparse.py --time --lengths 8192 --topks 256 2048 --worlds 2 4   # also time (gloo)
 
 PATTERNS (which keys each query at global position p selects, k of them, causal):
   window  the k keys up to p (a local window: what trained DSA indexers pick most)
@@ -20,7 +20,6 @@ values, bf16) unless --heads/--dk/--dv/--itemsize say otherwise; the ratio barel
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 
@@ -28,6 +27,8 @@ import torch
 
 from cpcompose.attention.sparse.cost import allgather_sent, selected_sent
 from cpcompose.layouts import resolve_layout
+
+from common import write_json
 
 PATTERNS = ("window", "sinks", "random")
 
@@ -147,8 +148,7 @@ def main() -> None:
             print(f"P={r['world']} L={r['seq_len']:6d} k={r['topk']:5d} {r['pattern']:6s}  selected "
                   f"{r['selected_s']:.3f} s  all-gather {r['allgather_s']:.3f} s")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        write_json(args.json, rows)
 
 
 if __name__ == "__main__":

@@ -19,9 +19,6 @@ bench_results/cuda_kernels.json) with the device, torch and CUDA versions.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import platform
 import statistics
 from pathlib import Path
 from typing import Any
@@ -30,6 +27,8 @@ import torch
 
 from cpcompose import _compat
 from cpcompose.attention.local.kernels import attention_backward, attention_forward
+
+from common import machine, markdown_header, markdown_row, write_json
 
 SHAPES = [(8, 2, 64), (32, 8, 128)]  # (H, Hkv, D): the attention benchmark's, and a Llama-3-8B layer's
 
@@ -96,21 +95,20 @@ def main() -> None:
                                          "kv_heads": kv_heads, "head_dim": dim, "seq": seq, "causal": causal,
                                          "backend": backend, "error": f"{type(e).__name__}: {e}"[:300]})
                         torch.cuda.empty_cache()
-    info = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
-            "cudnn": torch.backends.cudnn.version(), "python": platform.python_version(),
-            "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}
+    info = machine("cuda")
     print(f"\nCP block kernels, B=1, median of {args.repeats} ({info['gpu']}, torch {info['torch']}, "
           f"CUDA {info['cuda']}, cuDNN {info['cudnn']})\n")
-    print("| dtype | H/Hkv | D | L | causal | backend | fwd (ms) | bwd (ms) | fwd TFLOP/s | bwd TFLOP/s |")
-    print("|---|---:|---:|---:|---|---|---:|---:|---:|---:|")
+    print(markdown_header(["dtype", "H/Hkv", "D", "L", "causal", "backend", "fwd (ms)", "bwd (ms)", "fwd TFLOP/s",
+                           "bwd TFLOP/s"], left=("dtype", "causal", "backend")))
     for r in rows:
-        head = f"| {r['dtype']} | {r['heads']}/{r['kv_heads']} | {r['head_dim']} | {r['seq']} | {r['causal']} | {r['backend']} |"
+        head = [r["dtype"], f"{r['heads']}/{r['kv_heads']}", str(r["head_dim"]), str(r["seq"]), str(r["causal"]),
+                r["backend"]]
         if "error" in r:
-            print(f"{head} {r['error'][:80]} | | | |")
+            print(markdown_row([*head, r["error"][:80], "", "", ""]))
         else:
-            print(f"{head} {r['fwd_ms']:.3f} | {r['bwd_ms']:.3f} | {r['fwd_tflops']:.0f} | {r['bwd_tflops']:.0f} |")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"machine": info, "results": rows}, indent=2))
+            print(markdown_row([*head, f"{r['fwd_ms']:.3f}", f"{r['bwd_ms']:.3f}", f"{r['fwd_tflops']:.0f}",
+                                f"{r['bwd_tflops']:.0f}"]))
+    write_json(args.out, {"machine": info, "results": rows})
     print(f"\nwrote {args.out}")
 
 

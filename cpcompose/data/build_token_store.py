@@ -5,9 +5,10 @@ or the per-user cache ~/.cache/cpcompose/token-stores); this command is for a cl
 copy the printed store folders, and on the cluster point data.path (or each [[data.sources]] path) at the copied
 folders, with the same tokenizer and data.format. A copied store is read as it is: its sources need not be there.
 
-    python scripts/build_token_store.py --config my_run.toml [--section.key=value ...] [--histogram lengths.png]
+    python -m cpcompose.data.build_token_store --config my_run.toml [--section.key=value ...] [--histogram lengths.png]
 
-Exit status 2 with a one-line message for a bad file, record or option (as the trainer's pre-launch check).
+Installed as the `cpcompose-build-token-store` command too. Exit status 2 with a one-line message for a bad file,
+record or option (as the trainer's pre-launch check).
 """
 
 from __future__ import annotations
@@ -17,11 +18,24 @@ import time
 from pathlib import Path
 
 from cpcompose.config import ConfigError, load_config
-from cpcompose.data import build_token_stores, config_tokenizer
+from cpcompose.data.loader import build_token_stores
 from cpcompose.data.store import store_mixture, uses_store
+from cpcompose.data.tokenizer import config_tokenizer
+
+__all__ = ["main"]
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str] | None = None) -> int:
+    """The `cpcompose-build-token-store` command and `python -m cpcompose.data.build_token_store`.
+
+    Args:
+        argv: the trainer's options, and `--histogram PNG` for a plot of the document lengths (default: this
+            process's arguments).
+
+    Returns:
+        The exit code: 0 built (or found up to date), 2 a bad file, record or option (its line on stderr).
+    """
+    argv = sys.argv[1:] if argv is None else argv
     png = None
     if "--histogram" in argv:
         at = argv.index("--histogram")
@@ -48,4 +62,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

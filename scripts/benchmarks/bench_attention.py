@@ -88,41 +88,34 @@ documents.
 from __future__ import annotations
 
 import argparse
-import datetime
 import itertools
 import json
-import os
-import platform
 import statistics
-import sys
-import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as tmp
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+from cpcompose import CommMeter, cp_attention, cp_shard
+from cpcompose.attention import STRATEGIES
+from cpcompose.attention.local.heads import query_head_ranges
+from cpcompose.attention.local.blocks import BlockTask, MaskSpec, plan
+from cpcompose.data import long_tailed_lengths
+from cpcompose.layouts import LAYOUTS, Layout, PackedLayout, resolve_layout
+from cpcompose.sharding.packed import pad_pack
+from cpcompose.attention.cost import AttentionCall, bytes_sent
 
-from cpcompose import CommMeter, cp_attention, cp_shard  # noqa: E402
-from cpcompose.attention import STRATEGIES  # noqa: E402
-from cpcompose.attention.local.heads import query_head_ranges  # noqa: E402
-from cpcompose.attention.local.blocks import BlockTask, MaskSpec, plan  # noqa: E402
-from cpcompose.data import long_tailed_lengths  # noqa: E402
-from cpcompose.layouts import LAYOUTS, Layout, PackedLayout, resolve_layout  # noqa: E402
-from cpcompose.sharding.packed import pad_pack  # noqa: E402
-from cpcompose.attention.cost import AttentionCall, bytes_sent  # noqa: E402
+from common import exit_rank, init_rank, machine, markdown_table, repeated, spawn_ranks, sync, write_json
 
 B, H, HKV, D = 1, 8, 2, 64
 DTYPE = torch.float32
 STRATEGY_NAMES = tuple(s for s in STRATEGIES if s != "alltoall_ring")  # the 1-D ones: 2-D needs an alltoall_size
 BALANCES = ("documents", "zigzag")  # PackedLayout.build(balance=...)
 CAUSAL = MaskSpec(causal=True)
-T = TypeVar("T")
 
 
 def make_inputs(seq_len: int, seed: int, device: str = "cpu") -> tuple[torch.Tensor, ...]:
@@ -130,12 +123,6 @@ def make_inputs(seq_len: int, seed: int, device: str = "cpu") -> tuple[torch.Ten
     g = torch.Generator().manual_seed(seed)
     shapes = [(B, H, seq_len, D), (B, HKV, seq_len, D), (B, HKV, seq_len, D), (B, H, seq_len, D)]
     return tuple(torch.randn(s, generator=g, dtype=DTYPE).to(device) for s in shapes)
-
-
-def sync(device: str) -> None:
-    """Wait for queued GPU work, so that a timer reads finished work (a no-op on CPU)."""
-    if device == "cuda":
-        torch.cuda.synchronize()
 
 
 def sdpa_once(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor) -> None:
@@ -158,13 +145,6 @@ def build_layout(case: dict[str, Any], world: int) -> Layout:
     if case["packed"]:
         return PackedLayout.build(pack_cu_seqlens(case["seq_len"], case["seed"]), world, balance=case["layout"])
     return resolve_layout(case["layout"], world)
-
-
-def timed(fn: Callable[[], T], warmup: int, repeats: int) -> list[T]:
-    """`repeats` results of `fn()` after `warmup` discarded calls."""
-    for _ in range(warmup):
-        fn()
-    return [fn() for _ in range(repeats)]
 
 
 def baseline_once(seq_len: int, seed: int | None, device: str = "cpu") -> Callable[[], tuple[float, float]]:
@@ -279,27 +259,17 @@ def run_case(mesh: DeviceMesh, case: dict[str, Any], warmup: int, repeats: int) 
         dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=group)
         return reduced.tolist()
 
-    samples = timed(once, warmup, repeats)
+    samples = repeated(once, warmup, repeats)
     return {"times": [s[0] for s in samples], "cpu_times": [s[1] for s in samples],
             "bytes_sent": max(s[2] for s in samples), "t1_times": [s[3] for s in samples],
             "t1_cpu_times": [s[4] for s in samples]}
 
 
 def worker(rank: int, world: int, store: str, cases: list[dict[str, Any]], opts: dict[str, Any], out: str) -> None:
-    """One CP rank: join the group, run every case, rank 0 writes the results.
-
-    On CUDA: GPU rank % device_count; NCCL when every rank has its own GPU, else gloo
-    (NCCL refuses two ranks on one GPU; cpcompose stages CUDA tensors for gloo).
-    """
-    torch.set_num_threads(1)
-    device, backend = opts["device"], "gloo"
-    if device == "cuda":
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-        backend = "nccl" if torch.cuda.device_count() >= world else "gloo"
-    dist.init_process_group(
-        backend, init_method=f"file://{store}", rank=rank, world_size=world,
-        timeout=datetime.timedelta(seconds=opts["timeout"]),
-    )
+    """One CP rank (`common.init_rank`: on CUDA, NCCL or gloo): join the group, run every case, rank 0 writes the
+    results."""
+    device = opts["device"]
+    init_rank(rank, world, store, device=device, timeout_s=opts["timeout"])
     try:
         mesh = init_device_mesh(device, (world,), mesh_dim_names=("cp",))
         results = []
@@ -314,27 +284,7 @@ def worker(rank: int, world: int, store: str, cases: list[dict[str, Any]], opts:
             Path(out).write_text(json.dumps(results))
     finally:
         dist.destroy_process_group()
-    # Leave without interpreter teardown: after a gloo job it intermittently aborts ("terminate called
-    # without an active exception", static destructors racing the backend's threads; cpcompose.train
-    # does the same), which failed a finished run. Reached only when the rank succeeded.
-    sys.stdout.flush()
-    os._exit(0)
-
-
-def machine(device: str = "cpu") -> dict[str, Any]:
-    """What the numbers were measured on."""
-    model = "unknown"
-    if os.path.exists("/proc/cpuinfo"):
-        with open("/proc/cpuinfo") as f:
-            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), model)
-    info = {
-        "cpu": model, "cores": os.cpu_count(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "torch": torch.__version__, "python": platform.python_version(),
-        "platform": platform.platform(), "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-    }
-    if device == "cuda":
-        info.update(gpu=torch.cuda.get_device_name(), gpus=torch.cuda.device_count(), cuda=torch.version.cuda)
-    return info
+    exit_rank()  # reached only when the rank succeeded
 
 
 def parse_args() -> argparse.Namespace:
@@ -387,10 +337,9 @@ PACKED_COLUMNS = [("L", "seq_len", "{}"), ("seed", "seed", "{}"), ("docs", "docs
 
 
 def print_table(columns: list[tuple[str, str, str]], rows: list[dict[str, Any]]) -> None:
-    print("| " + " | ".join(head for head, _, _ in columns) + " |")
-    print("|" + "|".join("---" if key in ("strategy", "layout") else "---:" for _, key, _ in columns) + "|")
-    for r in rows:
-        print("| " + " | ".join(fmt.format(r[key]) for _, key, fmt in columns) + " |")
+    left = [head for head, key, _ in columns if key in ("strategy", "layout")]
+    print(markdown_table([head for head, _, _ in columns],
+                         [[fmt.format(r[key]) for _, key, fmt in columns] for r in rows], left))
 
 
 def main() -> None:
@@ -401,11 +350,7 @@ def main() -> None:
     cases = [{"seq_len": n, "seed": seed, "strategy": s, "layout": lay, "packed": args.packed}
              for n in args.seq_lens for seed in seeds for s in args.strategies for lay in layouts]
     opts = {"warmup": args.warmup, "repeats": args.repeats, "timeout": args.timeout, "device": args.device}
-    with tempfile.TemporaryDirectory(prefix="cpcompose-bench-") as tmpdir:
-        store, out = os.path.join(tmpdir, "store"), os.path.join(tmpdir, "results.json")
-        # Raises (and kills the other ranks) if any worker fails: a non-zero exit, no hang.
-        tmp.spawn(worker, args=(args.world, store, cases, opts, out), nprocs=args.world, join=True)
-        cp_results = json.loads(Path(out).read_text())
+    cp_results = spawn_ranks(worker, args.world, cases, opts)
 
     rows, p = [], args.world
     for res in cp_results:
@@ -434,10 +379,9 @@ def main() -> None:
           f"median of {args.repeats} ({info.get('gpu', info['cpu'])}, {info['cores']} cores, torch {info['torch']})\n")
     print_table(PACKED_COLUMNS if args.packed else COLUMNS, rows)
 
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     config = {"B": B, "H": H, "Hkv": HKV, "D": D, "dtype": str(DTYPE), "world": p, "packed": args.packed,
               "repeats": args.repeats, "warmup": args.warmup, "threads_per_process": 1, "device": args.device}
-    args.out.write_text(json.dumps({"machine": info, "config": config, "results": rows}, indent=2))
+    write_json(args.out, {"machine": info, "config": config, "results": rows})
     print(f"\nwrote {args.out}")
 
 

@@ -1,9 +1,9 @@
 """Step time of the fused loss against the unfused one, at cp = 1 and 2 (issue 26: at most 5% dearer).
 
-    python scripts/bench_fused_loss.py                       # Llama-3 proportions, dim 256, 128k vocabulary
-    python scripts/bench_fused_loss.py --vocab 1024 --seq-len 256 --repeats 1     # a quick check that it runs
+    python scripts/benchmarks/bench_fused_loss.py                    # Llama-3 proportions, dim 256, 128k vocabulary
+    python scripts/benchmarks/bench_fused_loss.py --vocab 1024 --seq-len 256 --repeats 1   # a quick check that it runs
 
-Each measurement is a fresh set of rank processes (`scripts/memory_trials.run_trial`), `--steps` steps, the
+Each measurement is a fresh set of rank processes (`common.run_trial`), `--steps` steps, the
 last step's wall time (the first pays one-off set-up), repeated `--repeats` times; prints the median per
 case and the fused/unfused ratio. Timings need a quiet machine.
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from memory_trials import run_trial
+from common import run_trial
 
 
 def main() -> None:

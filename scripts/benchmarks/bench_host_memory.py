@@ -21,16 +21,14 @@ Cases:
 The settings take turns within each repeat, so a machine that slows down slows each alike.
 
     git worktree add /tmp/cpcompose-before <previous commit>
-    python scripts/bench_host_memory.py --before /tmp/cpcompose-before --repeats 3 --out docs/bench/host_memory.json
+    python scripts/benchmarks/bench_host_memory.py --before /tmp/cpcompose-before --repeats 3 \
+        --out docs/bench/host_memory.json
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import platform
 import re
 import resource
 import statistics
@@ -40,7 +38,8 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from common import ROOT, machine, markdown_header, markdown_row, tiny_hf_model, write_json
+
 HEAP = {"MALLOC_MMAP_THRESHOLD_": "4294967296", "MALLOC_TRIM_THRESHOLD_": "4294967296"}
 CASES = {
     "parameters": ["--config", "train_configs/debug_cpu.toml", "--model.dim=1024", "--model.n_layers=2",
@@ -88,16 +87,6 @@ def summary(runs: list[dict]) -> dict:
             "median_step_s": round(statistics.median(steps), 3), "cpu_sys_s": [r["cpu_sys_s"] for r in runs]}
 
 
-def machine() -> dict:
-    import torch
-
-    with open("/proc/cpuinfo") as f:
-        cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown")
-    libc = " ".join(platform.libc_ver())
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
-            "libc": libc, "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--before", type=Path, help="a checkout of the previous code (its launcher's own settings)")
@@ -107,9 +96,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
     a.work.mkdir(parents=True, exist_ok=True)
-    if "fine-tune" in a.cases and not (a.work / "tiny-llama").exists():
-        subprocess.run([sys.executable, "scripts/make_tiny_hf_model.py", str(a.work / "tiny-llama")], cwd=ROOT,
-                       check=True, capture_output=True)
+    if "fine-tune" in a.cases:
+        tiny_hf_model(a.work / "tiny-llama")
     settings = {"after": (ROOT, {}), "after+heap": (ROOT, HEAP)}
     if a.before is not None:
         settings["before"] = (a.before.resolve(), {})
@@ -123,14 +111,14 @@ def main() -> None:
                       f"{got['peak_mib'][0]:,.0f} -> {got['peak_mib'][-1]:,.0f} MiB  steps "
                       f"{statistics.median(got['step_s'][1:]):.2f} s  sys {got['cpu_sys_s']} s", flush=True)
     table = {case: {name: summary(runs) for name, runs in by.items()} for case, by in raw.items()}
-    print("\n| case | setting | plan (MiB) | peak, step 1 | peak, last step | peak / plan | median step (s) |")
-    print("|---|---|---:|---:|---:|---:|---:|")
+    print("\n" + markdown_header(["case", "setting", "plan (MiB)", "peak, step 1", "peak, last step", "peak / plan",
+                                  "median step (s)"], left=("case", "setting")))
     for case, by in table.items():
         for name, s in by.items():
-            print(f"| {case} | {name} | {s['plan_mib']:,.0f} | {s['first_step_peak_mib']:,.0f} | {s['peak_mib']:,.0f} "
-                  f"| {s['peak_over_plan']:.2f} | {s['median_step_s']:.2f} |")
+            print(markdown_row([case, name, f"{s['plan_mib']:,.0f}", f"{s['first_step_peak_mib']:,.0f}",
+                                f"{s['peak_mib']:,.0f}", f"{s['peak_over_plan']:.2f}", f"{s['median_step_s']:.2f}"]))
     if a.out is not None:
-        a.out.write_text(json.dumps({"machine": machine(), "cases": CASES, "summary": table, "runs": raw}, indent=1))
+        write_json(a.out, {"machine": machine(), "cases": CASES, "summary": table, "runs": raw})
 
 
 if __name__ == "__main__":

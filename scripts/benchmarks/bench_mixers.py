@@ -57,34 +57,28 @@ this is a lower bound.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import platform
 import statistics
-import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as tmp
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.utils.flop_counter import FlopCounterMode
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+import transformers  # noqa: F401
+from transformers.models.mamba2 import modeling_mamba2
+from transformers.models.qwen3_next import modeling_qwen3_next
 
-import transformers  # noqa: E402,F401
-from transformers.models.mamba2 import modeling_mamba2  # noqa: E402
-from transformers.models.qwen3_next import modeling_qwen3_next  # noqa: E402
+from cpcompose.comm import CPGroup, all_gather, start_all_gather
+from cpcompose.mixers.triton_scans import fla_chunk_gated_delta_rule, mamba_chunk_scan_combined
+from cpcompose.mixers.fla import cp_chunk_gated_delta_rule
+from cpcompose.mixers.mamba_ssm import cp_mamba2_chunk_scan
 
-from cpcompose.comm import CPGroup, all_gather, start_all_gather  # noqa: E402
-from cpcompose.mixers.triton_scans import fla_chunk_gated_delta_rule, mamba_chunk_scan_combined  # noqa: E402
-from cpcompose.mixers.fla import cp_chunk_gated_delta_rule  # noqa: E402
-from cpcompose.mixers.mamba_ssm import cp_mamba2_chunk_scan  # noqa: E402
+from common import exit_rank, init_rank, machine, spawn_ranks, sync, write_json
 
 SCAN_WORK: dict[str, float] = {"tokens": 0.0, "weighted": 0.0}
 """What the scan kernels processed since the last reset (the script's one counter: the routes capture
@@ -237,11 +231,6 @@ def leaves(t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone().requires_grad_(k != "dout") for k, v in t.items()}
 
 
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
 def single(kind: str, seq_len: int, device: str) -> Callable[[], tuple[float, float]]:
     """One process's forward+backward on the full sequence: `() -> (wall s, main thread's CPU s)`."""
     full = make_inputs(kind, seq_len, device)
@@ -364,13 +353,8 @@ def gather_alone(mesh: DeviceMesh, nbytes: int, repeats: int) -> float:
 
 
 def worker(rank: int, world: int, store: str, cases: list[tuple[str, int]], opts: dict[str, Any], out: str) -> None:
-    torch.set_num_threads(1)
-    device, backend = opts["device"], "gloo"
-    if device == "cuda":  # GPU rank % count; NCCL when every rank has its own GPU, else gloo (host-staged)
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-        backend = "nccl" if torch.cuda.device_count() >= world else "gloo"
-    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=600))
+    device = opts["device"]
+    init_rank(rank, world, store, device=device, timeout_s=600)  # on CUDA: NCCL, or gloo host-staged
     try:
         for line in find_cuda_scans() if device == "cuda" else []:
             print(f"rank {rank}: {line}", flush=True)
@@ -380,8 +364,7 @@ def worker(rank: int, world: int, store: str, cases: list[tuple[str, int]], opts
             Path(out).write_text(json.dumps(results))
     finally:
         dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)  # see bench_attention.py: no interpreter teardown after gloo
+    exit_rank()
 
 
 def spread(times: list[float]) -> float:
@@ -419,12 +402,8 @@ def main() -> None:
     p.add_argument("--out", default="bench_results/mixers.json")
     args = p.parse_args()
     cases = [(kind, n) for n in args.seq_lens for kind in args.kinds]
-    with tempfile.TemporaryDirectory() as tmpdir:
-        result = os.path.join(tmpdir, "result.json")
-        tmp.spawn(worker, args=(args.world, os.path.join(tmpdir, "store"), cases,
-                                {"warmup": args.warmup, "repeats": args.repeats, "device": args.device}, result),
-                  nprocs=args.world, join=True)
-        rows = json.loads(Path(result).read_text())
+    rows = spawn_ranks(worker, args.world, cases, {"warmup": args.warmup, "repeats": args.repeats,
+                                                   "device": args.device})
     columns = [("         kind", "kind", "{}"), ("L", "seq_len", "{}"), ("T1 (s)", "t1_s", "{:.3f}"),
                ("T_P (s)", "tp_s", "{:.3f}"), ("eff.", "efficiency", "{:.2f}"),
                ("best-of-N eff.", "best_efficiency", "{:.2f}"), ("spread T1/T_P", "spread", "{}"),
@@ -438,10 +417,7 @@ def main() -> None:
         cells = ["-" if r.get(key) is None or (r["kind"] == "attention" and key.startswith("scan"))
                  else fmt.format(r[key]) for _, key, fmt in columns]
         print(" ".join(f"{cell:>{max(len(name), 6)}}" for (name, _, _), cell in zip(columns, cells)))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"machine": {"cpu": platform.processor() or platform.machine(),
-                                                      "cores": os.cpu_count(), "torch": torch.__version__},
-                                          "world": args.world, "device": args.device, "rows": rows}, indent=1))
+    write_json(args.out, {"machine": machine(args.device), "world": args.world, "device": args.device, "rows": rows})
     print(f"wrote {args.out}")
 
 

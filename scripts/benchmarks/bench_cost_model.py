@@ -22,23 +22,16 @@ Take /work/BENCH_LOCK first and keep the machine quiet. Writes bench_results/cos
 from __future__ import annotations
 
 import argparse
-import datetime
 import itertools
 import json
-import os
 import statistics
-import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as tmp
 from torch.distributed.device_mesh import init_device_mesh
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cpcompose import CommMeter, cp_attention, cp_shard
 from cpcompose.attention import STRATEGIES
@@ -47,6 +40,8 @@ from cpcompose.data import long_tailed_lengths
 from cpcompose.layouts import Layout, PackedLayout, resolve_layout
 from cpcompose.sharding.packed import pad_pack
 from cpcompose.attention.cost import CPU_DEFAULT, AttentionCall, Calibration, Topology, predict
+
+from common import exit_rank, init_rank, markdown_table, repeated, spawn_ranks, write_json
 
 CALLS: list[dict[str, Any]] = [
     {"name": "dense MHA", "H": 8, "Hkv": 8, "L": 4096},
@@ -103,16 +98,12 @@ def time_strategy(mesh: Any, tensors: tuple[torch.Tensor, ...], layout: Layout, 
         dist.all_gather(sent, torch.tensor([float(meter.total)], dtype=torch.float64))
         return elapsed.item(), [s.item() for s in sent]
 
-    for _ in range(opts["warmup"]):
-        once()
-    samples = [once() for _ in range(opts["repeats"])]
+    samples = repeated(once, opts["warmup"], opts["repeats"])
     return [s[0] for s in samples], samples[-1][1]
 
 
 def worker(rank: int, world: int, store: str, opts: dict[str, Any], out: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=300))
+    init_rank(rank, world, store, timeout_s=300)
     try:
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
         results = []
@@ -138,18 +129,11 @@ def worker(rank: int, world: int, store: str, opts: dict[str, Any], out: str) ->
             Path(out).write_text(json.dumps(results))
     finally:
         dist.destroy_process_group()
-    # Leave without interpreter teardown: after a gloo job it intermittently aborts ("terminate called
-    # without an active exception", static destructors racing the backend's threads; cpcompose.train
-    # does the same), which failed a finished run. Reached only when the rank succeeded.
-    sys.stdout.flush()
-    os._exit(0)
+    exit_rank()  # reached only when the rank succeeded
 
 
 def measure(world: int, opts: dict[str, Any]) -> list[dict[str, Any]]:
-    with tempfile.TemporaryDirectory(prefix="cpcompose-costbench-") as tmpdir:
-        store, out = os.path.join(tmpdir, "store"), os.path.join(tmpdir, "res.json")
-        tmp.spawn(worker, args=(world, store, opts, out), nprocs=world, join=True)
-        return json.loads(Path(out).read_text())
+    return spawn_ranks(worker, world, opts, prefix="cpcompose-costbench-")
 
 
 def main() -> None:
@@ -183,20 +167,18 @@ def main() -> None:
                      "bytes_exact": [int(b) for b in res["bytes_per_rank"]] == list(cost.bytes_per_rank)})
     print(f"\nCost model vs measurement, B={B} D={D} fp32 causal, gloo, 1 thread/rank, {args.repeats} repeats; "
           f"calibration {cal.fingerprint()} ({cal.name})\n")
-    print("| P | call | strategy | predicted (ms) | median (ms) | error | best (ms) | error vs best | sent/rank (MiB) "
-          "| bytes exact |")
-    print("|---:|---|---|---:|---:|---:|---:|---:|---:|---|")
-    for r in rows:
-        label = r["strategy"] + ("" if r["alltoall_size"] is None else f"(a={r['alltoall_size']})")
-        print(f"| {r['world']} | {r['call']} | {label} | {r['predicted_s'] * 1e3:.0f} | {r['measured_s'] * 1e3:.0f} | "
-              f"{r['rel_error']:+.0%} | {r['best_s'] * 1e3:.0f} | {r['rel_error_best']:+.0%} | "
-              f"{max(r['bytes_per_rank']) / 2**20:.1f} | {'yes' if r['bytes_exact'] else 'NO'} |")
+    headers = ["P", "call", "strategy", "predicted (ms)", "median (ms)", "error", "best (ms)", "error vs best",
+               "sent/rank (MiB)", "bytes exact"]
+    cells = [[str(r["world"]), r["call"], r["strategy"] + ("" if r["alltoall_size"] is None
+                                                         else f"(a={r['alltoall_size']})"),
+              f"{r['predicted_s'] * 1e3:.0f}", f"{r['measured_s'] * 1e3:.0f}", f"{r['rel_error']:+.0%}",
+              f"{r['best_s'] * 1e3:.0f}", f"{r['rel_error_best']:+.0%}", f"{max(r['bytes_per_rank']) / 2**20:.1f}",
+              "yes" if r["bytes_exact"] else "NO"] for r in rows]
+    print(markdown_table(headers, cells, left=("call", "strategy", "bytes exact")))
     for key, what in (("rel_error", "median"), ("rel_error_best", "best")):
         errors = [abs(r[key]) for r in rows]
         print(f"\nagainst the {what}: median |error| {statistics.median(errors):.0%}, max {max(errors):.0%}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"calibration": cal.to_dict(), "fingerprint": cal.fingerprint(), "rows": rows},
-                                   indent=2))
+    write_json(args.out, {"calibration": cal.to_dict(), "fingerprint": cal.fingerprint(), "rows": rows})
     print(f"wrote {args.out}")
 
 
