@@ -3,7 +3,7 @@ the corpus grows, with and without the store.
 
 Corpora: .jsonl files of generated English-like documents (words of a fixed list, long-tailed lengths) of the
 given sizes, written once into ``--work``. The tokenizer is the tiny model's byte-level BPE
-(scripts/make_tiny_hf_model.py) unless ``--tokenizer`` names another folder or tokenizer.json.
+(cpcompose/integrations/transformers/tiny_model.py) unless ``--tokenizer`` names another folder or tokenizer.json.
 
 1. Build throughput. The tokenizer's own ``encode_batch`` over the same texts, held in memory (batches of 1024,
    as the builder sends them), against building the store from the file (reading, parsing, encoding, writing).

@@ -16,7 +16,7 @@ Cases:
   parameters   issue 36's parameter-dominated Llama: dim 1024, 2 layers, a 128,256-token vocabulary, bfloat16,
                cp = 2, 2,048 tokens a sequence, batch 1 (0.27 B parameters; the peak is the backward's end).
   main-job     train_configs/debug_cpu.toml (the README's main job), fewer steps.
-  fine-tune    train_configs/hf_tiny_cpu.toml on the tiny Llama scripts/make_tiny_hf_model.py writes.
+  fine-tune    train_configs/hf_tiny_cpu.toml on the tiny Llama cpcompose/integrations/transformers/tiny_model.py writes.
 
 The settings take turns within each repeat, so a machine that slows down slows each alike.
 

@@ -11,7 +11,7 @@ level: a trial's rank runs this file (below), and imports what a rank needs and 
 * `best_time`, `repeated`, `sync`: timers;
 * `spawn_ranks`, `init_rank`, `exit_rank`: P spawned processes of one thread in a gloo (or NCCL) group, rank 0
   handing back the results;
-* `tiny_hf_model(folder)`: the tiny Llama `scripts/make_tiny_hf_model.py` writes;
+* `tiny_hf_model(folder)`: the tiny Llama `cpcompose/integrations/transformers/tiny_model.py` writes;
 * `run_trial`, `trainer_args`, `fit_line`, `mem_available_mib`: one measured training run on fresh rank processes.
 
 `run_trial` starts P ranks, each a fresh Python process running this file with `--_rank`
@@ -179,9 +179,9 @@ def exit_rank() -> NoReturn:
 
 
 def tiny_hf_model(folder: Path) -> Path:
-    """`folder`, holding the tiny Llama and its tokenizer that `scripts/make_tiny_hf_model.py` writes (once)."""
+    """`folder`, holding the tiny Llama and its tokenizer that `cpcompose-tiny-model` writes (once)."""
     if not (folder / "config.json").exists():
-        subprocess.run([sys.executable, str(ROOT / "scripts" / "make_tiny_hf_model.py"), str(folder)], cwd=ROOT,
+        subprocess.run([sys.executable, "-m", "cpcompose.integrations.transformers.tiny_model", str(folder)], cwd=ROOT,
                        check=True, capture_output=True)
     return folder
 

@@ -1,7 +1,7 @@
 """The model's tokenizer and the three record formats: BOS/EOS, which tokens carry the loss, and every bad
 record named by file, line and key.
 
-The tokenizer is the tiny model's (`scripts/make_tiny_hf_model.py`): BOS, EOS, pad and a chat template with
+The tokenizer is the tiny model's (`cpcompose/integrations/transformers/tiny_model.py`): BOS, EOS, pad and a chat template with
 `{% generation %}` markers around each assistant message and its `<|end|>`.
 """
 

@@ -1,10 +1,12 @@
 """Data files and the tiny model tokenizer the data and trainer tests share.
 
-The tokenizer is the one `scripts/make_tiny_hf_model.py` writes (byte-level BPE, BOS/EOS/pad, a chat template
+The tokenizer is the one `cpcompose/integrations/transformers/tiny_model.py` writes (byte-level BPE, BOS/EOS/pad, a chat template
 with `{% generation %}` markers), loaded from that script so the tests use what a newcomer gets.
 """
 
 from __future__ import annotations
+
+import importlib
 
 import functools
 import json
@@ -15,14 +17,13 @@ from typing import Any
 
 import torch
 
-from tests.support.scripts import load_script
 
 
 
 @functools.cache
 def tiny_model_script() -> ModuleType:
-    """`scripts/make_tiny_hf_model.py` as a module."""
-    return load_script("make_tiny_hf_model")
+    """`cpcompose.integrations.transformers.tiny_model`."""
+    return importlib.import_module("cpcompose.integrations.transformers.tiny_model")
 
 
 @functools.cache

@@ -1,12 +1,14 @@
 """Tiny Hugging Face model folders and the trainer runs the `model.name = "hf"` tests share.
 
-A folder is what `scripts/make_tiny_hf_model.py` writes (config.json, model.safetensors, a
+A folder is what `cpcompose/integrations/transformers/tiny_model.py` writes (config.json, model.safetensors, a
 byte-level BPE tokenizer with `<|eos|>`): a 2-layer random model of each family, float32, vocab
 320. `run_hf` is a pool case: every rank runs the trainer in-process and returns its losses and,
 from rank 0, the trained weights gathered whole (for the export round trip).
 """
 
 from __future__ import annotations
+
+import importlib
 
 import json
 from pathlib import Path
@@ -16,7 +18,6 @@ import torch
 from cpcompose.config import load_config
 from cpcompose.training.errors import TrainingError
 from cpcompose.training.loop.trainer import Trainer
-from tests.support.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -24,8 +25,8 @@ WORDS = ("context", "parallel", "ring", "zig", "zag", "token", "rank", "shard", 
 
 
 def tiny_model_script():
-    """`scripts/make_tiny_hf_model.py` as a module."""
-    return load_script("make_tiny_hf_model")
+    """`cpcompose.integrations.transformers.tiny_model`."""
+    return importlib.import_module("cpcompose.integrations.transformers.tiny_model")
 
 
 def make_model(folder: Path, family: str) -> Path:

@@ -1,7 +1,7 @@
 """The Hugging Face train_configs: the CPU one trains (at 3 steps), the 128k GPU one's dry run sizes Qwen3-8B.
 
 The CPU config is the README's "Fine-tune a Hugging Face model to long context" example; its
-folder here is the one `scripts/make_tiny_hf_model.py` writes (the README's first command). The
+folder here is the one `cpcompose/integrations/transformers/tiny_model.py` writes (the README's first command). The
 GPU config's dry run needs only the model's config.json (Qwen3-8B's shape, written here), not its
 weights.
 """

@@ -1,6 +1,6 @@
 """The trainer on real data with a model's tokenizer: chat records and packed text, cp=2 against cp=1.
 
-The tokenizer is the tiny model folder's (`scripts/make_tiny_hf_model.py`); the model is the package's tiny
+The tokenizer is the tiny model folder's (`cpcompose/integrations/transformers/tiny_model.py`); the model is the package's tiny
 Llama with its 320-id vocabulary (model.name = "hf" trains the folder's own model, on the hfmodel side).
 
 Tolerance, as in test_trainer.py: float32 sums in another order under CP (attention blocks of each document,

@@ -31,7 +31,7 @@ from tests.support.hybrid_families import HYBRIDS
 
 RTOL = 1e-5
 REFERENCE_RTOL = 1e-6
-# The hybrids of issue 25 beyond those scripts/make_tiny_hf_model.py writes (qwen3_next and lfm2 are trained by
+# The hybrids of issue 25 beyond those cpcompose/integrations/transformers/tiny_model.py writes (qwen3_next and lfm2 are trained by
 # tests/training/families/hf/test_trainer.py).
 FAMILIES = ("mamba", "mamba2", "bamba", "falcon_h1", "granitemoehybrid", "nemotron_h", "zamba", "zamba2", "jamba",
             "qwen3_5", "olmo_hybrid", "kimi_linear", "minimax", "recurrent_gemma", "rwkv", "xlstm", "lfm2_moe",

@@ -1,6 +1,6 @@
 """The trainer on Hugging Face models (`model.name = "hf"`): every family at cp=2 equals cp=1.
 
-Each family is a tiny random float32 model written by `scripts/make_tiny_hf_model.py`, trained
+Each family is a tiny random float32 model written by `cpcompose/integrations/transformers/tiny_model.py`, trained
 4 steps on packed text tokenized with its own tokenizer (documents of 1-40 words: several
 documents per row and documents cut by the row's end), each rank running the trainer in-process.
 cp=1 runs the same packs through a CP region of one rank (documents masked the same way).

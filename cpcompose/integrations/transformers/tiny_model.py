@@ -7,8 +7,8 @@ download. The tokenizer is a byte-level BPE trained on a built-in paragraph (a f
 hundred tokens; every UTF-8 text encodes), with BOS, EOS, a pad token and the
 special tokens of a small chat template. The weights are random (seeded).
 
-    python scripts/make_tiny_hf_model.py out/tiny-llama                # Llama
-    python scripts/make_tiny_hf_model.py out/tiny-qwen3 --family qwen3
+    python -m cpcompose.integrations.transformers.tiny_model out/tiny-llama                # Llama
+    python -m cpcompose.integrations.transformers.tiny_model out/tiny-qwen3 --family qwen3
 
 Families: see FAMILIES (attention models of several kinds and hybrids).
 """
@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["FAMILIES", "make_tiny_model", "make_tokenizer"]
+__all__ = ["FAMILIES", "main", "make_tiny_model", "make_tokenizer"]
 
 SPECIALS = ("<|pad|>", "<|bos|>", "<|eos|>", "<|user|>", "<|assistant|>", "<|system|>", "<|end|>")
 VOCAB = 320
@@ -121,15 +121,17 @@ def make_tiny_model(folder: str | Path, family: str = "llama", *, seed: int = 0,
     return folder
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    """`python -m cpcompose.integrations.transformers.tiny_model` and the `cpcompose-tiny-model` command."""
+    parser = argparse.ArgumentParser(prog="cpcompose-tiny-model", description=__doc__.splitlines()[0])
     parser.add_argument("folder", help="where to write the model (created)")
     parser.add_argument("--family", default="llama", choices=FAMILIES)
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     folder = make_tiny_model(args.folder, args.family, seed=args.seed)
     print(f"wrote a tiny {args.family} model and its tokenizer to {folder}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
