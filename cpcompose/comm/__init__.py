@@ -23,9 +23,11 @@ No other module calls a torch.distributed collective (tests/test_comm_boundary.p
 
 from cpcompose.comm.blocking import (
     ReduceOp,
+    all_gather_into,
     all_gather_objects,
     all_gather_tensors,
     all_reduce,
+    all_to_all_into,
     barrier,
     broadcast,
     broadcast_object,
@@ -55,7 +57,7 @@ from cpcompose.comm.staging import backend_for
 
 __all__ = [
     "CPGroup", "CommMeter", "FetchPlan", "PendingCollective", "PendingRecv", "PostedFetch", "ReduceOp", "RingComm",
-    "all_gather", "all_gather_objects", "all_gather_tensors", "all_reduce", "all_to_all_pieces", "backend_for",
+    "all_gather", "all_gather_into", "all_gather_objects", "all_gather_tensors", "all_reduce", "all_to_all_into", "all_to_all_pieces", "backend_for",
     "barrier", "broadcast", "broadcast_object", "fetch_positions", "fetch_rows", "plan_by_peer", "plan_fetch",
     "post_fetch", "rehearsal_mode", "rehearsing", "start_all_gather", "start_all_to_all_pieces", "start_reduce_scatter",
 ]

@@ -17,8 +17,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from cpcompose import _compat
+
 __all__ = [
-    "ReduceOp", "all_gather_objects", "all_gather_tensors", "all_reduce", "barrier", "broadcast", "broadcast_object",
+    "ReduceOp", "all_gather_into", "all_gather_objects", "all_gather_tensors", "all_reduce", "all_to_all_into",
+    "barrier", "broadcast", "broadcast_object",
 ]
 
 ReduceOp = Literal["sum", "max"]
@@ -61,3 +64,17 @@ def broadcast_object(obj: Any, *, src: int = 0, group: dist.ProcessGroup | None 
 def barrier(group: dist.ProcessGroup | None = None) -> None:
     """Wait until every rank of `group` has reached this call."""
     dist.barrier(group=group)
+
+
+def all_gather_into(out: Tensor, x: Tensor, group: dist.ProcessGroup | None = None) -> Tensor:
+    """Every rank's 1-D `x` concatenated into `out`, in rank order, as the bare transport moves it (no staging, no
+    meter): what the calibration times (`cpcompose.attention.cost.calibrate`). Returns `out`."""
+    _compat.all_gather_flat(out, x, group)
+    return out
+
+
+def all_to_all_into(out: Tensor, x: Tensor, group: dist.ProcessGroup | None = None) -> Tensor:
+    """Equal slices of 1-D `x` to every rank, theirs for this rank into `out`, as the bare transport moves them (no
+    staging, no meter): what the calibration times. Returns `out`."""
+    _compat.all_to_all_flat(out, x, group)
+    return out

@@ -56,7 +56,7 @@ from cpcompose.attention.local.execute import backward_blocks, forward_blocks
 from cpcompose.attention.local.kernels import KernelArgs
 from cpcompose.attention.local.kernels import attention_backward, attention_forward
 from cpcompose.attention.local.merge import SoftmaxAccumulator
-from cpcompose.comm import CPGroup, RingComm, all_gather, all_reduce, all_to_all_pieces, barrier
+from cpcompose.comm import CPGroup, RingComm, all_gather_into, all_reduce, all_to_all_into, barrier
 
 __all__ = ["calibrate", "main"]
 
@@ -140,7 +140,7 @@ def _group_worker(rank: int, world: int, store: str, repeats: int, out: str) -> 
     try:
         res: dict[str, Any] = {}
         peer = (rank + 1) % world
-        cp = CPGroup(dist.group.WORLD, rank, world)  # timed through cpcompose.comm, as the strategies move bytes
+        cp = CPGroup(dist.group.WORLD, rank, world)
 
         def timed(fn: Callable[[], None]) -> float:
             samples = []
@@ -185,8 +185,8 @@ def _group_worker(rank: int, world: int, store: str, repeats: int, out: str) -> 
 
 
 def _time_size(n: int, cp: CPGroup, timed: Callable[[Callable[[], Any]], float]) -> dict[str, float]:
-    """Exchange (as a ring round), all-to-all and all-gather of n bytes per peer, through cpcompose.comm (the
-    calls the strategies make)."""
+    """Exchange (as a ring round), all-to-all and all-gather of n bytes per peer: the bare transport (the cost model
+    counts the strategies' copies apart, at `copy_bandwidth`), through cpcompose.comm like every collective."""
     rank, world = cp.rank, cp.world
     send, recv = torch.zeros(n // 4), torch.empty(n // 4)
     ring = RingComm(cp)
@@ -194,12 +194,12 @@ def _time_size(n: int, cp: CPGroup, timed: Callable[[Callable[[], Any]], float])
     def exchange() -> None:
         ring.exchange_with([send], dst=(rank + 1) % world, recv_like=[recv], src=(rank - 1) % world).wait()
 
-    pieces = [[torch.zeros(n // 4)] for _ in range(world)]  # n bytes to each peer
-    shapes = [[p[0].shape] for p in pieces]
-    shard = torch.zeros(n // 4)
+    x = torch.zeros(n // 4 * world)  # n bytes to each peer
+    y = torch.empty_like(x)
+    shard, gathered = torch.zeros(n // 4), torch.empty(n // 4 * world)
     p2p = timed(exchange) if n > P2P_SIZES[0] else min(timed(exchange) for _ in range(3))
-    return {f"p2p_{n}": p2p, f"a2a_{n}": timed(lambda: all_to_all_pieces(pieces, shapes, cp)),
-            f"ag_{n}": timed(lambda: all_gather(shard, cp))}
+    return {f"p2p_{n}": p2p, f"a2a_{n}": timed(lambda: all_to_all_into(y, x)),
+            f"ag_{n}": timed(lambda: all_gather_into(gathered, shard))}
 
 
 def measure_group(world: int, repeats: int) -> dict[str, Any]:
