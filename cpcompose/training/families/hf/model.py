@@ -18,6 +18,7 @@ fails alike on every rank.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import copy
 import functools
 from collections.abc import Callable
@@ -36,10 +37,11 @@ from cpcompose.layouts import PackedLayout
 from cpcompose.parallel import context_parallel, recompute_context
 from cpcompose.training.errors import TrainingError
 from cpcompose.training.families.export import check_export_folder, export_folder
+from cpcompose.training.families.record import TrainedModel
 from cpcompose.training.units import human_count
 from cpcompose.training.mixed_precision import compute_dtype
 
-__all__ = ["HFModel", "build_hf_model", "build_unfilled_hf_model", "check_hf_model", "describe_hf_model",
+__all__ = ["build_hf_model", "build_unfilled_hf_model", "check_hf_model", "describe_hf_model",
            "parallelize_hf_model", "read_hf_config"]
 
 
@@ -256,24 +258,8 @@ def _trainer_class(cls: type) -> type:
     return type(f"Trained{cls.__name__}", (_TrainerForward, cls), {})
 
 
-@dataclass
-class HFModel:
-    """A built Hugging Face model: the module, its per-micro-batch CP region, and its export."""
-
-    module: nn.Module
-    prepared: _Prepared
-    cp_scope: Callable[[PackedLayout | None], contextlib.AbstractContextManager]
-    """Around each micro-batch's forward and backward: the `context_parallel` region of this batch's split
-    (cp > 1, or a pack), else nothing."""
-
-    def export(self, folder: str | Path, config: JobConfig) -> None:
-        """Write the model as a Hugging Face folder (a collective: every rank calls it)."""
-        _hf().export_pretrained(self.module, folder, source=config.model.path, config=self.prepared.config,
-                                plan=self.prepared.plan)
-
-
 def build_hf_model(config: JobConfig, *, dims: ParallelDims, mesh: DeviceMesh, device: torch.device,
-                   meter: CommMeter) -> HFModel:
+                   meter: CommMeter) -> TrainedModel:
     """Build, parallelize and load model.path's model on this rank (a collective: every rank calls it).
 
     Raises:
@@ -283,7 +269,8 @@ def build_hf_model(config: JobConfig, *, dims: ParallelDims, mesh: DeviceMesh, d
     """
     cphf, p = _hf(), config.parallelism
     prepared = _prepare(config)
-    model, cp_scope = parallelize_hf_model(prepared.model, config, dims=dims, mesh=mesh, meter=meter)
+    trained = parallelize_hf_model(prepared.model, config, dims=dims, mesh=mesh, meter=meter)
+    model = trained.module
     model.to_empty(device=device)
     cphf.init_non_persistent_buffers(model)
     cphf.load_pretrained_weights(model, config.model.path, prepared.plan)
@@ -292,10 +279,14 @@ def build_hf_model(config: JobConfig, *, dims: ParallelDims, mesh: DeviceMesh, d
             cphf.verify(model, mesh["cp"], options=_options(config, meter=None))
         except ValueError as e:  # raised on every rank alike: a configuration-like error, printed once
             raise TrainingError(f"parallelism.cp_verify: {e}", exit_code=2) from None
-    return HFModel(module=model, prepared=prepared, cp_scope=cp_scope)
+
+    def export(folder: Path) -> None:  # a collective: every rank calls it
+        cphf.export_pretrained(model, folder, source=config.model.path, config=prepared.config, plan=prepared.plan)
+
+    return dataclasses.replace(trained, export=export)
 
 
-def build_unfilled_hf_model(config: JobConfig, *, dims: ParallelDims, mesh: DeviceMesh) -> HFModel:
+def build_unfilled_hf_model(config: JobConfig, *, dims: ParallelDims, mesh: DeviceMesh) -> TrainedModel:
     """model.path's model from its config.json alone, parallelized as `build_hf_model` does, its weights never read:
     for a rehearsal under FakeTensorMode (`cpcompose.training.memory.rehearsal`), which makes its tensors without storage.
 
@@ -303,9 +294,9 @@ def build_unfilled_hf_model(config: JobConfig, *, dims: ParallelDims, mesh: Devi
         ConfigError: what `check_hf_model` raises for the folder's config.json.
     """
     prepared = _prepare(config, weights=False)
-    model, cp_scope = parallelize_hf_model(prepared.model, config, dims=dims, mesh=mesh, meter=None)
-    model.to_empty(device=torch.device("cpu"))  # buffers left unset: their values are read, fake ones have none
-    return HFModel(module=model, prepared=prepared, cp_scope=cp_scope)
+    trained = parallelize_hf_model(prepared.model, config, dims=dims, mesh=mesh, meter=None)
+    trained.module.to_empty(device=torch.device("cpu"))  # buffers left unset: their values are read, fake ones have none
+    return trained
 
 
 def _options(config: JobConfig, *, meter: CommMeter | None) -> Any:
@@ -314,8 +305,8 @@ def _options(config: JobConfig, *, meter: CommMeter | None) -> Any:
 
 
 def parallelize_hf_model(model: nn.Module, config: JobConfig, *, dims: ParallelDims, mesh: DeviceMesh,
-                         meter: CommMeter | None) -> tuple[nn.Module, Callable[[PackedLayout | None], Any]]:
-    """The trainer's forward, tiled MLPs, activation checkpointing and FSDP2 on the meta model, in place; and the
+                         meter: CommMeter | None) -> TrainedModel:
+    """The trainer's forward, tiled MLPs, activation checkpointing and FSDP2 on the meta model, in place, with the
     CP region of each micro-batch (`cp_scope`)."""
     t, layers = config.training, list(_decoder_layers(model) or ())
     model.__class__ = _trainer_class(type(model))
@@ -329,7 +320,8 @@ def parallelize_hf_model(model: nn.Module, config: JobConfig, *, dims: ParallelD
         embedding, head = _outer_units(model)
         apply_fsdp(model, _unshared(layers), mesh=mesh, parallel_dims=dims, embedding=embedding, head=head,
                    param_dtype=compute_dtype(config), offload_params=t.offload_params)
-    return model, _cp_scope(config, dims=dims, mesh=mesh, options=_options(config, meter=meter))
+    return TrainedModel(module=model, cp_scope=_cp_scope(config, dims=dims, mesh=mesh,
+                                                         options=_options(config, meter=meter)))
 
 
 def _cp_scope(config: JobConfig, *, dims: ParallelDims, mesh: DeviceMesh,

@@ -21,7 +21,6 @@ from cpcompose.models.spec import MemoryProfile
 from cpcompose.training.errors import TrainingError
 from cpcompose.training.families.hf.memory import hf_memory_profile
 from cpcompose.training.families.hf.model import (
-    HFModel,
     build_hf_model,
     build_unfilled_hf_model,
     check_hf_model,
@@ -82,25 +81,18 @@ class HuggingFaceFamily:
 
     def parallelize(self, model: nn.Module, config: JobConfig, *, dims: ParallelDims, mesh: DeviceMesh,
                     meter: CommMeter | None) -> TrainedModel:
-        module, cp_scope = parallelize_hf_model(model, config, dims=dims, mesh=mesh, meter=meter)
-        return TrainedModel(module=module, cp_scope=cp_scope)
+        return parallelize_hf_model(model, config, dims=dims, mesh=mesh, meter=meter)
 
     def build(self, config: JobConfig, *, dims: ParallelDims, mesh: DeviceMesh, device: torch.device,
               meter: CommMeter, stage: int = 0) -> TrainedModel:
         try:
-            built = build_hf_model(config, dims=dims, mesh=mesh, device=device, meter=meter)
+            return build_hf_model(config, dims=dims, mesh=mesh, device=device, meter=meter)
         except ConfigError as e:  # the pre-launch checks, reached in-rank (a folder changed, or no preflight)
             raise TrainingError(str(e), exit_code=2) from None
-        return _trained(built, config)
 
     def build_unfilled(self, config: JobConfig, *, dims: ParallelDims, mesh: DeviceMesh,
                        stage: int = 0) -> TrainedModel:
-        return TrainedModel(module=(built := build_unfilled_hf_model(config, dims=dims, mesh=mesh)).module,
-                            cp_scope=built.cp_scope)
-
-
-def _trained(built: HFModel, config: JobConfig) -> TrainedModel:
-    return TrainedModel(module=built.module, cp_scope=built.cp_scope, export=lambda folder: built.export(folder, config))
+        return build_unfilled_hf_model(config, dims=dims, mesh=mesh)
 
 
 def _folder_vocab_size(folder: Path) -> int:
