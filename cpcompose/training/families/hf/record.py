@@ -48,6 +48,10 @@ class HuggingFaceFamily:
         if config.model.path is None:
             return ConfigError(f"model.path: required with model.name = '{self.name}': a local folder with "
                                "config.json, *.safetensors and the tokenizer files (e.g. one written by save_pretrained)")
+        if p.ep != 1:  # issue 38 lifts this family by family, with the experts' adapters
+            return ConfigError(f"parallelism.ep: {p.ep}: expert parallelism is not implemented yet for {who}; its "
+                               "experts are sharded by FSDP2 over parallelism.dp_shard x parallelism.cp: set "
+                               "parallelism.ep = 1")
         if p.tp != 1:
             return ConfigError(f"parallelism.tp: {p.tp}: {who} takes no tensor parallelism here; use parallelism.cp "
                                "and parallelism.dp_shard (FSDP) instead")
