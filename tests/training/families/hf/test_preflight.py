@@ -107,6 +107,10 @@ def _cases(llama: Path, tmp: Path) -> list[tuple[Path, list[str], str, str]]:
          "model.layers.1.mlp.down_proj.weight: not in the checkpoint"),
         (_edit_config(make_model(tmp / "moe", "qwen3_next"), output_router_logits=True), [], "model.path",
          "output_router_logits"),
+        (llama, ["--parallelism.cp=2", "--parallelism.ep=2"], "parallelism.ep", "declares no experts"),
+        (make_model(tmp / "moe-ep", "qwen3_next"), ["--parallelism.cp=4", "--parallelism.ep=4"], "parallelism.ep",
+         "does not divide the model's 2 experts"),
+        (tmp / "moe-ep", ["--parallelism.cp=2", "--parallelism.ep=2"], "parallelism.ep", "not implemented yet"),
     ]
 
 
