@@ -39,8 +39,9 @@ __all__ = [
     "cuda_efficient_forward", "cuda_flash_backward", "cuda_flash_forward", "default_store", "flash_attn_backward",
     "fake_rehearsal_tools", "flash_attn_forward", "flash_attn_varlen_backward", "flash_attn_varlen_forward",
     "flatten_mesh", "unflatten_mesh",
-    "function_mode_stack", "function_modes_suspended", "group_timeout", "has_flash_attn", "has_flash_attn_varlen",
-    "grouped_mm_of_any_dtype_on_fake_tensors", "import_flash_attn", "import_fused_linear_cross_entropy",
+    "function_mode_stack", "function_modes_suspended", "group_timeout", "grouped_mm", "has_flash_attn",
+    "has_flash_attn_varlen", "grouped_mm_of_any_dtype_on_fake_tensors", "import_flash_attn",
+    "import_fused_linear_cross_entropy",
     "in_backward", "plain_mem_tracker", "reduce_scatter_flat", "register_by_reference",
 ]
 
@@ -187,6 +188,12 @@ def reduce_scatter_flat(out: torch.Tensor, flat: torch.Tensor, group: Any, *, as
 def all_to_all_flat(out: torch.Tensor, flat: torch.Tensor, group: Any, *, async_op: bool = False) -> Any:
     """Equal slices of `flat` to every rank; theirs for this rank into `out`, in rank order (1-D buffers)."""
     return torch.distributed.all_to_all_single(out, flat, group=group, async_op=async_op)
+
+
+# Grouped GEMM (one matrix product per group of rows, the groups cut by cumulative `offs`): torch 2.13 has it
+# public as `torch.nn.functional.grouped_mm`, a thin wrapper of the private `torch._grouped_mm` that earlier
+# releases (2.11 on the lent GPU machines) have alone. None where neither exists (the caller loops instead).
+grouped_mm: Any = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 
 def flatten_mesh(mesh: Any, name: str) -> Any:

@@ -1,12 +1,21 @@
-"""Expert parallelism (EP) for mixture-of-experts models: the pieces above the communication layer.
+"""Mixture-of-experts layers' parts for expert parallelism (EP), above the communication layer.
 
-A mixture-of-experts layer under EP sends each routed row to the rank that holds its
-expert and the expert's result back (`dispatch`, `combine`: comm's token dispatch with
-the cross-rank agreement in front). The MoE layer, the EP mesh and its parallel style
-come later (issue 38); this package is where they go.
+`grouped_experts` runs every local expert over its rows, one grouped GEMM per projection where torch has one
+for the dtype and device, a loop over the experts elsewhere (always in float64); `ExpertWeights` holds the
+stacked weights in the model's own layout (no copy); `routed_experts` is a layer's routed part on one process
+(sort by expert, compute, weigh and sum the choices). Under EP each routed row travels to the rank that holds
+its expert and its result back (`dispatch`, `combine`: comm's token dispatch with the cross-rank agreement in
+front). The layouts of transformers' families are read by `cpcompose.integrations.transformers.experts`; the
+survey and the design are in docs/design/experts.md. The MoE layer and its parallel style come next (issue 38).
 """
 
 from cpcompose.comm import Dispatched
 from cpcompose.experts.dispatch import combine, dispatch
+from cpcompose.experts.grouped import ExpertKernel, grouped_experts, grouped_mm_refusal
+from cpcompose.experts.routing import ExpertOrder, routed_experts, sort_by_expert, sum_weighted_choices
+from cpcompose.experts.weights import ExpertWeights
 
-__all__ = ["Dispatched", "combine", "dispatch"]
+__all__ = [
+    "Dispatched", "ExpertKernel", "ExpertOrder", "ExpertWeights", "combine", "dispatch", "grouped_experts",
+    "grouped_mm_refusal", "routed_experts", "sort_by_expert", "sum_weighted_choices",
+]
