@@ -56,7 +56,7 @@ def sum_weighted_choices(expert_rows: Tensor, order: ExpertOrder, top_k_weights:
     tokens, top_k = top_k_weights.shape
     full = expert_rows.new_zeros(tokens * top_k, expert_rows.shape[-1])
     full = full.index_copy(0, order.pairs[:order.routed], expert_rows)
-    weighted = full.view(tokens, top_k, -1) * top_k_weights.unsqueeze(-1)
+    weighted = full.view(tokens, top_k, full.shape[-1]) * top_k_weights.unsqueeze(-1)
     return weighted.sum(dim=1).to(expert_rows.dtype)
 
 
