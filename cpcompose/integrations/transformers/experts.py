@@ -21,9 +21,10 @@ from torch import Tensor, nn
 
 from cpcompose.experts import ExpertKernel, ExpertWeights, routed_experts
 
-__all__ = ["TransformersExperts", "read_experts"]
+__all__ = ["UNDECLARED_EXPERTS", "TransformersExperts", "read_experts"]
 
-_UNDECLARED = {
+UNDECLARED_EXPERTS: dict[str, str] = {
+    # the experts classes of causal LMs that declare no layout: class name -> what they store instead
     "Llama4TextExperts": "Llama 4's experts are (experts, hidden, 2 x intermediate) and run densely, every token "
                          "through every expert with its router score multiplied into the input",
     "DbrxExperts": "DBRX stores w1, v1 and w2 flattened to (experts x ffn, hidden), gate and up apart",
@@ -60,7 +61,8 @@ def read_experts(module: nn.Module) -> TransformersExperts:
     """
     name = type(module).__name__
     if not hasattr(module, "is_transposed"):
-        why = _UNDECLARED.get(name, "its class is not decorated with transformers' @use_experts_implementation")
+        why = UNDECLARED_EXPERTS.get(name,
+                                     "its class is not decorated with transformers' @use_experts_implementation")
         raise ValueError(f"{name}: its layout is not declared, so cpcompose cannot read its experts ({why})")
     gated = bool(module.has_gate)
     first = "gate_up_proj" if gated else "up_proj"
