@@ -12,7 +12,10 @@ On 2 ranks `apply_expert_parallel` swaps both experts modules for their EP form 
 The loss is `cp_cross_entropy` (a token sum over the global count), summed over the ranks; the dense
 parameters' gradients (router gates included) are summed over the ranks; each expert's gradient is read on
 its owner alone (dispatch's backward already brought every rank's tokens to it) and equals the reference's
-slice; with the router's load-balancing loss on, `cp_load_balancing_loss` adds its share on each rank.
+slice; with the router's load-balancing loss on, `cp_load_balancing_loss` adds its share on each rank (the
+reference adds the same loss in float64, checked against transformers' own float32 `aux_loss` to 1e-6).
+A second layout, gpt-oss's experts (transposed, biased, interleaved, clamped), is checked as a module alone
+against its own eager forward on each rank's tokens.
 
 Tolerance (tests/support/tolerance.py): float64's epsilon x the longest reduction (a weight gradient sums over
 batch x sequence x width <= 64 terms) x the reference's magnitude (every gradient at the model's largest
@@ -28,6 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 import transformers as hf
+from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
 
 import cpcompose.integrations.transformers as cphf
 from cpcompose import context_parallel, cp_cross_entropy
@@ -167,3 +171,60 @@ def test_an_undeclared_layout_is_refused_by_name() -> None:
     with pytest.raises(ValueError, match=r"^Llama4TextExperts: its layout is not declared"):
         apply_expert_parallel(model, CPGroup(group=None, rank=0, world=2))  # type: ignore[arg-type]
     assert {n: type(m).__name__ for n, m in model.named_modules()} == before
+
+
+GPT_OSS_TOKENS = (6, 3)  # per rank: uneven
+
+
+def _gpt_oss_experts() -> torch.nn.Module:
+    """gpt-oss's experts alone: transposed `(E, in, out)`, per-expert biases, gate and up interleaved, the
+    clamped SwiGLU (limit lowered so the clamps act), random weights and biases."""
+    config = hf.GptOssConfig(hidden_size=16, intermediate_size=8, num_local_experts=EXPERTS,
+                             num_experts_per_tok=TOP_K, swiglu_limit=1.0)
+    config._experts_implementation = "eager"
+    module = GptOssExperts(config)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64) * 0.5)
+    return module.to(torch.float64)
+
+
+def _gpt_oss_tokens(rank: int) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(10 + rank)
+    n = GPT_OSS_TOKENS[rank]
+    index = torch.stack([torch.randperm(EXPERTS, generator=g)[:TOP_K] for _ in range(n)])
+    return (torch.randn(n, 16, generator=g, dtype=torch.float64), index,
+            torch.rand(n, TOP_K, generator=g, dtype=torch.float64), torch.randn(n, 16, generator=g, dtype=torch.float64))
+
+
+def _experts_step(module: torch.nn.Module, rank: int) -> dict:
+    hidden, index, weights, cotangent = _gpt_oss_tokens(rank)
+    hidden.requires_grad_()
+    weights.requires_grad_()
+    out = module(hidden, index, weights)
+    out.backward(cotangent)
+    return {"out": out.detach(), "dhidden": hidden.grad, "dweights": weights.grad,
+            **{n: p.grad for n, p in module.named_parameters()}}
+
+
+def gpt_oss_case(mesh) -> dict:  # noqa: ANN001
+    module = ExpertParallelExperts(_gpt_oss_experts(), mesh)
+    return {"names": sorted(n for n, _ in module.named_parameters()), **_experts_step(module, mesh.get_local_rank())}
+
+
+def test_a_transposed_biased_layout_keeps_its_block_and_activation(pools) -> None:
+    """gpt-oss's experts module alone on 2 ranks equals its own eager forward on each rank's tokens; each
+    expert's weights and biases, on their owner, get the gradient of both ranks' tokens."""
+    module = _gpt_oss_experts()
+    alone = []
+    for rank in range(2):
+        module.zero_grad(set_to_none=True)
+        alone.append(_experts_step(module, rank))
+    terms = 16 + 8 + sum(GPT_OSS_TOKENS) * TOP_K
+    for rank, got in enumerate(pools.get(2).run(gpt_oss_case)):
+        assert got["names"] == ["down_proj", "down_proj_bias", "gate_up_proj", "gate_up_proj_bias"]
+        for key, want in alone[rank].items():
+            if key in got["names"]:
+                want = (alone[0][key] + alone[1][key])[2 * rank:2 * rank + 2]
+            assert_close(got[key], want, terms=terms, msg=lambda m: f"rank {rank} {key}: {m}")
