@@ -14,6 +14,11 @@ parameters' gradients (router gates included) are summed over the ranks; each ex
 its owner alone (dispatch's backward already brought every rank's tokens to it) and equals the reference's
 slice; with the router's load-balancing loss on, `cp_load_balancing_loss` adds its share on each rank (the
 reference adds the same loss in float64, checked against transformers' own float32 `aux_loss` to 1e-6).
+Loading: a float32 Qwen3-MoE folder (save_pretrained's one tensor per expert and projection, and the same
+weights stored stacked) built on the meta device, swapped to its EP form, FSDP-sharded as the trainer does
+(the experts over the expert mesh's `efsdp` axis, size 1 here; the rest over both ranks) and read from the
+folder: each rank's experts equal rows `[2r, 2r + 2)` of `from_pretrained`'s, every other tensor equals it whole
+(bit for bit: copies, no arithmetic).
 A second layout, gpt-oss's experts (transposed, biased, interleaved, clamped), is checked as a module alone
 against its own eager forward on each rank's tokens.
 
@@ -31,13 +36,17 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 import transformers as hf
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
 
 import cpcompose.integrations.transformers as cphf
 from cpcompose import context_parallel, cp_cross_entropy
 from cpcompose.comm import CPGroup
+from cpcompose.distributed import ParallelDims
 from cpcompose.integrations.transformers.expert_parallel import (
     ExpertParallelExperts,
+    expert_blocks,
     apply_expert_parallel,
     expert_parameter_names,
 )
@@ -228,3 +237,56 @@ def test_a_transposed_biased_layout_keeps_its_block_and_activation(pools) -> Non
             if key in got["names"]:
                 want = (alone[0][key] + alone[1][key])[2 * rank:2 * rank + 2]
             assert_close(got[key], want, terms=terms, msg=lambda m: f"rank {rank} {key}: {m}")
+
+
+def _moe_folder(root, stacked: bool):  # noqa: ANN001, ANN202
+    """A float32 Qwen3-MoE folder, the router random (transformers zeroes it): save_pretrained's per-expert tensors,
+    or (`stacked`) the model's own stacked tensors in their place."""
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    model = hf.AutoModelForCausalLM.from_config(_config(False), dtype=torch.float32)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.normal_(0, 0.5)
+    folder = root / ("stacked" if stacked else "per-expert")
+    model.save_pretrained(folder)
+    if stacked:
+        save_file({k: v.contiguous().clone() for k, v in model.state_dict().items()}, folder / "model.safetensors",
+                  metadata={"format": "pt"})
+    return folder
+
+
+def load_expert_blocks(mesh, folder) -> dict:  # noqa: ANN001
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=2, tp=1, pp=1, world_size=2, ep=2)
+    experts_mesh = dims.build_expert_mesh(dims.build_mesh("cpu"))
+    with torch.device("meta"):
+        model = hf.AutoModelForCausalLM.from_config(hf.AutoConfig.from_pretrained(folder), dtype=torch.float32)
+    plan = cphf.weight_plan(model, folder)
+    apply_expert_parallel(model, experts_mesh["ep"])
+    blocks = expert_blocks(model)
+    for layer in model.model.layers:
+        fully_shard(layer.mlp.experts, mesh=experts_mesh["efsdp"])
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.to_empty(device="cpu")
+    cphf.init_non_persistent_buffers(model)
+    restricted = plan.of_expert_blocks(blocks)
+    cphf.load_pretrained_weights(model, folder, restricted)
+    whole = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in model.named_parameters()}
+    return {"weights": whole, "blocks": blocks, "stacked": sorted(plan.stacked)}
+
+
+@pytest.mark.parametrize("stacked", [False, True], ids=["per-expert", "stacked"])
+def test_each_rank_loads_its_block_of_experts(pools, tmp_path, stacked: bool) -> None:  # noqa: ANN001
+    folder = _moe_folder(tmp_path, stacked)
+    want = dict(hf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).named_parameters())
+    for rank, got in enumerate(pools.get(2).run(load_expert_blocks, folder)):
+        assert bool(got["stacked"]) != stacked  # save_pretrained's folder is read through the converter
+        assert got["weights"].keys() == want.keys()
+        assert sorted(got["blocks"]) == sorted(n for n in want if ".experts." in n) and len(got["blocks"]) == 4
+        for name, tensor in got["weights"].items():
+            expected = want[name][2 * rank:2 * rank + 2] if name in got["blocks"] else want[name]
+            assert got["blocks"].get(name, (2 * rank, 2)) == (2 * rank, 2)
+            assert torch.equal(tensor, expected), (rank, name)
+        assert any(want[n].abs().max() > 0 for n in want if n.endswith("mlp.gate.weight"))

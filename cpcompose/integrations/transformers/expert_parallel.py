@@ -12,8 +12,8 @@ model's code is untouched: the block calls the new module as it called the old o
 
 The layout (stacked or transposed, biases, gated or not, the post-expert norm) and the activation are the
 module's own, read by `read_experts`; a class that declares no layout is refused by name. The experts' weights
-are copied from the full module for now (loading each rank's block from a checkpoint comes with FSDP over the
-experts' `efsdp` axis, issue 38).
+are copied from the full module's block; on a model built on the meta device nothing is copied, and each rank
+reads its block from the checkpoint (`expert_blocks` gives `WeightPlan.of_expert_blocks` the rows).
 
 Gradients: a local expert's gradient already sums the contributions of every rank's tokens (dispatch's
 backward brings them), so the experts' parameters must not be summed over the EP group again; the dense ones
@@ -32,7 +32,7 @@ from cpcompose.comm import CommMeter, CPGroup
 from cpcompose.experts import ExpertKernel, ExpertWeights, parallel_routed_experts
 from cpcompose.integrations.transformers.experts import UNDECLARED_EXPERTS, read_experts
 
-__all__ = ["ExpertParallelExperts", "apply_expert_parallel", "expert_parameter_names"]
+__all__ = ["ExpertParallelExperts", "apply_expert_parallel", "expert_blocks", "expert_parameter_names"]
 
 
 class ExpertParallelExperts(nn.Module):
@@ -133,6 +133,14 @@ def apply_expert_parallel(model: nn.Module, group: DeviceMesh | CPGroup, *, kern
         parent = model.get_submodule(parent_name)
         setattr(parent, child, ep_module)
     return list(swapped)
+
+
+def expert_blocks(model: nn.Module) -> dict[str, tuple[int, int]]:
+    """(first expert, count) of every `ExpertParallelExperts` parameter of `model` held in blocks (qualified names):
+    rows `[first, first + count)` of the stored stacked tensor, what this rank loads (`WeightPlan.of_expert_blocks`)."""
+    return {f"{prefix}.{n}": (module.first_expert, module.num_local_experts)
+            for prefix, module in model.named_modules() if isinstance(module, ExpertParallelExperts)
+            for n in module._names if getattr(module, n, None) is not None}
 
 
 def expert_parameter_names(model: nn.Module) -> set[str]:
