@@ -32,7 +32,8 @@ from cpcompose.comm import CommMeter, CPGroup
 from cpcompose.experts import ExpertKernel, ExpertWeights, parallel_routed_experts
 from cpcompose.integrations.transformers.experts import UNDECLARED_EXPERTS, read_experts
 
-__all__ = ["ExpertParallelExperts", "apply_expert_parallel", "expert_blocks", "expert_parameter_names"]
+__all__ = ["ExpertParallelExperts", "apply_expert_parallel", "expert_blocks", "expert_parameter_names",
+           "experts_modules"]
 
 
 class ExpertParallelExperts(nn.Module):
@@ -107,6 +108,12 @@ def _is_experts_module(module: nn.Module) -> bool:
         type(module).__name__ in UNDECLARED_EXPERTS
 
 
+def experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(qualified name, module) of every transformers experts module of `model` (declared layout or not), in
+    `named_modules` order: what `apply_expert_parallel` swaps (or refuses by name)."""
+    return [(name, module) for name, module in model.named_modules() if _is_experts_module(module)]
+
+
 def apply_expert_parallel(model: nn.Module, group: DeviceMesh | CPGroup, *, kernel: ExpertKernel = "auto",
                           meter: CommMeter | None = None) -> list[str]:
     """Swap every experts module of a built transformers model for its `ExpertParallelExperts` on `group`.
@@ -126,7 +133,7 @@ def apply_expert_parallel(model: nn.Module, group: DeviceMesh | CPGroup, *, kern
         ValueError: an experts class whose layout is not declared (named, with what it stores), or an expert
             count the group's size does not divide.
     """
-    found = [(name, module) for name, module in model.named_modules() if _is_experts_module(module)]
+    found = experts_modules(model)
     swapped = {name: ExpertParallelExperts(module, group, kernel=kernel, meter=meter) for name, module in found}
     for name, ep_module in swapped.items():
         parent_name, _, child = name.rpartition(".")

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -42,6 +43,11 @@ class TrainedModel:
     export: Callable[[Path], None] | None = None
     """Write the model in its family's own format to a folder (a collective), for families that export
     (`checkpoint.export_hf`)."""
+    expert_parameters: tuple[nn.Parameter, ...] = ()
+    """With expert parallelism: the parameters each rank of `ep_group` holds a different block of experts of (the
+    gradient norm sums their squares over that group)."""
+    ep_group: dist.ProcessGroup | None = None
+    """The expert-parallel group of `expert_parameters` (None without expert parallelism)."""
 
 
 class ModelFamily(Protocol):

@@ -208,6 +208,7 @@ class Trainer:
         self.grad_norm = clip_grad_norm(
             self.model.parameters(), c.training.max_norm,
             pp_group=self.mesh["pp"].get_group() if self.dims.pp_enabled else None,
+            expert_parameters=self.trained.expert_parameters, ep_group=self.trained.ep_group,
         )
         self.step_lr = self.optimizer.param_groups[0]["lr"]  # the rate this step used; the scheduler moves on
         self.optimizer.step()

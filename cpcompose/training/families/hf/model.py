@@ -2,9 +2,10 @@
 
 Built on the meta device with `attn_implementation="cpcompose"`, then made parallel in the
 trainer's order: CP (a `context_parallel` region around each micro-batch's forward and backward,
-driven by the trainer's own split of the batch: `cp_scope`), sequence-tiled MLPs, activation
+driven by the trainer's own split of the batch: `cp_scope`), expert parallelism (`parallelism.ep`: each
+experts module swapped for its EP form, this rank's block of experts), sequence-tiled MLPs, activation
 checkpointing whose recomputation re-enters the region (`recompute_context`), FSDP2 over
-dp_shard x cp. Only then is memory allocated (`to_empty`): the buffers no checkpoint holds are
+dp_shard x cp (the experts over the experts' mesh `efsdp` axis, dp_shard x cp / ep). Only then is memory allocated (`to_empty`): the buffers no checkpoint holds are
 recomputed, and each rank reads its own slices of the weights from `model.path`
 (`load_pretrained_weights`), so no rank ever holds the whole model. Tensor and pipeline
 parallelism and `torch.compile` are refused by the family's record (`record.py`).
@@ -40,7 +41,7 @@ from cpcompose.training.units import human_count
 from cpcompose.training.mixed_precision import compute_dtype
 
 __all__ = ["HFModel", "build_hf_model", "build_unfilled_hf_model", "check_hf_model", "describe_hf_model",
-           "parallelize_hf_model", "read_hf_config"]
+           "expert_split", "parallelize_hf_model", "read_hf_config"]
 
 
 def _hf() -> Any:
@@ -132,6 +133,8 @@ def _prepare(config: JobConfig, *, weights: bool = True) -> _Prepared:
     if t.tiled_mlp > 1 and any(_mlp(layer) is None for layer in layers):
         raise ConfigError(f"training.tiled_mlp: {type(layers[0]).__name__} has no .mlp or .feed_forward to tile; set "
                           "training.tiled_mlp = 1")
+    if config.parallelism.ep > 1:
+        _check_expert_parallel(model, config)
     if _uses_region(config) and (refused := cphf.refused_in(model)):
         raise ConfigError("model.path: cpcompose cannot make this model exact under CP (parallelism.cp > 1 or "
                           "data.pack): " + "; ".join(refused))
@@ -145,6 +148,36 @@ def _prepare(config: JobConfig, *, weights: bool = True) -> _Prepared:
     except ValueError as e:
         raise ConfigError(f"model.path: {e}") from None
     return _Prepared(hf_config, model, list(layers), plan)
+
+
+def _check_expert_parallel(model: nn.Module, config: JobConfig) -> None:
+    """`parallelism.ep` > 1: every experts module's layout is one cpcompose reads, and what EP does not yet do is
+    refused by name.
+
+    Raises:
+        ConfigError: no experts module, a layout not declared (the class named), an export or a DCP checkpoint
+            (each rank holds other experts under the same names: neither writes them yet).
+    """
+    from cpcompose.integrations.transformers.expert_parallel import experts_modules
+    from cpcompose.integrations.transformers.experts import read_experts
+
+    ep, where = config.parallelism.ep, f"{config.model.path}"
+    found = experts_modules(model)
+    if not found:
+        raise ConfigError(f"parallelism.ep: {ep}: {type(model).__name__} ({where}) has no experts module cpcompose "
+                          "recognises; set parallelism.ep = 1")
+    for name, module in found:
+        try:
+            read_experts(module)
+        except ValueError as e:
+            raise ConfigError(f"parallelism.ep: {ep}: {name}: {e}; set parallelism.ep = 1") from None
+    if config.checkpoint.enable:
+        raise ConfigError(f"checkpoint.enable: not yet with parallelism.ep = {ep} (each rank holds other experts "
+                          "under the same names, which the DCP checkpoint does not write yet); set "
+                          "checkpoint.enable = false or parallelism.ep = 1")
+    if config.checkpoint.export_hf is not None:
+        raise ConfigError(f"checkpoint.export_hf: not yet with parallelism.ep = {ep} (the experts' blocks are not "
+                          "written back yet); unset checkpoint.export_hf or set parallelism.ep = 1")
 
 
 def _decoder_layers(model: nn.Module) -> nn.ModuleList | None:
@@ -286,7 +319,12 @@ def build_hf_model(config: JobConfig, *, dims: ParallelDims, mesh: DeviceMesh, d
     model, cp_scope = parallelize_hf_model(prepared.model, config, dims=dims, mesh=mesh, meter=meter)
     model.to_empty(device=device)
     cphf.init_non_persistent_buffers(model)
-    cphf.load_pretrained_weights(model, config.model.path, prepared.plan)
+    plan = prepared.plan
+    if dims.ep_enabled:  # each rank reads its own block of experts
+        from cpcompose.integrations.transformers.expert_parallel import expert_blocks
+
+        plan = plan.of_expert_blocks(expert_blocks(model))
+    cphf.load_pretrained_weights(model, config.model.path, plan)
     if dims.cp_enabled and p.cp_verify:
         try:
             cphf.verify(model, mesh["cp"], options=_options(config, meter=None))
@@ -308,6 +346,18 @@ def build_unfilled_hf_model(config: JobConfig, *, dims: ParallelDims, mesh: Devi
     return HFModel(module=model, prepared=prepared, cp_scope=cp_scope)
 
 
+def expert_split(model: nn.Module) -> tuple[tuple[nn.Parameter, ...], Any]:
+    """(the parameters each EP rank holds a different block of, the EP process group) of a model made parallel with
+    `parallelism.ep` > 1; ((), None) without expert parallelism."""
+    from cpcompose.integrations.transformers.expert_parallel import ExpertParallelExperts, expert_parameter_names
+
+    names = expert_parameter_names(model)
+    if not names:
+        return (), None
+    group = next(m.group.group for m in model.modules() if isinstance(m, ExpertParallelExperts))
+    return tuple(p for n, p in model.named_parameters() if n in names), group
+
+
 def _options(config: JobConfig, *, meter: CommMeter | None) -> Any:
     """The run's CP options, the probe off: it runs once when the model is built, not again on first use."""
     return cp_options(config.parallelism, meter=meter).replace(verify=False)
@@ -320,6 +370,13 @@ def parallelize_hf_model(model: nn.Module, config: JobConfig, *, dims: ParallelD
     t, layers = config.training, list(_decoder_layers(model) or ())
     model.__class__ = _trainer_class(type(model))
     model.train()
+    experts, expert_mesh = [], None
+    if dims.ep_enabled:
+        from cpcompose.integrations.transformers.expert_parallel import apply_expert_parallel
+
+        expert_mesh = dims.build_expert_mesh(mesh)
+        swapped = apply_expert_parallel(model, expert_mesh["ep"], meter=meter)
+        experts = [model.get_submodule(name) for name in swapped]
     apply_tiled_mlp([_mlp(layer) for layer in layers], tiles=t.tiled_mlp)
     if config.activation_checkpoint.mode == "full":
         # CP lives in a region (a TorchFunctionMode), not in hooks: the recomputation must re-enter it.
@@ -328,7 +385,8 @@ def parallelize_hf_model(model: nn.Module, config: JobConfig, *, dims: ParallelD
     if dims.dp_cp_size > 1:
         embedding, head = _outer_units(model)
         apply_fsdp(model, _unshared(layers), mesh=mesh, parallel_dims=dims, embedding=embedding, head=head,
-                   param_dtype=compute_dtype(config), offload_params=t.offload_params)
+                   param_dtype=compute_dtype(config), offload_params=t.offload_params, experts=experts,
+                   expert_mesh=expert_mesh)
     return model, _cp_scope(config, dims=dims, mesh=mesh, options=_options(config, meter=meter))
 
 

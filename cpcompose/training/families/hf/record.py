@@ -26,6 +26,7 @@ from cpcompose.training.families.hf.model import (
     build_unfilled_hf_model,
     check_hf_model,
     describe_hf_model,
+    expert_split,
     parallelize_hf_model,
     read_hf_config,
 )
@@ -88,7 +89,8 @@ class HuggingFaceFamily:
     def parallelize(self, model: nn.Module, config: JobConfig, *, dims: ParallelDims, mesh: DeviceMesh,
                     meter: CommMeter | None) -> TrainedModel:
         module, cp_scope = parallelize_hf_model(model, config, dims=dims, mesh=mesh, meter=meter)
-        return TrainedModel(module=module, cp_scope=cp_scope)
+        experts, ep_group = expert_split(module)
+        return TrainedModel(module=module, cp_scope=cp_scope, expert_parameters=experts, ep_group=ep_group)
 
     def build(self, config: JobConfig, *, dims: ParallelDims, mesh: DeviceMesh, device: torch.device,
               meter: CommMeter, stage: int = 0) -> TrainedModel:
@@ -105,7 +107,9 @@ class HuggingFaceFamily:
 
 
 def _trained(built: HFModel, config: JobConfig) -> TrainedModel:
-    return TrainedModel(module=built.module, cp_scope=built.cp_scope, export=lambda folder: built.export(folder, config))
+    experts, ep_group = expert_split(built.module)
+    return TrainedModel(module=built.module, cp_scope=built.cp_scope, export=lambda folder: built.export(folder, config),
+                        expert_parameters=experts, ep_group=ep_group)
 
 
 EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
@@ -115,7 +119,8 @@ num_experts; Mixtral, gpt-oss, MiniMax: num_local_experts; DeepSeek-V3, GLM-4.5:
 
 def _check_experts(fields: dict, ep: int, where: str) -> None:
     """`parallelism.ep` against the folder's experts: a model without experts, or experts that do not split into
-    `ep` equal shares, is refused by name; expert parallelism itself arrives family by family (issue 38)."""
+    `ep` equal shares, is refused by name (an experts class whose layout cpcompose cannot read is refused when the
+    model is built, `model.py`)."""
     experts = next((n for key in EXPERT_COUNT_KEYS if isinstance(n := _text_field(fields, key), int) and n > 0), None)
     if experts is None:
         raise ConfigError(f"parallelism.ep: {ep}: {where} declares no experts ({', '.join(EXPERT_COUNT_KEYS)}): "
@@ -123,9 +128,6 @@ def _check_experts(fields: dict, ep: int, where: str) -> None:
     if experts % ep:
         raise ConfigError(f"parallelism.ep: {ep} does not divide the model's {experts} experts ({where}): each "
                           "expert-parallel rank holds an equal share; choose a divisor of the expert count")
-    raise ConfigError(f"parallelism.ep: {ep}: expert parallelism is not implemented yet for Hugging Face models; "
-                      "their experts are sharded by FSDP2 over parallelism.dp_shard x parallelism.cp: set "
-                      "parallelism.ep = 1")
 
 
 def _text_field(fields: dict, key: str) -> object:
