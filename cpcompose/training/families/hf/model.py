@@ -36,12 +36,13 @@ from cpcompose.distributed import ParallelDims, apply_activation_checkpointing, 
 from cpcompose.layouts import PackedLayout
 from cpcompose.parallel import context_parallel, recompute_context
 from cpcompose.training.errors import TrainingError
+from cpcompose.training.families.record import RouterLoss
 from cpcompose.training.families.export import check_export_folder, export_folder
 from cpcompose.training.units import human_count
 from cpcompose.training.mixed_precision import compute_dtype
 
 __all__ = ["HFModel", "build_hf_model", "build_unfilled_hf_model", "check_hf_model", "describe_hf_model",
-           "expert_split", "parallelize_hf_model", "read_hf_config"]
+           "expert_split", "parallelize_hf_model", "read_hf_config", "router_loss_of"]
 
 
 def _hf() -> Any:
@@ -102,10 +103,11 @@ def _prepare(config: JobConfig, *, weights: bool = True) -> _Prepared:
     model_type = getattr(hf_config, "model_type", None)
     if model_type in cphf.attention.OWN_ATTENTION:
         raise ConfigError(f"model.path: {cphf.attention.OWN_ATTENTION[model_type]}")
-    if getattr(hf_config, "output_router_logits", False):
-        raise ConfigError(f"model.path: {m.path}/config.json sets output_router_logits = true (a MoE load-balancing "
-                          "loss added to the model's loss); the trainer's loss is the language-model loss alone: set "
-                          "it to false in config.json")
+    for key in _JITTER_KEYS:  # random per token: one process and the CP ranks would draw different noise
+        if _uses_region(config) and float(getattr(hf_config, key, 0.0) or 0.0) > 0:
+            raise ConfigError(f"model.path: {m.path}/config.json sets {key} = {getattr(hf_config, key)} (random "
+                              "noise on the router's input in training), which CP cannot reproduce; set it to 0 in "
+                              "config.json")
     if _uses_region(config) and float(getattr(hf_config, "attention_dropout", 0.0) or 0.0) > 0:
         raise ConfigError(f"model.path: {m.path}/config.json sets attention_dropout = {hf_config.attention_dropout}, "
                           "which CP attention does not apply; set it to 0 in config.json")
@@ -125,6 +127,7 @@ def _prepare(config: JobConfig, *, weights: bool = True) -> _Prepared:
         raise ConfigError(f"model.path: transformers cannot build a causal LM ({type(e).__name__}) from "
                           f"{m.path}/config.json{' with the model.rope_* overrides' if m.rope_scaling else ''}: {e}") \
             from None
+    router_loss_of(model, where=f"{m.path}/config.json")  # refused by name before launch
     layers = _decoder_layers(model)
     if layers is None:
         raise ConfigError(f"model.path: {type(model).__name__} has no decoder layers at model.{model.base_model_prefix}"
@@ -148,6 +151,45 @@ def _prepare(config: JobConfig, *, weights: bool = True) -> _Prepared:
     except ValueError as e:
         raise ConfigError(f"model.path: {e}") from None
     return _Prepared(hf_config, model, list(layers), plan)
+
+
+_JITTER_KEYS = ("router_jitter_noise", "input_jitter_noise")
+"""Where MoE families keep their training-time routing noise (Mixtral, MiniMax: router_jitter_noise; PhiMoE: both)."""
+
+
+def router_loss_of(model: nn.Module, *, where: str = "config.json") -> RouterLoss | None:
+    """The router loss a transformers causal LM trains with `output_router_logits = true`, which the trainer
+    reproduces over the whole micro-batch; None when `output_router_logits` is false.
+
+    Reproduced: the families whose causal LM's forward calls transformers' `load_balancing_loss_func` (Qwen2/3-MoE,
+    Qwen3-Next, Mixtral, gpt-oss, Jamba, GraniteMoE, ...: the same body in each modeling file, compared by bytecode)
+    on `self.num_experts` and `self.num_experts_per_tok`, weighted by `self.router_aux_loss_coef`.
+
+    Raises:
+        ConfigError: `output_router_logits` is true for a family whose forward computes no router loss (the
+            DeepSeek-V3 line, LFM2-MoE, Llama 4: the logits are only recorded) or another one (doge's, a z-loss).
+    """
+    config = model.config
+    if not getattr(config, "output_router_logits", False):
+        return None
+    from transformers.models.qwen3_moe import modeling_qwen3_moe
+
+    forward = next(c for c in type(model).__mro__ if "forward" in vars(c) and c is not _TrainerForward).forward
+    while hasattr(forward, "__wrapped__"):
+        forward = forward.__wrapped__
+    name, shared = "load_balancing_loss_func", modeling_qwen3_moe.load_balancing_loss_func.__code__
+    called = forward.__globals__.get(name) if name in forward.__code__.co_names else None
+    same = (callable(called) and called.__code__.co_code == shared.co_code
+            and called.__code__.co_names == shared.co_names)
+    numbers = [getattr(model, key, None) for key in ("num_experts", "num_experts_per_tok", "router_aux_loss_coef")]
+    if not (same and isinstance(numbers[0], int) and isinstance(numbers[1], int)
+            and isinstance(numbers[2], (int, float))):
+        what = ("computes another router loss than transformers' load_balancing_loss_func" if name in
+                forward.__code__.co_names else "computes no router loss")
+        raise ConfigError(f"model.path: {where} sets output_router_logits = true, but {type(model).__name__} "
+                          f"(model_type {config.model_type!r}) {what}, which the trainer does not reproduce; set "
+                          "output_router_logits = false in config.json")
+    return RouterLoss(num_experts=numbers[0], top_k=numbers[1], coefficient=float(numbers[2]))
 
 
 def _check_expert_parallel(model: nn.Module, config: JobConfig) -> None:
@@ -265,23 +307,30 @@ def describe_hf_model(config: JobConfig) -> tuple[int, str]:
 
 
 class _TrainerForward:
-    """The trainer's call on a transformers causal LM: `forward(tokens, position_ids, *, head=None)`.
+    """The trainer's call on a transformers causal LM: `forward(tokens, position_ids, *, head=None,
+    router_logits=False)`.
 
     Without `head` it returns the model's logits (whatever the family does to them). With it, it cuts
     the model at its output layer (`causal_lm_head`, inside this forward so FSDP has gathered the output
-    weight) and returns `head(hidden, weight, bias=, softcap=)`, the fused loss.
+    weight) and returns `head(hidden, weight, bias=, softcap=)`, the fused loss. `router_logits=True`: and every
+    MoE layer's router logits of these tokens beside it (no `labels` are passed, so transformers adds no router
+    loss of its own: the trainer's is over the whole micro-batch, `router_loss_of`).
     """
 
     def forward(self, input_ids: Tensor | None = None, position_ids: Tensor | None = None, *,
-                head: Callable[..., Tensor] | None = None, **kwargs: Any) -> Tensor:
+                head: Callable[..., Tensor] | None = None, router_logits: bool = False,
+                **kwargs: Any) -> Tensor | tuple[Tensor, tuple[Tensor, ...]]:
         kwargs.setdefault("use_cache", False)
+        if router_logits:  # every MoE layer's, recorded by transformers (its OutputRecorder on the routers)
+            kwargs["output_router_logits"] = True
         if head is None:
-            return super().forward(input_ids=input_ids, position_ids=position_ids, **kwargs).logits  # type: ignore[misc]
-        hidden = _hf().causal_lm_head(self).body(input_ids=input_ids, position_ids=position_ids,
-                                                  **kwargs).last_hidden_state
+            out = super().forward(input_ids=input_ids, position_ids=position_ids, **kwargs)  # type: ignore[misc]
+            return (out.logits, tuple(out.router_logits)) if router_logits else out.logits
+        body = _hf().causal_lm_head(self).body(input_ids=input_ids, position_ids=position_ids, **kwargs)
         cut = _hf().causal_lm_head(self)  # after the body: the final norm's FSDP unit has gathered the output weight
-        x, weight, bias = cut.linear_inputs(hidden)
-        return head(x, weight, bias=bias, softcap=cut.softcap)
+        x, weight, bias = cut.linear_inputs(body.last_hidden_state)
+        loss = head(x, weight, bias=bias, softcap=cut.softcap)
+        return (loss, tuple(body.router_logits)) if router_logits else loss
 
 
 @functools.cache

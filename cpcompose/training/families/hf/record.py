@@ -29,6 +29,7 @@ from cpcompose.training.families.hf.model import (
     expert_split,
     parallelize_hf_model,
     read_hf_config,
+    router_loss_of,
 )
 from cpcompose.training.families.record import TrainedModel
 
@@ -90,7 +91,8 @@ class HuggingFaceFamily:
                     meter: CommMeter | None) -> TrainedModel:
         module, cp_scope = parallelize_hf_model(model, config, dims=dims, mesh=mesh, meter=meter)
         experts, ep_group = expert_split(module)
-        return TrainedModel(module=module, cp_scope=cp_scope, expert_parameters=experts, ep_group=ep_group)
+        return TrainedModel(module=module, cp_scope=cp_scope, expert_parameters=experts, ep_group=ep_group,
+                            router_loss=router_loss_of(module))
 
     def build(self, config: JobConfig, *, dims: ParallelDims, mesh: DeviceMesh, device: torch.device,
               meter: CommMeter, stage: int = 0) -> TrainedModel:
@@ -102,14 +104,14 @@ class HuggingFaceFamily:
 
     def build_unfilled(self, config: JobConfig, *, dims: ParallelDims, mesh: DeviceMesh,
                        stage: int = 0) -> TrainedModel:
-        return TrainedModel(module=(built := build_unfilled_hf_model(config, dims=dims, mesh=mesh)).module,
-                            cp_scope=built.cp_scope)
+        built = build_unfilled_hf_model(config, dims=dims, mesh=mesh)
+        return TrainedModel(module=built.module, cp_scope=built.cp_scope, router_loss=router_loss_of(built.module))
 
 
 def _trained(built: HFModel, config: JobConfig) -> TrainedModel:
     experts, ep_group = expert_split(built.module)
     return TrainedModel(module=built.module, cp_scope=built.cp_scope, export=lambda folder: built.export(folder, config),
-                        expert_parameters=experts, ep_group=ep_group)
+                        expert_parameters=experts, ep_group=ep_group, router_loss=router_loss_of(built.module))
 
 
 EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")

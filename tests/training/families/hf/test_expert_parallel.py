@@ -16,7 +16,7 @@ far more than 1e-4, so the check also says the routing agreed. Each step's gradi
 max_norm = 1 clips) agrees to relative 1e-5: AdamW's update barely sees a uniform clip, so the losses alone
 would not catch an EP rank leaving out the other rank's experts, which moves the norm by 2e-4 relative here
 (measured: at most 1.3e-7). The router loss is
-off (output_router_logits = false: the trainer refuses it).
+off here (output_router_logits = false); tests/training/families/hf/test_moe_router_loss.py trains it.
 """
 
 from __future__ import annotations
@@ -24,13 +24,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
-import transformers as hf
 
 from cpcompose.config import load_config
 from cpcompose.train import main
 from cpcompose.training.loop.trainer import Trainer
-from tests.support.hf_trainer import hf_args, text_corpus, tiny_model_script
+from tests.support.hf_trainer import hf_args, make_qwen3_moe, text_corpus
 
 RTOL = 1e-4
 NORM_RTOL = 1e-5  # the experts' share of the norm is small: leaving the other EP rank's out moves it by 2e-4
@@ -38,22 +36,7 @@ NORM_RTOL = 1e-5  # the experts' share of the norm is small: leaving the other E
 
 @pytest.fixture(scope="module")
 def moe(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("qwen3_moe")
-    tokenizer = tiny_model_script().make_tokenizer(folder)
-    config = hf.Qwen3MoeConfig(
-        vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=8, intermediate_size=64, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
-        decoder_sparse_step=1, output_router_logits=False, max_position_embeddings=256,
-        **{key: tokenizer.convert_tokens_to_ids(token)
-           for key, token in (("pad_token_id", "<|pad|>"), ("bos_token_id", "<|bos|>"), ("eos_token_id", "<|eos|>"))},
-    )
-    torch.manual_seed(0)
-    model = hf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.mlp.gate.weight.normal_(0, 0.5)
-    model.save_pretrained(folder)
-    return folder
+    return make_qwen3_moe(tmp_path_factory.mktemp("qwen3_moe"))
 
 
 def run_with_norms(mesh, args: list[str]) -> dict:  # noqa: ANN001
