@@ -52,6 +52,7 @@ from torch import Tensor
 from cpcompose.comm.collectives import start_all_to_all_rows
 from cpcompose.comm.group import CPGroup
 from cpcompose.comm.meter import CommMeter
+from cpcompose.comm.rehearsal import rehearsing
 
 __all__ = ["Dispatched", "combine_from_experts", "combine_error", "dispatch_error", "dispatch_to_experts"]
 
@@ -111,7 +112,7 @@ def dispatch_error(rows: Tensor, expert_of_row: Tensor, *, num_experts: int, wor
         return f"expert_of_row has {len(expert_of_row)} entries for {len(rows)} rows: one expert per row"
     if expert_of_row.device != rows.device:
         return f"expert_of_row is on {expert_of_row.device}, rows on {rows.device}"
-    if len(expert_of_row):
+    if len(expert_of_row) and not rehearsing():  # a rehearsal's indices hold no values
         low, high = int(expert_of_row.min()), int(expert_of_row.max())
         if low < 0 or high >= num_experts:
             return f"expert indices must lie in [0, {num_experts}), got {low}..{high}"
@@ -175,6 +176,8 @@ def _route(expert_of_row: Tensor, num_experts: int, group: CPGroup,
     world, device = group.world, expert_of_row.device
     local_experts = num_experts // world
     by_expert = torch.argsort(expert_of_row, stable=True)  # stable: each expert's rows keep the caller's order
+    if rehearsing():
+        return _even_route(by_expert, num_experts, group, meter)
     counts = torch.bincount(expert_of_row, minlength=num_experts)
     # row s of `received`: how many rows rank s sends to each of this rank's experts
     received = start_all_to_all_rows(counts.view(world, local_experts), [1] * world, [1] * world, group,
@@ -188,6 +191,23 @@ def _route(expert_of_row: Tensor, num_experts: int, group: CPGroup,
     route = _Route(group, meter, by_expert, _inverse(by_expert), expert_major, _inverse(expert_major),
                    send_rows, recv_rows)
     return route, expert_counts
+
+
+def _even_route(by_expert: Tensor, num_experts: int, group: CPGroup,
+                meter: CommMeter | None) -> tuple[_Route, tuple[int, ...]]:
+    """A rehearsal's route (`comm.rehearsal_mode`: the indices hold no values, the counts cannot be read): the
+    routing assumed even. This rank's N rows go to the experts in equal shares (the first N mod E one more), and
+    every rank sends as this one does, so each rank receives as many rows as it sends, its local experts'
+    shares from every rank. The permutations are the identity: their sizes are what a rehearsal measures."""
+    world, local_experts, n = group.world, num_experts // group.world, len(by_expert)
+    sent_counts = [n // num_experts + (e < n % num_experts) for e in range(num_experts)]
+    send_rows = tuple(sum(sent_counts[d * local_experts:(d + 1) * local_experts]) for d in range(world))
+    mine = sent_counts[group.rank * local_experts:(group.rank + 1) * local_experts]
+    recv_rows = (sum(mine),) * world
+    identity = torch.arange(n, device=by_expert.device)
+    received = torch.arange(sum(recv_rows), device=by_expert.device)
+    route = _Route(group, meter, identity, identity, received, received, send_rows, recv_rows)
+    return route, tuple(world * count for count in mine)
 
 
 def _expert_major_order(counts: Tensor, total: int) -> Tensor:

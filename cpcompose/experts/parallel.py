@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from cpcompose.comm import CommMeter, CPGroup
+from cpcompose.comm import CommMeter, CPGroup, rehearsing
 from cpcompose.experts.dispatch import combine, dispatch
 from cpcompose.experts.grouped import ExpertKernel, grouped_experts
 from cpcompose.experts.weights import ExpertWeights
@@ -58,7 +58,9 @@ def parallel_routed_experts(hidden: Tensor, top_k_index: Tensor, top_k_weights: 
                          f"EP ranks are {num_experts / group.world:g} each")
     tokens, top_k = top_k_index.shape
     flat = top_k_index.reshape(-1)
-    pairs = torch.nonzero(flat < num_experts).squeeze(1)  # flat (token, choice) pairs that go to an expert
+    # flat (token, choice) pairs that go to an expert; in a rehearsal (no values to read) every one does
+    pairs = (torch.arange(len(flat), device=flat.device) if rehearsing()
+             else torch.nonzero(flat < num_experts).squeeze(1))
     rows = hidden[pairs // top_k].to(local.gate_up.dtype)  # transformers casts the rows to the weights' dtype
     dispatched = dispatch(rows, flat[pairs], num_experts=num_experts, group=group, meter=meter)
     counts = torch.tensor(dispatched.expert_counts, dtype=torch.int64)
