@@ -38,9 +38,10 @@ __all__ = [
     "cpu_flash_forward", "cpu_flash_takes_bfloat16", "cuda_cudnn_backward", "cuda_cudnn_forward", "cuda_efficient_backward",
     "cuda_efficient_forward", "cuda_flash_backward", "cuda_flash_forward", "default_store", "flash_attn_backward",
     "fake_rehearsal_tools", "flash_attn_forward", "flash_attn_varlen_backward", "flash_attn_varlen_forward",
-    "flatten_mesh",
-    "function_mode_stack", "function_modes_suspended", "group_timeout", "has_flash_attn", "has_flash_attn_varlen",
-    "grouped_mm_of_any_dtype_on_fake_tensors", "import_flash_attn", "import_fused_linear_cross_entropy",
+    "flatten_mesh", "unflatten_mesh",
+    "function_mode_stack", "function_modes_suspended", "group_timeout", "grouped_mm", "has_flash_attn",
+    "has_flash_attn_varlen", "grouped_mm_of_any_dtype_on_fake_tensors", "import_flash_attn",
+    "import_fused_linear_cross_entropy",
     "in_backward", "plain_mem_tracker", "reduce_scatter_flat", "register_by_reference",
 ]
 
@@ -189,9 +190,21 @@ def all_to_all_flat(out: torch.Tensor, flat: torch.Tensor, group: Any, *, async_
     return torch.distributed.all_to_all_single(out, flat, group=group, async_op=async_op)
 
 
+# Grouped GEMM (one matrix product per group of rows, the groups cut by cumulative `offs`): torch 2.13 has it
+# public as `torch.nn.functional.grouped_mm`, a thin wrapper of the private `torch._grouped_mm` that earlier
+# releases (2.11 on the lent GPU machines) have alone. None where neither exists (the caller loops instead).
+grouped_mm: Any = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
 def flatten_mesh(mesh: Any, name: str) -> Any:
     """`DeviceMesh._flatten`: a private method in torch 2.13, used to derive meshes."""
     return mesh._flatten(name)
+
+
+def unflatten_mesh(mesh: Any, dim: str, sizes: tuple[int, ...], names: tuple[str, ...]) -> Any:
+    """`DeviceMesh._unflatten`: `mesh`'s axis `dim` split into axes `names` of `sizes` (innermost last), a new mesh
+    with a process group per new axis (a collective: every rank calls it, once). Private in torch 2.13 and 2.14."""
+    return mesh._unflatten(dim, sizes, names)
 
 
 def group_timeout(group: Any) -> Any:

@@ -15,9 +15,12 @@ tensors on NCCL, never take that path (no copies, no extra calls).
 
 Rooms: `meter` (the byte meter), `staging` (the host path), `group` (`CPGroup`),
 `ring` (point-to-point), `collectives` (posted collectives over a CP group),
-`rehearsal` (the switch of a step on fake tensors: `rehearsal_mode`), `row_fetch` (rows fetched from their owners, differentiably: the conv halo's and
-sparse attention's one primitive) and `blocking` (the few blocking collectives on
-any process group: the trainer's, the checkpoint's, the agreement's messages).
+`rehearsal` (the switch of a step on fake tensors: `rehearsal_mode`), `row_fetch`
+(rows fetched from their owners, differentiably: the conv halo's and sparse
+attention's one primitive), `token_dispatch` (each routed row to its expert's rank
+and back, differentiably: expert parallelism's dispatch and combine) and `blocking`
+(the few blocking collectives on any process group: the trainer's, the
+checkpoint's, the agreement's messages).
 No other module calls a torch.distributed collective (tests/test_comm_boundary.py).
 """
 
@@ -38,6 +41,7 @@ from cpcompose.comm.collectives import (
     all_to_all_pieces,
     start_all_gather,
     start_all_to_all_pieces,
+    start_all_to_all_rows,
     start_reduce_scatter,
 )
 from cpcompose.comm.group import CPGroup
@@ -54,10 +58,19 @@ from cpcompose.comm.row_fetch import (
     post_fetch,
 )
 from cpcompose.comm.staging import backend_for
+from cpcompose.comm.token_dispatch import (
+    Dispatched,
+    combine_error,
+    combine_from_experts,
+    dispatch_error,
+    dispatch_to_experts,
+)
 
 __all__ = [
-    "CPGroup", "CommMeter", "FetchPlan", "PendingCollective", "PendingRecv", "PostedFetch", "ReduceOp", "RingComm",
-    "all_gather", "all_gather_into", "all_gather_objects", "all_gather_tensors", "all_reduce", "all_to_all_into", "all_to_all_pieces", "backend_for",
-    "barrier", "broadcast", "broadcast_object", "fetch_positions", "fetch_rows", "plan_by_peer", "plan_fetch",
-    "post_fetch", "rehearsal_mode", "rehearsing", "start_all_gather", "start_all_to_all_pieces", "start_reduce_scatter",
+    "CPGroup", "CommMeter", "Dispatched", "FetchPlan", "PendingCollective", "PendingRecv", "PostedFetch", "ReduceOp",
+    "RingComm", "all_gather", "all_gather_into", "all_gather_objects", "all_gather_tensors", "all_reduce",
+    "all_to_all_into", "all_to_all_pieces", "backend_for", "barrier", "broadcast", "broadcast_object",
+    "combine_error", "combine_from_experts", "dispatch_error", "dispatch_to_experts", "fetch_positions", "fetch_rows",
+    "plan_by_peer", "plan_fetch", "post_fetch", "rehearsal_mode", "rehearsing", "start_all_gather",
+    "start_all_to_all_pieces", "start_all_to_all_rows", "start_reduce_scatter",
 ]

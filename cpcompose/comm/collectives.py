@@ -8,6 +8,7 @@ travel through host memory (`staging`).
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Sequence
 
 import torch
@@ -21,7 +22,7 @@ from cpcompose.comm.meter import CommMeter, nbytes
 
 __all__ = [
     "PendingCollective", "all_gather", "all_to_all_pieces", "start_all_gather", "start_all_to_all_pieces",
-    "start_reduce_scatter",
+    "start_all_to_all_rows", "start_reduce_scatter",
 ]
 
 
@@ -126,22 +127,42 @@ def start_all_to_all_pieces(
     flat_send = [torch.cat([t.reshape(-1) for t in peer]) if peer else ref.new_empty(0) for peer in send]
     in_splits = [t.numel() for t in flat_send]
     out_splits = [sum(s.numel() for s in peer) for peer in recv_shapes]
-    device = staging.host_staging(ref, cp.group)
-    wire = torch.cat(flat_send)
-    if device is not None:
-        wire = staging.to_host(wire)
-    out = wire.new_empty(sum(out_splits))
-    work = dist.all_to_all_single(out, wire, out_splits, in_splits, group=cp.group, async_op=True)
-    if meter is not None:
-        meter.add("all_to_all", (sum(in_splits) - in_splits[cp.rank]) * ref.element_size())
-    pending = PendingCollective(work, lambda: out if device is None else out.to(device, copy=True), cp)
+    pending = start_all_to_all_rows(torch.cat(flat_send), in_splits, out_splits, cp, meter)
 
     def wait() -> list[list[Tensor]]:
-        arrived, _ = pending.wait(), wire  # `wire` stays alive until the exchange is done
         recv: list[list[Tensor]] = []
-        for flat, shapes in zip(arrived.split(out_splits), recv_shapes):
+        for flat, shapes in zip(pending.wait().split(out_splits), recv_shapes):
             pieces = flat.split([s.numel() for s in shapes]) if shapes else []
             recv.append([p.view(s) for p, s in zip(pieces, shapes)])
         return recv
 
     return wait
+
+
+def start_all_to_all_rows(
+    x: Tensor, send_rows: Sequence[int], recv_rows: Sequence[int], cp: CPGroup, meter: CommMeter | None = None,
+) -> PendingCollective:
+    """Start an uneven all-to-all of `x`'s rows (dim 0), the one `all_to_all_single` cpcompose posts.
+
+    `x`'s first `send_rows[0]` rows go to rank 0, the next `send_rows[1]` to rank 1, and so
+    on; `wait()` gives the rows every rank sent here, `recv_rows[s]` from rank s,
+    concatenated in rank order (shaped as `x` but for dim 0). The splits are host
+    integers: a caller whose splits come from data syncs once before posting (token
+    dispatch does, after its counts exchange). Rows travel in place, without the
+    flattening copies of `start_all_to_all_pieces`.
+    """
+    device = staging.host_staging(x, cp.group)
+    wire = x.contiguous()
+    if device is not None:
+        wire = staging.to_host(wire)
+    out = wire.new_empty((sum(recv_rows), *x.shape[1:]))
+    work = dist.all_to_all_single(out, wire, list(recv_rows), list(send_rows), group=cp.group, async_op=True)
+    if meter is not None:
+        row_bytes = math.prod(x.shape[1:]) * x.element_size()
+        meter.add("all_to_all", (sum(send_rows) - send_rows[cp.rank]) * row_bytes)
+
+    def finish() -> Tensor:
+        _ = wire  # the sent rows stay alive until the exchange is done
+        return out if device is None else out.to(device, copy=True)
+
+    return PendingCollective(work, finish, cp)

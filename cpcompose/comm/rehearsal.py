@@ -50,6 +50,10 @@ def rehearsing() -> bool:
     - checkpointed block inputs offloaded to the host (`distributed.activation_checkpoint`) leave device memory
       as on a GPU, though a rehearsal runs on the CPU;
     - the tiled MLP (`distributed.tiled`) cuts detached tiles (views either way), which a memory tracker's module
-      hooks do not take for autograd inputs.
+      hooks do not take for autograd inputs;
+    - expert parallelism's token dispatch (`token_dispatch`, `experts.parallel_routed_experts`,
+      `experts.grouped_experts`) reads no counts or indices: every routed choice goes to an expert, in equal
+      shares, and every rank sends as this one does (so receives as many rows as it sends); the permutations are
+      the identity, of the sizes the real ones have.
     """
     return _REHEARSING.get()

@@ -120,15 +120,15 @@ _ALIASES = {
     "learning_rate": "optimizer.lr", "max_steps": "training.steps", "warmup": "lr_scheduler.warmup_steps",
     "seq_length": "training.seq_len", "max_seq_len": "training.seq_len", "context_parallel_degree": "parallelism.cp",
     "context_parallel": "parallelism.cp", "global_batch_size": "training.batch_size", "dp": "parallelism.dp_shard",
+    "expert_parallel_degree": "parallelism.ep", "expert_parallel": "parallelism.ep",
 }
 
 
 # What other trainers' users look for and this trainer does not have (leaf names only): said instead of a near
 # spelling of something else (`parallelism.ep` is not `optimizer.eps`).
 _NOT_HERE = dict.fromkeys(
-    ("ep", "expert_parallel_degree", "expert_parallel", "etp", "expert_tensor_parallel_degree"),
-    "expert parallelism is not supported yet: a mixture-of-experts model's experts are sharded by FSDP2 over "
-    "parallelism.dp_shard x parallelism.cp like its other weights",
+    ("etp", "expert_tensor_parallel_degree"),
+    "experts are not split by tensor parallelism: parallelism.ep deals them to ranks, FSDP2 shards each one",
 )
 
 

@@ -128,6 +128,11 @@ class Parallelism:
     """Tensor-parallel degree: heads and FFN columns split across ranks."""
     pp: int = 1
     """Pipeline-parallel degree: number of stages the layers are cut into."""
+    ep: int = 1
+    """Expert-parallel degree for mixture-of-experts models: each MoE layer's experts are dealt to ep ranks (and
+    FSDP-sharded over the other dp_shard x cp / ep), and tokens travel to their experts' ranks. Folded out of the
+    ranks that share a model replica, as torchtitan does: ep must divide dp_shard x cp, and needs no extra ranks.
+    1 = off (every rank gathers every expert, one FSDP unit at a time)."""
     pp_schedule: Literal["GPipe", "1F1B"] = "1F1B"
     """Pipeline schedule; 1F1B holds fewer microbatches' activations at once than GPipe."""
     pp_microbatches: int = 4
@@ -158,7 +163,7 @@ class Parallelism:
     debug mode that also catches one rank changing its inputs alone (see README, What is checked when)."""
 
     def __post_init__(self) -> None:
-        _positive(self, "parallelism", "dp_replicate", "cp", "tp", "pp", "pp_microbatches")
+        _positive(self, "parallelism", "dp_replicate", "cp", "tp", "pp", "ep", "pp_microbatches")
         require(self.dp_shard == -1 or self.dp_shard >= 1, "parallelism.dp_shard",
                 f"must be >= 1 or -1, got {self.dp_shard}")
 

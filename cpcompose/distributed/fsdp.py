@@ -35,6 +35,8 @@ def apply_fsdp(
     head: Sequence[nn.Module] = (),
     param_dtype: torch.dtype | None = None,
     offload_params: bool = False,
+    experts: Sequence[nn.Module] = (),
+    expert_mesh: DeviceMesh | None = None,
 ) -> None:
     """Shard ``model`` with ``fully_shard``: the embedding, each block, the head, then the root.
 
@@ -57,6 +59,11 @@ def apply_fsdp(
             reduction stay float32 either way.
         offload_params: keep the sharded parameters, their gradients and so the optimizer state
             in host memory (FSDP2's ``CPUOffloadPolicy``); the optimizer step then runs on the CPU.
+        experts: expert-parallel experts modules (each rank its own block of experts), one unit each, sharded
+            over the experts' mesh ``efsdp`` axis (HSDP with ``dp_replicate``) instead of dp_shard x cp, before
+            the blocks that hold them: so their gradients are summed over the ranks holding the same experts
+            only (dispatch's backward already brought every EP rank's tokens to them), as torchtitan does.
+        expert_mesh: the experts' mesh from ``parallel_dims.build_expert_mesh``; required with ``experts``.
     """
     shared = {id(p) for p in embedding.parameters()} if embedding is not None else set()
     if shared & {id(p) for m in head for p in m.parameters()}:
@@ -79,6 +86,12 @@ def apply_fsdp(
     }
     # With PP, each unit runs once per microbatch: keep it unsharded between them.
     reshard = not parallel_dims.pp_enabled
+    if experts:
+        if expert_mesh is None:
+            raise ValueError("apply_fsdp: experts need expert_mesh (ParallelDims.build_expert_mesh)")
+        names = ("dp_replicate", "efsdp") if parallel_dims.dp_replicate_enabled else ("efsdp",)
+        for module in experts:
+            fully_shard(module, reshard_after_forward=reshard, **(options | {"mesh": expert_mesh[names]}))
     if embedding is not None:
         fully_shard(embedding, reshard_after_forward=reshard, **options)
     for block in blocks:

@@ -12,6 +12,12 @@ Three flattened axes are derived from it:
 * ``dp_cp`` = dp_replicate x dp_shard x cp: the loss's global count of valid
   tokens is all-reduced here (a token sum over a global count, never a mean of means).
 * ``dp`` = dp_replicate x dp_shard: ranks with the same ``dp`` coordinate load the same batch.
+
+Expert parallelism needs no ranks of its own: as torchtitan folds it, the ``ep`` ranks are taken out of the
+ranks that already share a model replica (dp_shard x cp), so ``ep`` must divide dp_shard x cp. The experts'
+mesh (:meth:`ParallelDims.build_expert_mesh`) splits ``dp_cp`` into ``("dp_replicate", "efsdp", "ep")``:
+each expert lives on one ``ep`` rank, FSDP-sharded over ``efsdp`` = dp_shard x cp / ep (and replicated over
+dp_replicate), while the dense layers keep the five axes above.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from cpcompose import _compat
 
-__all__ = ["MESH_DIM_NAMES", "Degrees", "FlatMeshName", "ParallelDims", "flat_mesh"]
+__all__ = ["EXPERT_MESH_DIM_NAMES", "MESH_DIM_NAMES", "Degrees", "FlatMeshName", "ParallelDims", "flat_mesh"]
 
 MESH_DIM_NAMES: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 """Axis names of the mesh returned by :meth:`ParallelDims.build_mesh`, outermost first."""
@@ -39,8 +45,13 @@ _FLAT_MESH_DIMS: dict[str, tuple[str, ...]] = {
 }
 
 
+EXPERT_MESH_DIM_NAMES: tuple[str, ...] = ("dp_replicate", "efsdp", "ep")
+"""Axis names of the experts' mesh returned by :meth:`ParallelDims.build_expert_mesh`, outermost first."""
+
+
 class Degrees(Protocol):
-    """Anything with the five degrees, such as the config's ``parallelism`` section."""
+    """Anything with the five degrees, such as the config's ``parallelism`` section (``ep``, read when present,
+    defaults to 1)."""
 
     dp_replicate: int
     dp_shard: int
@@ -69,6 +80,9 @@ class ParallelDims:
     """Pipeline-parallel degree (number of stages)."""
     world_size: int
     """Total number of processes."""
+    ep: int = 1
+    """Expert-parallel degree: ranks, folded out of dp_shard x cp, that each hold a share of every MoE layer's
+    experts."""
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -94,6 +108,16 @@ class ParallelDims:
                 f"cp({self.cp}) * tp({self.tp}) * pp({self.pp}) = {product} but the world size is "
                 f"{self.world_size}: set dp_shard = -1 to fill in the rest, or change the number of processes"
             )
+        if self.ep < 1:
+            raise ValueError(f"parallelism.ep: must be >= 1, got {self.ep}")
+        if self.ep > 1 and self.tp > 1:
+            raise ValueError(f"parallelism.ep: {self.ep} with parallelism.tp = {self.tp}: experts are not split by tensor "
+                             "parallelism yet; use one of the two")
+        if self.fsdp_size % self.ep:
+            raise ValueError(
+                f"parallelism.ep: {self.ep} must divide dp_shard({self.dp_shard}) * cp({self.cp}) = {self.fsdp_size}: "
+                "expert-parallel ranks are folded out of the ranks that share a model replica (no extra ranks)"
+            )
 
     @classmethod
     def from_config(cls, degrees: Degrees, world_size: int) -> ParallelDims:
@@ -104,7 +128,8 @@ class ParallelDims:
         Raises:
             ValueError: the degrees do not multiply to ``world_size``; the message starts with the key.
         """
-        return cls(degrees.dp_replicate, degrees.dp_shard, degrees.cp, degrees.tp, degrees.pp, world_size)
+        return cls(degrees.dp_replicate, degrees.dp_shard, degrees.cp, degrees.tp, degrees.pp, world_size,
+                   ep=getattr(degrees, "ep", 1))
 
     @property
     def dp_enabled(self) -> bool:
@@ -140,6 +165,16 @@ class ParallelDims:
     def pp_enabled(self) -> bool:
         """Whether the model is cut into pipeline stages."""
         return self.pp > 1
+
+    @property
+    def ep_enabled(self) -> bool:
+        """Whether each rank holds a share of the experts (expert parallelism)."""
+        return self.ep > 1
+
+    @property
+    def efsdp_size(self) -> int:
+        """Ranks FSDP shards each expert over: dp_shard x cp / ep (size of the experts' ``efsdp`` axis)."""
+        return self.fsdp_size // self.ep
 
     @property
     def dp_size(self) -> int:
@@ -202,6 +237,20 @@ class ParallelDims:
         for group in groups:
             group.set_timeout(timeout)
         return mesh
+
+    def build_expert_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
+        """The experts' mesh, axes :data:`EXPERT_MESH_DIM_NAMES`: ``dp_cp`` of the root `mesh` (from
+        :meth:`build_mesh`) split into dp_replicate x efsdp x ep, ep innermost (so an ``ep`` group is ep
+        consecutive ranks of a replica: CP ranks first). A collective: call it once, on every rank, after
+        `build_mesh`; its groups get the world's timeout like the root's.
+        """
+        self.check_mesh(mesh)
+        experts = _compat.unflatten_mesh(flat_mesh(mesh, "dp_cp"), "dp_cp",
+                                         (self.dp_replicate, self.efsdp_size, self.ep), EXPERT_MESH_DIM_NAMES)
+        timeout = _compat.group_timeout(dist.group.WORLD)
+        for name in EXPERT_MESH_DIM_NAMES:
+            experts[name].get_group().set_timeout(timeout)
+        return experts
 
     def check_mesh(self, mesh: DeviceMesh) -> None:
         """Check that ``mesh`` is a root mesh built from these degrees by :meth:`build_mesh`.

@@ -110,6 +110,16 @@ class MemoryProfile:
     attention_saved: float | None = None
     """What the largest block with attention saves per token, where that is not the largest block (a hybrid's
     linear-attention layers can save more): its recompute goes with CP's K/V buffers. None: `block_saved`."""
+    block_expert_params: int = 0
+    """Of `block_params`, the routed experts' own (the experts module: stacked gate/up and down weights, their
+    biases; not the router, a shared expert or a post-expert norm). Under expert parallelism (`parallelism.ep`)
+    each rank holds `1 / ep` of them, a separate FSDP unit sharded over efsdp = dp_shard x cp / ep."""
+    body_expert_params: int = 0
+    """Of `body_params`, the routed experts' own (every layer's experts module)."""
+    dispatch: float = 0.0
+    """Under expert parallelism, what the MoE layer's peak holds beyond `block_forward` / `block_backward` per
+    token: the routed rows in transit (out and back, in the compute dtype) and the grouped GEMM's intermediate
+    over the rows received (`cpcompose.experts.parallel_routed_experts`). 0 without experts."""
 
 
 def loss_bytes(vocab: int, dim: int, c: int) -> dict[str, float]:

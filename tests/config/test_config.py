@@ -82,8 +82,8 @@ def test_values_are_converted_by_annotation(tmp_path: Path) -> None:
         ("[training]\nlr = 0.1\n", [], r"unknown key 'training.lr' in .*run.toml \(did you mean 'optimizer.lr'\?\)$"),
         ("", ["--training.zzzz=1"], r"unknown option '--training.zzzz'$"),
         # What this trainer lacks is said, not matched to a near spelling elsewhere (ep is not optimizer.eps).
-        ("", ["--parallelism.ep=2"], r"unknown option '--parallelism.ep': expert parallelism is not supported yet"),
-        ("[parallelism]\nexpert_parallel_degree = 2\n", [], r"expert parallelism is not supported yet"),
+        ("", ["--parallelism.etp=2"], r"unknown option '--parallelism.etp': experts are not split by tensor"),
+        ("[parallelism]\nexpert_parallel_degree = 2\n", [], r"\(did you mean 'parallelism.ep'\?\)$"),
         ("", ["--parallelism.tpp=2"], r"\(did you mean '--parallelism.tp'\?\)$"),
         ("", ["--training.seq_len=abc"], r"^training.seq_len: expected int, got 'abc'"),
         ("", ["--job.dry_run=maybe"], r"^job.dry_run: expected bool \(true/false/1/0\), got 'maybe'"),
@@ -327,3 +327,14 @@ def test_the_sections_are_pure() -> None:
     assert imported <= set(sys.stdlib_module_names) | {"__future__"}, imported
     calls = {ast.unparse(node.func) for node in ast.walk(tree) if isinstance(node, ast.Call)}
     assert not calls & {"open", "json.load", "json.loads"} and not any(c.endswith("read_text") for c in calls), calls
+
+
+def test_parallelism_ep_is_checked_by_the_degrees_and_the_family() -> None:
+    """ep is folded out of dp_shard x cp (it must divide it, on the real world size), and a family without
+    experts refuses it by name, before any rank starts."""
+    with pytest.raises(ConfigError, match=r"^parallelism.ep: 2: llama has no experts"):
+        resolve_config(load_config(["--parallelism.ep=2", "--parallelism.cp=2"]), 2)
+    with pytest.raises(ConfigError, match=r"^parallelism.ep: 4 must divide dp_shard\(1\) \* cp\(2\) = 2"):
+        load_config(["--parallelism.ep=4", "--parallelism.cp=2"]).validate(world_size=2)
+    with pytest.raises(ConfigError, match=r"^parallelism.ep: must be > 0"):
+        load_config(["--parallelism.ep=0"])

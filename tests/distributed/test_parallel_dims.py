@@ -89,3 +89,31 @@ def test_build_mesh_names_and_flattened_meshes() -> None:
 def test_build_mesh_rejects_wrong_world_size() -> None:
     with pytest.raises(ValueError, match="world_size is 2"):
         _dims(dp_shard=2, world_size=2).build_mesh("cpu")
+
+
+def test_ep_is_folded_out_of_dp_shard_times_cp() -> None:
+    assert _dims(dp_shard=2, cp=2, world_size=4, ep=2).efsdp_size == 2
+    assert _dims(dp_shard=2, cp=2, world_size=4, ep=4).efsdp_size == 1
+    with pytest.raises(ValueError, match=r"^parallelism.ep: 3 must divide dp_shard\(2\) \* cp\(2\) = 4: .*no extra"):
+        _dims(dp_shard=2, cp=2, world_size=4, ep=3)
+    with pytest.raises(ValueError, match=r"^parallelism.ep: must be >= 1"):
+        _dims(ep=0)
+    with pytest.raises(ValueError, match=r"^parallelism.ep: 2 with parallelism.tp = 2"):
+        _dims(dp_shard=2, tp=2, world_size=4, ep=2)
+
+
+def _expert_mesh_ranks(mesh) -> dict:  # noqa: ANN001 (the pool's world mesh: unused, the default group is read)
+    dims = ParallelDims(dp_replicate=1, dp_shard=2, cp=2, tp=1, pp=1, world_size=4, ep=2)
+    root = dims.build_mesh("cpu")
+    experts = dims.build_expert_mesh(root)
+    return {name: experts[name].mesh.tolist() for name in ("dp_replicate", "efsdp", "ep")} | {
+        "cp": root["cp"].mesh.tolist(), "dp_shard": root["dp_shard"].mesh.tolist(),
+        "names": experts.mesh_dim_names}
+
+
+def test_the_expert_mesh_takes_ep_from_consecutive_ranks_of_a_replica(pools) -> None:
+    """ep innermost: at dp_shard = cp = ep = 2 an ep group is a CP group, and efsdp the dp_shard group."""
+    results = pools.get(4).run(_expert_mesh_ranks)
+    for rank, r in enumerate(results):
+        assert r["names"] == ("dp_replicate", "efsdp", "ep")
+        assert rank in r["ep"] and r["ep"] == r["cp"] and r["efsdp"] == r["dp_shard"], r

@@ -50,6 +50,31 @@ def make_hybrid_model(folder: Path, family: str) -> Path:
     return folder
 
 
+def make_qwen3_moe(folder: Path, **overrides) -> Path:
+    """A tiny float32 Qwen3-MoE (4 experts, 2 per token, 2 MoE layers, hidden 32) with the tiny tokenizer, written by
+    `save_pretrained` (one tensor per expert) into `folder`; `overrides` go to its config. The router's weight is
+    randomised (transformers zeroes it at init, which routes every token alike)."""
+    import transformers as hf
+
+    tokenizer = tiny_model_script().make_tokenizer(folder)
+    config = hf.Qwen3MoeConfig(**{
+        "vocab_size": len(tokenizer), "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 8, "intermediate_size": 64, "moe_intermediate_size": 16,
+        "num_experts": 4, "num_experts_per_tok": 2, "decoder_sparse_step": 1, "output_router_logits": False,
+        "max_position_embeddings": 256,
+        **{key: tokenizer.convert_tokens_to_ids(token)
+           for key, token in (("pad_token_id", "<|pad|>"), ("bos_token_id", "<|bos|>"), ("eos_token_id", "<|eos|>"))},
+        **overrides,
+    })
+    torch.manual_seed(0)
+    model = hf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.normal_(0, 0.5)
+    model.save_pretrained(folder)
+    return folder
+
+
 def text_corpus(folder: Path, documents: int = 60) -> Path:
     """Documents of very different lengths (1 to 40 words), one JSON line each."""
     g = torch.Generator().manual_seed(0)

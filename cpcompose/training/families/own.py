@@ -44,6 +44,9 @@ class OwnFamily:
     rank_imports: tuple[str, ...] = ()
 
     def refusal(self, config: JobConfig) -> ConfigError | None:
+        if config.parallelism.ep > 1:
+            return ConfigError(f"parallelism.ep: {config.parallelism.ep}: {self.name} has no experts (no "
+                               "mixture-of-experts layer); set parallelism.ep = 1")
         for key in FOLDER_KEYS:
             if getattr(config.model, key) is not None:
                 where = " or ".join(f"'{n}'" for n in self.folder_families) or "a family read from a folder"

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -27,7 +28,21 @@ from cpcompose.distributed import ParallelDims
 from cpcompose.layouts import PackedLayout
 from cpcompose.models.spec import MemoryProfile
 
-__all__ = ["ModelFamily", "TrainedModel"]
+__all__ = ["ModelFamily", "RouterLoss", "TrainedModel"]
+
+
+@dataclass(frozen=True)
+class RouterLoss:
+    """A mixture-of-experts model's router load-balancing loss (transformers' `load_balancing_loss_func`, the
+    Switch-Transformer loss), trained beside the language-model loss: the trainer adds `coefficient` x the loss
+    over the whole micro-batch of the dp x cp mesh (`cpcompose.parallel.cp_load_balancing_loss`)."""
+
+    num_experts: int
+    """Routed experts per MoE layer."""
+    top_k: int
+    """Experts chosen per token."""
+    coefficient: float
+    """The loss's weight in the trained total (transformers' `router_aux_loss_coef`)."""
 
 
 @dataclass
@@ -36,12 +51,20 @@ class TrainedModel:
 
     module: nn.Module
     """Called as `module(tokens, position_ids)` -> logits, or `module(tokens, position_ids, head=head)` -> the
-    result of `head(hidden, output_weight, bias=None, softcap=None)` (the fused loss)."""
+    result of `head(hidden, output_weight, bias=None, softcap=None)` (the fused loss); with `router_logits=True`
+    (families with a `router_loss`) -> (that, every MoE layer's router logits `(local tokens, experts)`)."""
     cp_scope: Callable[[PackedLayout | None], contextlib.AbstractContextManager]
     """Around each micro-batch's forward and backward, given the batch's pack (None: the run's layout)."""
     export: Callable[[Path], None] | None = None
     """Write the model in its family's own format to a folder (a collective), for families that export
     (`checkpoint.export_hf`)."""
+    expert_parameters: tuple[nn.Parameter, ...] = ()
+    """With expert parallelism: the parameters each rank of `ep_group` holds a different block of experts of (the
+    gradient norm sums their squares over that group)."""
+    ep_group: dist.ProcessGroup | None = None
+    """The expert-parallel group of `expert_parameters` (None without expert parallelism)."""
+    router_loss: RouterLoss | None = None
+    """The MoE router's load-balancing loss the model trains beside the language-model loss (None: none)."""
 
 
 class ModelFamily(Protocol):

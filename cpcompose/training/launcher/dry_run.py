@@ -34,7 +34,9 @@ def describe_plan(config: JobConfig, world: int, lengths_png: Path | None = None
     local_seq = t.seq_len // p.cp
     lines = [
         f"plan for '{config.job.name}' on {world} rank(s)",
-        f"  mesh: pp={dims.pp} dp_replicate={dims.dp_replicate} dp_shard={dims.dp_shard} cp={dims.cp} tp={dims.tp}",
+        f"  mesh: pp={dims.pp} dp_replicate={dims.dp_replicate} dp_shard={dims.dp_shard} cp={dims.cp} tp={dims.tp}"
+        + (f" ep={dims.ep} (experts: efsdp={dims.efsdp_size} x ep={dims.ep}, folded out of dp_shard x cp)"
+           if dims.ep_enabled else ""),
         f"  context parallel: strategy={p.cp_strategy}{_blocks(p.cp, p.cp_alltoall_size)} layout={p.cp_layout}; "
         f"{t.seq_len:,} tokens per sequence, {local_seq:,} per CP rank",
         f"  model: {model}",

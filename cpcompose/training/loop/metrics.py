@@ -38,6 +38,7 @@ class StepMetrics:
     cp_bytes_sent: int
     cp_strategies: dict[str, int] = field(default_factory=dict)  # calls per strategy `auto` chose this step
     cp_predicted_s: float = 0.0  # the cost model's prediction for those calls
+    router_loss: float | None = None  # a MoE model's router loss (its coefficient times it is in `loss`); None: none
 
 
 def stamp() -> str:
@@ -83,7 +84,8 @@ class MetricsLogger:
             elapsed = time.perf_counter() - self._start
             eta = elapsed / (m.step - first_step + 1) * (self.total_steps - m.step)
             print(
-                f"{stamp()} step {m.step:>5}/{self.total_steps}  loss {m.loss:.4f}  lr {m.lr:.2e}  "
+                f"{stamp()} step {m.step:>5}/{self.total_steps}  loss {m.loss:.4f}  "
+                + ("" if m.router_loss is None else f"router_loss {m.router_loss:.4f}  ") + f"lr {m.lr:.2e}  "
                 f"grad_norm {m.grad_norm:.3f}  {m.tokens_per_s:,.0f} tok/s  {m.step_time_s:.2f} s/step  "
                 f"peak {max(m.peak_memory_mib):,.0f} MiB  cp {m.cp_bytes_sent / 2**20:.1f} MiB  eta {eta:,.0f} s",
                 flush=True,
@@ -95,6 +97,8 @@ class MetricsLogger:
                 ("step_time_s", m.step_time_s), ("cp_bytes_sent", float(m.cp_bytes_sent)),
             ):
                 w.add_scalar(f"train/{name}", value, m.step)
+            if m.router_loss is not None:
+                w.add_scalar("train/router_loss", m.router_loss, m.step)
             for rank, mib in enumerate(m.peak_memory_mib):
                 w.add_scalar(f"memory/peak_mib_rank{rank}", mib, m.step)
             for label, calls in m.cp_strategies.items():  # strategy="auto": what it chose, per attention call

@@ -29,7 +29,7 @@ from cpcompose.data import IGNORE_INDEX, Batch, build_data_source
 from cpcompose.distributed import ParallelDims, build_pipeline_schedule, build_pipeline_stage, flat_mesh, fsdp_applied
 from cpcompose.layouts import PackedLayout, resolve_layout
 from cpcompose.sharding.packed import pack_documents
-from cpcompose.parallel import cp_cross_entropy, cp_linear_cross_entropy
+from cpcompose.parallel import cp_cross_entropy, cp_linear_cross_entropy, cp_load_balancing_loss
 from cpcompose.training.loop.checkpoint import CheckpointManager
 from cpcompose.training.errors import TrainingError
 from cpcompose.training.families.export import export_folder, mark_export
@@ -115,6 +115,7 @@ class Trainer:
         self.step = 0
         self._num_tokens = torch.zeros(())  # this step's global count of valid labels
         self.grad_norm = 0.0
+        self.router_loss: float | None = None  # this step's router loss (a family with one), as logged
         self.step_lr = 0.0
         self.history: list[tuple[int, float]] = []  # (step, loss) of the whole run, across resumes
         self.stop_signal = 0  # set by the SIGTERM/SIGINT handler; acted on at the next step boundary
@@ -139,24 +140,26 @@ class Trainer:
 
     # --- one step ---
 
-    def _shard(self, batch: Batch) -> tuple[Tensor, Tensor, Tensor, PackedLayout | None]:
-        """This CP rank's tokens, labels and positions `[batch, local_seq]` (and the batch's pack layout)."""
+    def _shard(self, batch: Batch) -> tuple[Tensor, Tensor, Tensor, PackedLayout | None, Tensor | None]:
+        """This CP rank's tokens, labels and positions `[batch, local_seq]`, the batch's pack layout, and which of
+        the tokens are the batch's (1) and which the pack's padding (0; None: no padding)."""
         if batch.cu_seqlens is not None:
             return self._shard_packed(batch)
         tokens = self.layout.shard(batch.input_ids, 1, self.cp_rank).to(self.device)
         labels = self.layout.shard(batch.labels, 1, self.cp_rank).to(self.device)
         positions = self.layout.position_ids(self.cp_rank, batch.input_ids.shape[1], self.device)
-        return tokens, labels, positions.expand(tokens.shape[0], -1).contiguous(), None
+        return tokens, labels, positions.expand(tokens.shape[0], -1).contiguous(), None, None
 
-    def _shard_packed(self, batch: Batch) -> tuple[Tensor, Tensor, Tensor, PackedLayout]:
+    def _shard_packed(self, batch: Batch) -> tuple[Tensor, Tensor, Tensor, PackedLayout, Tensor]:
         """The micro-batch as one pack of documents, split with balanced attention work."""
         seq = batch.input_ids.shape[1]
         assert batch.cu_seqlens is not None
         cu = [0] + [int(b) + i * seq for i, c in enumerate(batch.cu_seqlens) for b in c.tolist()[1:]]
-        packed = pack_documents([batch.input_ids, batch.labels], cu, self.mesh["cp"], pad_values=[0, IGNORE_INDEX],
-                                what="the trainer's packed batch", device=self.device)
-        tokens, labels = (t.to(self.device) for t in packed.local(self.cp_rank))
-        return tokens, labels, packed.position_ids(self.cp_rank, self.device), packed.layout
+        real = torch.ones_like(batch.input_ids, dtype=torch.int8)  # 0 on the pack's padding document
+        packed = pack_documents([batch.input_ids, batch.labels, real], cu, self.mesh["cp"],
+                                pad_values=[0, IGNORE_INDEX, 0], what="the trainer's packed batch", device=self.device)
+        tokens, labels, valid = (t.to(self.device) for t in packed.local(self.cp_rank))
+        return tokens, labels, packed.position_ids(self.cp_rank, self.device), packed.layout, valid
 
     def _global_tokens(self, batches: list[Batch]) -> Tensor:
         """Valid labels in this step's global batch (each dp rank counts its full sequences)."""
@@ -172,42 +175,64 @@ class Trainer:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def _loss(self, tokens: Tensor, labels: Tensor, positions: Tensor) -> Tensor:
-        """This rank's share of the micro-batch loss: fused into the model's head (`training.fused_loss`) or not."""
+    def _loss(self, tokens: Tensor, labels: Tensor, positions: Tensor,
+              valid: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        """This rank's share of the micro-batch loss (fused into the model's head, `training.fused_loss`, or not),
+        and of the router loss in it (a family with one, `TrainedModel.router_loss`; else None).
+
+        The router loss is the family's load-balancing loss over every token of the micro-batch on the dp x cp mesh
+        (as one process computes it on that batch: its statistics pooled before their product), the pack's padding
+        left out (`valid`: one process has none); every real token counts, labelled or not, as in transformers,
+        which masks only an attention mask's padding. Per micro-batch, each weighted 1 / grad_accum_steps (a
+        product of sums over the whole step cannot be formed before the first backward)."""
+        router = self.trained.router_loss
+        extra = {} if router is None else {"router_logits": True}
         if not self.config.training.fused_loss:
-            return cp_cross_entropy(self.model(tokens, positions), labels, mesh=self.loss_mesh,
-                                    num_tokens=self._num_tokens)
+            out = self.model(tokens, positions, **extra)
+            logits, router_logits = out if router is not None else (out, ())
+            loss = cp_cross_entropy(logits, labels, mesh=self.loss_mesh, num_tokens=self._num_tokens)
+        else:
+            def head(hidden: Tensor, weight: Tensor, *, bias: Tensor | None = None,
+                     softcap: float | None = None) -> Tensor:  # inside the model's forward: FSDP gathered weight
+                return cp_linear_cross_entropy(hidden, weight, labels, mesh=self.loss_mesh,
+                                               num_tokens=self._num_tokens,
+                                               chunk_tokens=self.config.loss_chunk_tokens(), bias=bias,
+                                               softcap=softcap)
 
-        def head(hidden: Tensor, weight: Tensor, *, bias: Tensor | None = None,
-                 softcap: float | None = None) -> Tensor:  # inside the model's forward: FSDP gathered weight
-            return cp_linear_cross_entropy(hidden, weight, labels, mesh=self.loss_mesh, num_tokens=self._num_tokens,
-                                           chunk_tokens=self.config.loss_chunk_tokens(), bias=bias,
-                                           softcap=softcap)
-
-        return self.model(tokens, positions, head=head)
+            out = self.model(tokens, positions, head=head, **extra)
+            loss, router_logits = out if router is not None else (out, ())
+        if router is None:
+            return loss, None
+        share = cp_load_balancing_loss(router_logits, num_experts=router.num_experts, top_k=router.top_k,
+                                       mesh=self.loss_mesh, valid=valid) / self.config.training.grad_accum_steps
+        return loss + router.coefficient * share, share.detach()
 
     def _pipeline_loss(self, logits: Tensor, labels: Tensor) -> Tensor:
         return cp_cross_entropy(logits, labels, mesh=self.loss_mesh, num_tokens=self._num_tokens)
 
     def train_step(self) -> float:
-        """Forward, backward, reduce, clip, update; returns the global mean loss."""
+        """Forward, backward, reduce, clip, update; returns the global mean loss (with the router loss in it, which
+        `self.router_loss` holds alone)."""
         c = self.config
         batches = [next(self.data) for _ in range(c.training.grad_accum_steps)]
         self._num_tokens = self._global_tokens(batches)
         self.optimizer.zero_grad(set_to_none=True)
-        local = torch.zeros((), device=self.device, dtype=torch.float64)
+        local = torch.zeros(2, device=self.device, dtype=torch.float64)  # (the loss, its router loss) shares
         for batch in batches:
-            tokens, labels, positions, packed = self._shard(batch)
+            tokens, labels, positions, packed, valid = self._shard(batch)
             with self.trained.cp_scope(packed), self._autocast():  # backward inside too (recompute sees the layout)
                 if self.schedule is not None:
-                    local += self._pipeline_step(tokens, labels, positions)
+                    local[0] += self._pipeline_step(tokens, labels, positions)
                 else:
-                    loss = self._loss(tokens, labels, positions)
+                    loss, router = self._loss(tokens, labels, positions, valid)
                     loss.backward()
-                    local += loss.detach()
+                    local[0] += loss.detach()
+                    if router is not None:
+                        local[1] += router
         self.grad_norm = clip_grad_norm(
             self.model.parameters(), c.training.max_norm,
             pp_group=self.mesh["pp"].get_group() if self.dims.pp_enabled else None,
+            expert_parameters=self.trained.expert_parameters, ep_group=self.trained.ep_group,
         )
         self.step_lr = self.optimizer.param_groups[0]["lr"]  # the rate this step used; the scheduler moves on
         self.optimizer.step()
@@ -223,11 +248,13 @@ class Trainer:
         return sum((x.detach().double() for x in losses), torch.zeros((), dtype=torch.float64, device=self.device))
 
     def _global_loss(self, local: Tensor) -> float:
-        """Sum the shares over dp x cp; with PP only the last stage has them, so sum over pp too."""
+        """Sum the shares (the loss, the router loss) over dp x cp; with PP only the last stage has them, so sum over
+        pp too. Returns the loss; `self.router_loss` is set to the router loss (None without one)."""
         all_reduce(local, self.loss_mesh.get_group())
         if self.dims.pp_enabled:
             all_reduce(local, self.mesh["pp"].get_group())
-        return local.item()
+        self.router_loss = None if self.trained.router_loss is None else local[1].item()
+        return local[0].item()
 
     # --- the run ---
 
@@ -309,6 +336,7 @@ class Trainer:
                     tokens_per_s=tokens_per_step / elapsed, step_time_s=elapsed,
                     peak_memory_mib=[float(x) for x in everyone], cp_bytes_sent=self.meter.total,
                     cp_strategies=dict(self.meter.strategies), cp_predicted_s=self.meter.predicted_s,
+                    router_loss=self.router_loss,
                 ),
                 first_step=first,
             )

@@ -6,6 +6,10 @@ L: blocks on this rank's pipeline stage, S: FSDP's shard degree dp_shard x cp wh
 * every phase: the process itself (interpreter, torch, communication buffers: measured on this machine by
   a fresh interpreter, `cpcompose.training.memory.footprint`), the float32 parameters and two AdamW moments, sharded
   S ways; gradients too once they exist (backward, the step; with gradient accumulation, always).
+* with expert parallelism (`parallelism.ep`): each rank holds E / ep of every MoE layer's experts, each
+  experts module a unit of its own sharded over efsdp = S / ep (the same shard bytes as S ways over E); a
+  gathered block holds its dense weights and E / ep experts; the MoE layer's work adds the dispatch's rows in
+  transit (`MemoryProfile.dispatch`), with every rank receiving its even share of the routed rows.
 * forward and backward also hold FSDP's gathered units, in the compute dtype (bf16 under FSDP2's mixed
   precision): the embedding while it runs, two blocks (the one running and the one prefetched), the final norm
   with the output layer from the loss into the backward; and each unit's gradient while it is reduced (made in
@@ -200,9 +204,15 @@ def _stage(c: JobConfig, dims: ParallelDims, prof: MemoryProfile, stage: int, T:
     # FSDP2's CPUOffloadPolicy (`training.offload_params`, on CUDA): the float32 shards, their gradients, the moments
     # and the optimizer's step live in host memory; the device holds only the units gathered and reduced.
     offload_state = t.offload_params and fsdp and device_type == "cuda"
-    state = 0 if offload_state else 4 * params // shards
+    block = prof.block_params
+    if dims.ep > 1:  # this rank's E/ep experts, FSDP-sharded over efsdp = dp_shard x cp / ep; the rest over S
+        experts = prof.body_expert_params * L // prof.layers
+        sharded = (params - experts) // shards + experts // dims.ep // dims.efsdp_size
+        # each experts module is its own unit: the block gathers its dense weights and E/ep experts
+        block = prof.block_params - prof.block_expert_params + prof.block_expert_params // dims.ep
+    state = 0 if offload_state else (4 * sharded if dims.ep > 1 else 4 * params // shards)
     moments = 2 * state
-    units = _units(fsdp=fsdp, pp=dims.pp > 1, bf16=bf16, embedding=embedding, head=head, block=prof.block_params,
+    units = _units(fsdp=fsdp, pp=dims.pp > 1, bf16=bf16, embedding=embedding, head=head, block=block,
                    blocks=L)
     # Without FSDP (one rank over dp x cp), bf16 is autocast: its cache keeps a bf16 copy of each linear weight.
     cast = 2 * (L * prof.block_cast_params + head) if bf16 and not fsdp else 0
@@ -211,7 +221,8 @@ def _stage(c: JobConfig, dims: ParallelDims, prof: MemoryProfile, stage: int, T:
     keep = prof.block_input if checkpointing else prof.body_saved / prof.layers  # per block, on average
     kept_blocks = min(L, 2) if offload else L
     activations = int(keep * T * kept_blocks * in_flight)
-    host = (int(keep * T * L * in_flight) if offload else 0) + (16 * params // shards if offload_state else 0)
+    host = (int(keep * T * L * in_flight) if offload else 0) + (
+        (16 * sharded if dims.ep > 1 else 16 * params // shards) if offload_state else 0)
     vocab = prof.vocab
     # The pipeline's last stage computes the unfused loss on the logits its stage returns, and keeps them
     # (compute dtype) until that microbatch's backward; without pipelining the fused loss is the trainer's.
@@ -227,21 +238,23 @@ def _stage(c: JobConfig, dims: ParallelDims, prof: MemoryProfile, stage: int, T:
         loss = int((prof.head_saved + prof.loss + held) * T)
     # A checkpointed block holds all it would save while it runs: in forward, and again in its recompute.
     recompute = int((prof.block_saved if checkpointing else 0) * T)
+    # Expert parallelism's dispatch: the routed rows in transit beside the MoE layer's own work, both ways.
+    dispatch = int(prof.dispatch * T) if dims.ep > 1 else 0
     # A block's backward peaks in its feed-forward or in its attention; CP's buffers exist only beside the latter.
     # A hybrid's largest block may have no attention: the attention block's own recompute goes with CP's buffers.
     attention_saved = prof.block_saved if prof.attention_saved is None else prof.attention_saved
     attention_recompute = int((attention_saved if checkpointing else 0) * T)
     attention_side = attention_recompute + int(prof.attention_backward * T) + attention
-    attention_wins = attention_side >= recompute + int(prof.block_backward * T)
+    attention_wins = attention_side >= recompute + int(prof.block_backward * T) + dispatch
     backward_work = (attention_recompute + int(prof.attention_backward * T) if attention_wins
-                     else recompute + int(prof.block_backward * T))
+                     else recompute + int(prof.block_backward * T) + dispatch)
     backward_attention = attention if attention_wins else 0
     grads_always = t.grad_accum_steps > 1
     process = process_bytes(device_type, family_of(c).rank_imports)
     # The phases' per-token tensors that glibc serves from its heap (D-wide and narrower; vocabulary-wide ones are
     # mapped): the heap keeps their high water resident for the rest of the step (see `heap_slack`).
     loss_heap = int((prof.head_saved + (prof.fused_loss_token if fused else 0)) * T) if last else 0
-    heap_held = {"forward": activations + recompute + int(prof.block_forward * T) + attention,
+    heap_held = {"forward": activations + recompute + int(prof.block_forward * T) + dispatch + attention,
                  "loss": activations + loss_heap,
                  "backward": activations + backward_work + backward_attention,
                  "optimizer step": 0, "embedding backward": 0, "block end": activations}
@@ -270,7 +283,7 @@ def _stage(c: JobConfig, dims: ParallelDims, prof: MemoryProfile, stage: int, T:
     head_reducing = units.reducing["loss"] if units.reducing["loss"] > loss else 0
     phases = {
         "forward": phase("forward", during, units.gathered["forward"], cast, activations,
-                         recompute + int(prof.block_forward * T), attention, 0),
+                         recompute + int(prof.block_forward * T) + dispatch, attention, 0),
         "loss": phase("loss", during, units.gathered["loss"], cast, activations, 0, 0, 0 if head_reducing else loss,
                       head_reducing),
         # The backward's start (the last block's): every activation kept, gradient shards yet to come; its end

@@ -7,7 +7,8 @@ second (the optimizer's state exists) is measured. The tracker counts tensors on
 less its process and allocator-slack parts.
 
 What cannot run on fake tensors is routed around for the rehearsal only (the training path runs as it is): here,
-- the mesh is built without `ParallelDims.build_mesh`'s timeouts (the fake group has no backend options);
+- the mesh is built without `ParallelDims.build_mesh`'s timeouts (the fake group has no backend options), and so
+  is the experts' mesh under `parallelism.ep`, before the fake mode (`build_expert_mesh` returns it);
 - a Hugging Face model is built from its config.json alone (no weights read), its non-persistent buffers left
   unset (their initialisation reads them back); transformers' default MoE path (grouped_mm) runs on fake
   tensors as it is;
@@ -39,7 +40,7 @@ from cpcompose import _compat
 from cpcompose.comm import rehearsal_mode
 from cpcompose.config import JobConfig
 from cpcompose.distributed import ParallelDims, flat_mesh
-from cpcompose.distributed.parallel_dims import MESH_DIM_NAMES
+from cpcompose.distributed.parallel_dims import EXPERT_MESH_DIM_NAMES, MESH_DIM_NAMES
 from cpcompose.parallel import cp_cross_entropy, cp_linear_cross_entropy
 from cpcompose.training.families import family_of
 from cpcompose.training.resolve import resolve_config
@@ -113,6 +114,7 @@ def rehearse(config: JobConfig, world: int) -> Rehearsal:
         mesh = init_device_mesh("cpu", tuple(getattr(dims, n) for n in MESH_DIM_NAMES), mesh_dim_names=MESH_DIM_NAMES)
         for name in ("dp_shard_cp", "dp_cp", "dp"):  # flattened before the fake mode (it makes groups from values)
             flat_mesh(mesh, name)
+        dims = _with_expert_mesh(dims, mesh)
         if dims.dp_cp_size == 1:  # no FSDP on one rank over dp x cp: torch's tracker of a plain model
             tracker_cls = _compat.plain_mem_tracker()
         tracker_cls = _device_peak_tracker(tracker_cls, c.training.offload_params)
@@ -126,6 +128,21 @@ def rehearse(config: JobConfig, world: int) -> Rehearsal:
         return Rehearsal(tracked=tracked, by_kind=by_kind, planned=None, unplanned=str(e))
     planned = plan.total - plan.part("process") - plan.part("allocator slack")
     return Rehearsal(tracked=tracked, by_kind=by_kind, planned=planned)
+
+
+def _with_expert_mesh(dims: ParallelDims, mesh) -> ParallelDims:  # noqa: ANN001
+    """`dims` whose `build_expert_mesh` returns the experts' mesh made now, before the fake mode (unflattening makes
+    groups from values) and without the world's timeouts (the fake group has none); `dims` itself without EP."""
+    if not dims.ep_enabled:
+        return dims
+    experts = _compat.unflatten_mesh(flat_mesh(mesh, "dp_cp"), "dp_cp", (dims.dp_replicate, dims.efsdp_size, dims.ep),
+                                     EXPERT_MESH_DIM_NAMES)
+
+    class Rehearsed(type(dims)):  # type: ignore[misc, valid-type]
+        def build_expert_mesh(self, mesh: object) -> object:  # noqa: ARG002 (the root mesh it was made from)
+            return experts
+
+    return Rehearsed(**{f.name: getattr(dims, f.name) for f in dataclasses.fields(dims) if f.init})
 
 
 def _two_steps(c: JobConfig, dims: ParallelDims, mesh, tracker_cls, mod_stats) -> tuple[int, dict[str, int]]:  # noqa: ANN001

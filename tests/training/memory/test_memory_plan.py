@@ -218,3 +218,40 @@ def test_a_1f1b_pipeline_holds_up_to_pp_microbatches_on_its_first_stage() -> Non
     one = _plan(["--activation_checkpoint.mode=full"], 1)
     assert pp.tokens == one.tokens  # batch 4 in 4 microbatches
     assert pp.total == sum(b for _, b in pp.parts) and pp.phase in dict(pp.phase_totals)
+
+
+def _moe_plans(tmp_path: Path, ep: int) -> tuple:
+    """A tiny Qwen3-MoE (8 experts of 3 x 64 x 32, top-2) on 4 ranks (dp_shard = 4) at `ep`, on CUDA (no heap)."""
+    import transformers as hf
+
+    folder = tmp_path / "qwen3_moe"
+    if not folder.exists():
+        hf.Qwen3MoeConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=16, intermediate_size=96, num_experts=8, num_experts_per_tok=2,
+                          moe_intermediate_size=32, tie_word_embeddings=False).save_pretrained(folder)
+    config = load_config(["--model.name=hf", f"--model.path={folder}", "--parallelism.dp_shard=4",
+                          f"--parallelism.ep={ep}", "--training.seq_len=1024", "--training.batch_size=4",
+                          "--training.mixed_precision=bfloat16"])
+    return plan_memory(config, 4, device_type="cuda"), family_of(config).memory_profile(
+        config, tp=1, precision="bfloat16-params", mlp_tiles=1)
+
+
+@pytest.mark.parametrize("ep", [2, 4])
+def test_expert_parallelism_gathers_a_ranks_experts_and_keeps_each_shard(tmp_path: Path, ep: int) -> None:
+    one, prof = _moe_plans(tmp_path, 1)
+    split, _ = _moe_plans(tmp_path, ep)
+    experts = 8 * 3 * 64 * 32
+    assert prof.block_expert_params == experts and prof.body_expert_params == 2 * experts
+    # every expert's shard is on one of ep x efsdp = dp_shard x cp ranks: the same bytes per rank as without EP
+    assert split.part("parameters") == one.part("parameters")
+    assert split.part("optimizer state") == one.part("optimizer state")
+    # a block's end holds two gathered blocks (bf16) and one block's gradient reduced (bf16, float32, the
+    # reduce-scatter's input): each with E/ep experts instead of E
+    end_one, end_split = dict(one.phase_totals)["block end"], dict(split.phase_totals)["block end"]
+    assert end_one - end_split == (2 * 2 + 10) * (experts - experts // ep)
+    # forward: the two gathered blocks shrink the same way, the dispatch's rows in transit are added (top-2 rows of
+    # 64 bf16 numbers out and in per token, 10% of them as CUDA's allocator slack)
+    dispatch = 2 * 2 * 2 * 64 * split.tokens
+    forward_one, forward_split = dict(one.phase_totals)["forward"], dict(split.phase_totals)["forward"]
+    assert forward_split - forward_one == pytest.approx(int(1.1 * dispatch) - 2 * 2 * (experts - experts // ep),
+                                                        abs=2)

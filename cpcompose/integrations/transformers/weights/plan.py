@@ -9,7 +9,7 @@ stored once and loaded through their first name; the rest are transformers' conv
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from torch import nn
@@ -44,6 +44,35 @@ class WeightPlan:
         for stack in self.concatenated.values():
             names += [p for p in stack.parts if p not in names]  # a split tensor's parts share one stored tensor
         return names
+
+    def of_expert_blocks(self, blocks: dict[str, tuple[int, int]]) -> WeightPlan:
+        """The plan of the same model with some stacked-experts tensors held in part: `blocks` maps a model name to
+        (first expert, count), the rows `[first, first + count)` of the full tensor (an expert-parallel rank's
+        block). A tensor stored stacked becomes a range of its stored rows (read like a split tensor, no
+        collective); one stored per expert keeps the block's experts only. Its rows along dim 0 (FSDP's shard of
+        the block, if any) then index into that range.
+
+        Raises:
+            ValueError: a name the plan does not hold as stacked experts (or stored whole), or a block past the
+                stored experts.
+        """
+        direct, stacked, concatenated = dict(self.direct), dict(self.stacked), dict(self.concatenated)
+        for name, (first, count) in blocks.items():
+            if name in direct:
+                key = direct.pop(name)
+                total = self.stored[key].shape[0]
+                if not 0 <= first < first + count <= total:
+                    raise ValueError(f"{name}: experts [{first}, {first + count}) of the {total} stored in {key}")
+                concatenated[name] = ConcatenatedRows((key,), (first,), (count,))
+            elif name in stacked:
+                stack = stacked[name]
+                if not 0 <= first < first + count <= len(stack.parts[0]):
+                    raise ValueError(f"{name}: experts [{first}, {first + count}) of the {len(stack.parts[0])} "
+                                     "stored one by one")
+                stacked[name] = replace(stack, parts=tuple(part[first:first + count] for part in stack.parts))
+            else:
+                raise ValueError(f"{name}: not a stacked-experts tensor of the plan (tied, concatenated or unknown)")
+        return replace(self, direct=direct, stacked=stacked, concatenated=concatenated)
 
 
 def weight_plan(model: nn.Module, folder: str | Path) -> WeightPlan:

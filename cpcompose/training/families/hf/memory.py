@@ -47,6 +47,17 @@ def _dense(c: Any, *, qk_norm: bool, qkv_bias: bool | None = None) -> list[Layer
     return [Layer(attention, SwiGlu(c.hidden_size, c.intermediate_size))] * c.num_hidden_layers
 
 
+def _qwen3_moe(c: Any) -> list[Layer]:
+    """Qwen3's attention with a mixture of experts (no shared expert), or a SwiGLU in `mlp_only_layers` / off
+    the `decoder_sparse_step`."""
+    attention = _attention(c, qk_norm=True)
+    moe = Moe(dim=c.hidden_size, experts=c.num_experts, top_k=c.num_experts_per_tok, ffn=c.moe_intermediate_size,
+              shared=None)
+    dense = SwiGlu(c.hidden_size, c.intermediate_size)
+    return [Layer(attention, moe if i not in (c.mlp_only_layers or []) and c.num_experts > 0
+                  and (i + 1) % c.decoder_sparse_step == 0 else dense) for i in range(c.num_hidden_layers)]
+
+
 def _qwen3_next(c: Any) -> list[Layer]:
     """Gated DeltaNet layers with gated full-attention ones (`layer_types`), each with a mixture of experts
     (or a SwiGLU in `mlp_only_layers` / off the `decoder_sparse_step`)."""
@@ -70,6 +81,7 @@ _FAMILIES: dict[str, Callable[[Any], list[Layer]]] = {
     "mistral": lambda c: _dense(c, qk_norm=False),
     "qwen2": lambda c: _dense(c, qk_norm=False, qkv_bias=True),
     "qwen3": lambda c: _dense(c, qk_norm=True),
+    "qwen3_moe": _qwen3_moe,
     "qwen3_next": _qwen3_next,
 }
 """model_type -> its layers. Families of the same pieces join with one line; a new kind of piece goes in
@@ -108,6 +120,7 @@ def hf_memory_profile(hf_config: Any, *, tp: int, precision: str, mlp_tiles: int
     saved = [layer.saved(c, mlp_tiles) for layer in layers]
     kinds = list(dict.fromkeys(layers))  # each kind of layer once, in order
     params = [layer.params() for layer in layers]
+    largest = layers[params.index(max(params))]
     block_input = c * D if precision == "bfloat16-params" else 4 * D  # autocast keeps the float32 residual
     attentions = [layer.mixer for layer in kinds if isinstance(layer.mixer, Attention)]
     heads = (attentions[0].heads, attentions[0].kv_heads, attentions[0].head_dim) if attentions else (1, 1, 1)
@@ -125,4 +138,6 @@ def hf_memory_profile(hf_config: Any, *, tp: int, precision: str, mlp_tiles: int
         attention=heads, layers=len(layers), body_params=sum(params), body_saved=sum(saved), vocab=V,
         attention_saved=max((layer.saved(c, mlp_tiles) for layer in kinds if isinstance(layer.mixer, Attention)),
                             default=None),
+        block_expert_params=largest.expert_params(), body_expert_params=sum(layer.expert_params() for layer in layers),
+        dispatch=max(layer.dispatch(c) for layer in kinds),
     )

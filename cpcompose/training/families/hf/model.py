@@ -2,9 +2,10 @@
 
 Built on the meta device with `attn_implementation="cpcompose"`, then made parallel in the
 trainer's order: CP (a `context_parallel` region around each micro-batch's forward and backward,
-driven by the trainer's own split of the batch: `cp_scope`), sequence-tiled MLPs, activation
+driven by the trainer's own split of the batch: `cp_scope`), expert parallelism (`parallelism.ep`: each
+experts module swapped for its EP form, this rank's block of experts), sequence-tiled MLPs, activation
 checkpointing whose recomputation re-enters the region (`recompute_context`), FSDP2 over
-dp_shard x cp. Only then is memory allocated (`to_empty`): the buffers no checkpoint holds are
+dp_shard x cp (the experts over the experts' mesh `efsdp` axis, dp_shard x cp / ep). Only then is memory allocated (`to_empty`): the buffers no checkpoint holds are
 recomputed, and each rank reads its own slices of the weights from `model.path`
 (`load_pretrained_weights`), so no rank ever holds the whole model. Tensor and pipeline
 parallelism and `torch.compile` are refused by the family's record (`record.py`).
@@ -37,12 +38,12 @@ from cpcompose.layouts import PackedLayout
 from cpcompose.parallel import context_parallel, recompute_context
 from cpcompose.training.errors import TrainingError
 from cpcompose.training.families.export import check_export_folder, export_folder
-from cpcompose.training.families.record import TrainedModel
+from cpcompose.training.families.record import RouterLoss, TrainedModel
 from cpcompose.training.units import human_count
 from cpcompose.training.mixed_precision import compute_dtype
 
 __all__ = ["build_hf_model", "build_unfilled_hf_model", "check_hf_model", "describe_hf_model",
-           "parallelize_hf_model", "read_hf_config"]
+           "parallelize_hf_model", "read_hf_config", "router_loss_of"]
 
 
 def _hf() -> Any:
@@ -103,10 +104,11 @@ def _prepare(config: JobConfig, *, weights: bool = True) -> _Prepared:
     model_type = getattr(hf_config, "model_type", None)
     if model_type in cphf.attention.OWN_ATTENTION:
         raise ConfigError(f"model.path: {cphf.attention.OWN_ATTENTION[model_type]}")
-    if getattr(hf_config, "output_router_logits", False):
-        raise ConfigError(f"model.path: {m.path}/config.json sets output_router_logits = true (a MoE load-balancing "
-                          "loss added to the model's loss); the trainer's loss is the language-model loss alone: set "
-                          "it to false in config.json")
+    for key in _JITTER_KEYS:  # random per token: one process and the CP ranks would draw different noise
+        if _uses_region(config) and float(getattr(hf_config, key, 0.0) or 0.0) > 0:
+            raise ConfigError(f"model.path: {m.path}/config.json sets {key} = {getattr(hf_config, key)} (random "
+                              "noise on the router's input in training), which CP cannot reproduce; set it to 0 in "
+                              "config.json")
     if _uses_region(config) and float(getattr(hf_config, "attention_dropout", 0.0) or 0.0) > 0:
         raise ConfigError(f"model.path: {m.path}/config.json sets attention_dropout = {hf_config.attention_dropout}, "
                           "which CP attention does not apply; set it to 0 in config.json")
@@ -126,6 +128,7 @@ def _prepare(config: JobConfig, *, weights: bool = True) -> _Prepared:
         raise ConfigError(f"model.path: transformers cannot build a causal LM ({type(e).__name__}) from "
                           f"{m.path}/config.json{' with the model.rope_* overrides' if m.rope_scaling else ''}: {e}") \
             from None
+    router_loss_of(model, where=f"{m.path}/config.json")  # refused by name before launch
     layers = _decoder_layers(model)
     if layers is None:
         raise ConfigError(f"model.path: {type(model).__name__} has no decoder layers at model.{model.base_model_prefix}"
@@ -134,6 +137,8 @@ def _prepare(config: JobConfig, *, weights: bool = True) -> _Prepared:
     if t.tiled_mlp > 1 and any(_mlp(layer) is None for layer in layers):
         raise ConfigError(f"training.tiled_mlp: {type(layers[0]).__name__} has no .mlp or .feed_forward to tile; set "
                           "training.tiled_mlp = 1")
+    if config.parallelism.ep > 1:
+        _check_expert_parallel(model, config)
     if _uses_region(config) and (refused := cphf.refused_in(model)):
         raise ConfigError("model.path: cpcompose cannot make this model exact under CP (parallelism.cp > 1 or "
                           "data.pack): " + "; ".join(refused))
@@ -147,6 +152,75 @@ def _prepare(config: JobConfig, *, weights: bool = True) -> _Prepared:
     except ValueError as e:
         raise ConfigError(f"model.path: {e}") from None
     return _Prepared(hf_config, model, list(layers), plan)
+
+
+_JITTER_KEYS = ("router_jitter_noise", "input_jitter_noise")
+"""Where MoE families keep their training-time routing noise (Mixtral, MiniMax: router_jitter_noise; PhiMoE: both)."""
+
+
+def router_loss_of(model: nn.Module, *, where: str = "config.json") -> RouterLoss | None:
+    """The router loss a transformers causal LM trains with `output_router_logits = true`, which the trainer
+    reproduces over the whole micro-batch; None when `output_router_logits` is false.
+
+    Reproduced: the families whose causal LM's forward calls transformers' `load_balancing_loss_func` (Qwen2/3-MoE,
+    Qwen3-Next, Mixtral, gpt-oss, Jamba, GraniteMoE, ...: the same body in each modeling file, compared by bytecode)
+    on `self.num_experts` and `self.num_experts_per_tok`, weighted by `self.router_aux_loss_coef`.
+
+    Raises:
+        ConfigError: `output_router_logits` is true for a family whose forward computes no router loss (the
+            DeepSeek-V3 line, LFM2-MoE, Llama 4: the logits are only recorded) or another one (doge's, a z-loss).
+    """
+    config = model.config
+    if not getattr(config, "output_router_logits", False):
+        return None
+    from transformers.models.qwen3_moe import modeling_qwen3_moe
+
+    forward = next(c for c in type(model).__mro__ if "forward" in vars(c) and c is not _TrainerForward).forward
+    while hasattr(forward, "__wrapped__"):
+        forward = forward.__wrapped__
+    name, shared = "load_balancing_loss_func", modeling_qwen3_moe.load_balancing_loss_func.__code__
+    called = forward.__globals__.get(name) if name in forward.__code__.co_names else None
+    same = (callable(called) and called.__code__.co_code == shared.co_code
+            and called.__code__.co_names == shared.co_names)
+    numbers = [getattr(model, key, None) for key in ("num_experts", "num_experts_per_tok", "router_aux_loss_coef")]
+    if not (same and isinstance(numbers[0], int) and isinstance(numbers[1], int)
+            and isinstance(numbers[2], (int, float))):
+        what = ("computes another router loss than transformers' load_balancing_loss_func" if name in
+                forward.__code__.co_names else "computes no router loss")
+        raise ConfigError(f"model.path: {where} sets output_router_logits = true, but {type(model).__name__} "
+                          f"(model_type {config.model_type!r}) {what}, which the trainer does not reproduce; set "
+                          "output_router_logits = false in config.json")
+    return RouterLoss(num_experts=numbers[0], top_k=numbers[1], coefficient=float(numbers[2]))
+
+
+def _check_expert_parallel(model: nn.Module, config: JobConfig) -> None:
+    """`parallelism.ep` > 1: every experts module's layout is one cpcompose reads, and what EP does not yet do is
+    refused by name.
+
+    Raises:
+        ConfigError: no experts module, a layout not declared (the class named), an export or a DCP checkpoint
+            (each rank holds other experts under the same names: neither writes them yet).
+    """
+    from cpcompose.integrations.transformers.expert_parallel import experts_modules
+    from cpcompose.integrations.transformers.experts import read_experts
+
+    ep, where = config.parallelism.ep, f"{config.model.path}"
+    found = experts_modules(model)
+    if not found:
+        raise ConfigError(f"parallelism.ep: {ep}: {type(model).__name__} ({where}) has no experts module cpcompose "
+                          "recognises; set parallelism.ep = 1")
+    for name, module in found:
+        try:
+            read_experts(module)
+        except ValueError as e:
+            raise ConfigError(f"parallelism.ep: {ep}: {name}: {e}; set parallelism.ep = 1") from None
+    if config.checkpoint.enable:
+        raise ConfigError(f"checkpoint.enable: not yet with parallelism.ep = {ep} (each rank holds other experts "
+                          "under the same names, which the DCP checkpoint does not write yet); set "
+                          "checkpoint.enable = false or parallelism.ep = 1")
+    if config.checkpoint.export_hf is not None:
+        raise ConfigError(f"checkpoint.export_hf: not yet with parallelism.ep = {ep} (the experts' blocks are not "
+                          "written back yet); unset checkpoint.export_hf or set parallelism.ep = 1")
 
 
 def _decoder_layers(model: nn.Module) -> nn.ModuleList | None:
@@ -234,23 +308,30 @@ def describe_hf_model(config: JobConfig) -> tuple[int, str]:
 
 
 class _TrainerForward:
-    """The trainer's call on a transformers causal LM: `forward(tokens, position_ids, *, head=None)`.
+    """The trainer's call on a transformers causal LM: `forward(tokens, position_ids, *, head=None,
+    router_logits=False)`.
 
     Without `head` it returns the model's logits (whatever the family does to them). With it, it cuts
     the model at its output layer (`causal_lm_head`, inside this forward so FSDP has gathered the output
-    weight) and returns `head(hidden, weight, bias=, softcap=)`, the fused loss.
+    weight) and returns `head(hidden, weight, bias=, softcap=)`, the fused loss. `router_logits=True`: and every
+    MoE layer's router logits of these tokens beside it (no `labels` are passed, so transformers adds no router
+    loss of its own: the trainer's is over the whole micro-batch, `router_loss_of`).
     """
 
     def forward(self, input_ids: Tensor | None = None, position_ids: Tensor | None = None, *,
-                head: Callable[..., Tensor] | None = None, **kwargs: Any) -> Tensor:
+                head: Callable[..., Tensor] | None = None, router_logits: bool = False,
+                **kwargs: Any) -> Tensor | tuple[Tensor, tuple[Tensor, ...]]:
         kwargs.setdefault("use_cache", False)
+        if router_logits:  # every MoE layer's, recorded by transformers (its OutputRecorder on the routers)
+            kwargs["output_router_logits"] = True
         if head is None:
-            return super().forward(input_ids=input_ids, position_ids=position_ids, **kwargs).logits  # type: ignore[misc]
-        hidden = _hf().causal_lm_head(self).body(input_ids=input_ids, position_ids=position_ids,
-                                                  **kwargs).last_hidden_state
+            out = super().forward(input_ids=input_ids, position_ids=position_ids, **kwargs)  # type: ignore[misc]
+            return (out.logits, tuple(out.router_logits)) if router_logits else out.logits
+        body = _hf().causal_lm_head(self).body(input_ids=input_ids, position_ids=position_ids, **kwargs)
         cut = _hf().causal_lm_head(self)  # after the body: the final norm's FSDP unit has gathered the output weight
-        x, weight, bias = cut.linear_inputs(hidden)
-        return head(x, weight, bias=bias, softcap=cut.softcap)
+        x, weight, bias = cut.linear_inputs(body.last_hidden_state)
+        loss = head(x, weight, bias=bias, softcap=cut.softcap)
+        return (loss, tuple(body.router_logits)) if router_logits else loss
 
 
 @functools.cache
@@ -273,7 +354,12 @@ def build_hf_model(config: JobConfig, *, dims: ParallelDims, mesh: DeviceMesh, d
     model = trained.module
     model.to_empty(device=device)
     cphf.init_non_persistent_buffers(model)
-    cphf.load_pretrained_weights(model, config.model.path, prepared.plan)
+    plan = prepared.plan
+    if dims.ep_enabled:  # each rank reads its own block of experts
+        from cpcompose.integrations.transformers.expert_parallel import expert_blocks
+
+        plan = plan.of_expert_blocks(expert_blocks(model))
+    cphf.load_pretrained_weights(model, config.model.path, plan)
     if dims.cp_enabled and p.cp_verify:
         try:
             cphf.verify(model, mesh["cp"], options=_options(config, meter=None))
@@ -299,6 +385,18 @@ def build_unfilled_hf_model(config: JobConfig, *, dims: ParallelDims, mesh: Devi
     return trained
 
 
+def _expert_split(model: nn.Module) -> tuple[tuple[nn.Parameter, ...], Any]:
+    """(the parameters each EP rank holds a different block of, the EP process group) of a model made parallel with
+    `parallelism.ep` > 1; ((), None) without expert parallelism."""
+    from cpcompose.integrations.transformers.expert_parallel import ExpertParallelExperts, expert_parameter_names
+
+    names = expert_parameter_names(model)
+    if not names:
+        return (), None
+    group = next(m.group.group for m in model.modules() if isinstance(m, ExpertParallelExperts))
+    return tuple(p for n, p in model.named_parameters() if n in names), group
+
+
 def _options(config: JobConfig, *, meter: CommMeter | None) -> Any:
     """The run's CP options, the probe off: it runs once when the model is built, not again on first use."""
     return cp_options(config.parallelism, meter=meter).replace(verify=False)
@@ -311,6 +409,13 @@ def parallelize_hf_model(model: nn.Module, config: JobConfig, *, dims: ParallelD
     t, layers = config.training, list(_decoder_layers(model) or ())
     model.__class__ = _trainer_class(type(model))
     model.train()
+    experts, expert_mesh = [], None
+    if dims.ep_enabled:
+        from cpcompose.integrations.transformers.expert_parallel import apply_expert_parallel
+
+        expert_mesh = dims.build_expert_mesh(mesh)
+        swapped = apply_expert_parallel(model, expert_mesh["ep"], meter=meter)
+        experts = [model.get_submodule(name) for name in swapped]
     apply_tiled_mlp([_mlp(layer) for layer in layers], tiles=t.tiled_mlp)
     if config.activation_checkpoint.mode == "full":
         # CP lives in a region (a TorchFunctionMode), not in hooks: the recomputation must re-enter it.
@@ -319,9 +424,12 @@ def parallelize_hf_model(model: nn.Module, config: JobConfig, *, dims: ParallelD
     if dims.dp_cp_size > 1:
         embedding, head = _outer_units(model)
         apply_fsdp(model, _unshared(layers), mesh=mesh, parallel_dims=dims, embedding=embedding, head=head,
-                   param_dtype=compute_dtype(config), offload_params=t.offload_params)
+                   param_dtype=compute_dtype(config), offload_params=t.offload_params, experts=experts,
+                   expert_mesh=expert_mesh)
+    expert_parameters, ep_group = _expert_split(model)
     return TrainedModel(module=model, cp_scope=_cp_scope(config, dims=dims, mesh=mesh,
-                                                         options=_options(config, meter=meter)))
+                                                         options=_options(config, meter=meter)),
+                        expert_parameters=expert_parameters, ep_group=ep_group, router_loss=router_loss_of(model))
 
 
 def _cp_scope(config: JobConfig, *, dims: ParallelDims, mesh: DeviceMesh,

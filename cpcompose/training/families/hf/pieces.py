@@ -56,6 +56,17 @@ class Moe:
         shared = self.shared.params() + self.dim if self.shared else 0
         return self.experts * (3 * self.dim * self.ffn + self.dim) + shared
 
+    def expert_params(self) -> int:
+        """The experts module's own (what expert parallelism splits): not the router's or the shared expert's."""
+        return self.experts * 3 * self.dim * self.ffn
+
+    def dispatch(self, c: int) -> float:
+        """Under expert parallelism, beyond its forward's and backward's own: one exchange's rows in transit,
+        the send buffer (the rows sorted by expert) and the receive buffer, each `top_k` rows of `dim` per token
+        in the compute dtype (with every rank receiving its even share, the received rows are as many as the
+        sent ones, and the grouped GEMM over them holds what it holds on one process)."""
+        return self.top_k * 2 * c * self.dim
+
     def saved(self, c: int, tiles: int = 1) -> int:
         router = 4 * self.experts + 12 * self.top_k  # float32 probabilities, the top-k values and indices
         # per routed copy: the gathered input, gate/up's output, the SiLU, the product, the weighted output,
@@ -154,6 +165,12 @@ class Layer:
 
     def params(self) -> int:
         return 2 * self.mixer.dim + self.mixer.params() + self.ffn.params()
+
+    def expert_params(self) -> int:
+        return self.ffn.expert_params() if isinstance(self.ffn, Moe) else 0
+
+    def dispatch(self, c: int) -> float:
+        return self.ffn.dispatch(c) if isinstance(self.ffn, Moe) else 0
 
     def saved(self, c: int, tiles: int) -> int:
         D = self.mixer.dim

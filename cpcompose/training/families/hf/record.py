@@ -62,8 +62,13 @@ class HuggingFaceFamily:
     def resolve(self, config: JobConfig) -> JobConfig:
         """The vocabulary is the folder's (its config.json, read without transformers): what the data's ids are
         checked against."""
-        m = config.model
-        vocab = _folder_vocab_size(Path(m.path))
+        m, ep = config.model, config.parallelism.ep
+        fields = _folder_config(Path(m.path))
+        vocab = _text_field(fields, "vocab_size")
+        if not (isinstance(vocab, int) and vocab > 0):
+            raise ConfigError(f"model.path: {m.path}/config.json has no positive vocab_size")
+        if ep > 1:
+            _check_experts(fields, ep, f"{m.path}/config.json")
         default = Model.__dataclass_fields__["vocab_size"].default
         if m.vocab_size not in (default, vocab):
             raise ConfigError(f"model.vocab_size: does not apply to model.name = '{self.name}': the vocabulary is "
@@ -95,8 +100,34 @@ class HuggingFaceFamily:
         return build_unfilled_hf_model(config, dims=dims, mesh=mesh)
 
 
-def _folder_vocab_size(folder: Path) -> int:
-    """The vocabulary of the model in `folder`: its config.json's `vocab_size` (or its `text_config`'s)."""
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+"""Where the families' config.json keep the number of routed experts per MoE layer (Qwen3-MoE, Qwen3-Next, Jamba:
+num_experts; Mixtral, gpt-oss, MiniMax: num_local_experts; DeepSeek-V3, GLM-4.5: n_routed_experts)."""
+
+
+def _check_experts(fields: dict, ep: int, where: str) -> None:
+    """`parallelism.ep` against the folder's experts: a model without experts, or experts that do not split into
+    `ep` equal shares, is refused by name (an experts class whose layout cpcompose cannot read is refused when the
+    model is built, `model.py`)."""
+    experts = next((n for key in EXPERT_COUNT_KEYS if isinstance(n := _text_field(fields, key), int) and n > 0), None)
+    if experts is None:
+        raise ConfigError(f"parallelism.ep: {ep}: {where} declares no experts ({', '.join(EXPERT_COUNT_KEYS)}): "
+                          "expert parallelism needs a mixture-of-experts model; set parallelism.ep = 1")
+    if experts % ep:
+        raise ConfigError(f"parallelism.ep: {ep} does not divide the model's {experts} experts ({where}): each "
+                          "expert-parallel rank holds an equal share; choose a divisor of the expert count")
+
+
+def _text_field(fields: dict, key: str) -> object:
+    """`key` of a config.json, or of its `text_config` (a multimodal folder's language model)."""
+    value = fields.get(key)
+    if value is None and isinstance(fields.get("text_config"), dict):
+        value = fields["text_config"].get(key)
+    return value
+
+
+def _folder_config(folder: Path) -> dict:
+    """The folder's config.json, read without transformers (the resolution step runs before it is imported)."""
     config = folder / "config.json"
     if not folder.is_dir():
         raise ConfigError(f"model.path: {folder} is not a folder (model.name = 'hf' reads a local folder as "
@@ -107,9 +138,6 @@ def _folder_vocab_size(folder: Path) -> int:
         fields = json.loads(config.read_text())
     except (OSError, ValueError) as e:
         raise ConfigError(f"model.path: {config} does not read as JSON ({e})") from None
-    vocab = fields.get("vocab_size") if isinstance(fields, dict) else None
-    if vocab is None and isinstance(fields, dict) and isinstance(fields.get("text_config"), dict):
-        vocab = fields["text_config"].get("vocab_size")
-    if not (isinstance(vocab, int) and vocab > 0):
-        raise ConfigError(f"model.path: {config} has no positive vocab_size")
-    return vocab
+    if not isinstance(fields, dict):
+        raise ConfigError(f"model.path: {config} is not a JSON object")
+    return fields

@@ -25,6 +25,8 @@ CONFIGS = {
     "mistral": lambda: hf.MistralConfig(**SMALL),
     "qwen2": lambda: hf.Qwen2Config(**SMALL),  # biases on q, k and v only
     "qwen3": lambda: hf.Qwen3Config(**SMALL),
+    "qwen3_moe": lambda: hf.Qwen3MoeConfig(**SMALL, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+                                           mlp_only_layers=[0]),  # one dense layer, three MoE ones
     "qwen3_next": lambda: hf.Qwen3NextConfig(  # linear, linear, linear, full; MoE off the sparse step
         **SMALL, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=16,
         linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
@@ -44,6 +46,10 @@ def test_the_profile_counts_the_parameters_transformers_builds(family: str) -> N
     assert profile.block_params == max(sum(p.numel() for p in layer.parameters()) for layer in layers)
     assert profile.root_params + profile.body_params == sum(p.numel() for p in model.parameters())
     assert profile.output_params == model.lm_head.weight.numel()
+    # the experts modules' own parameters: what expert parallelism splits over its ranks
+    experts = [m for name, m in model.named_modules() if name.endswith("mlp.experts")]
+    assert profile.body_expert_params == sum(p.numel() for m in experts for p in m.parameters())
+    assert profile.block_expert_params == max((sum(p.numel() for p in m.parameters()) for m in experts), default=0)
 
 
 def test_a_family_the_plan_cannot_count_is_said_in_one_line(tmp_path: Path) -> None:

@@ -105,8 +105,18 @@ def _cases(llama: Path, tmp: Path) -> list[tuple[Path, list[str], str, str]]:
          "--training.fused_loss=false"),
         (_without_tensor(_variant(llama, tmp / "partial"), "model.layers.1.mlp.down_proj.weight"), [], "model.path",
          "model.layers.1.mlp.down_proj.weight: not in the checkpoint"),
-        (_edit_config(make_model(tmp / "moe", "qwen3_next"), output_router_logits=True), [], "model.path",
-         "output_router_logits"),
+        (_edit_config(make_model(tmp / "dsv3", "deepseek_v3"), output_router_logits=True), [], "model.path",
+         "sets output_router_logits = true, but DeepseekV3ForCausalLM (model_type 'deepseek_v3') computes no router "
+         "loss"),
+        (_other_model(llama, tmp / "mixtral", hf.MixtralConfig(**TINY, num_local_experts=2, router_jitter_noise=0.01)),
+         [], "model.path", "router_jitter_noise = 0.01"),
+        (llama, ["--parallelism.cp=2", "--parallelism.ep=2"], "parallelism.ep", "declares no experts"),
+        (make_model(tmp / "moe-ep", "qwen3_next"), ["--parallelism.cp=4", "--parallelism.ep=4"], "parallelism.ep",
+         "does not divide the model's 2 experts"),
+        (tmp / "moe-ep", ["--parallelism.cp=2", "--parallelism.ep=2", "--checkpoint.enable=true"], "checkpoint.enable",
+         "not yet with parallelism.ep = 2"),
+        (tmp / "moe-ep", ["--parallelism.cp=2", "--parallelism.ep=2", f"--checkpoint.export_hf={tmp / 'ep-out'}"],
+         "checkpoint.export_hf", "not yet with parallelism.ep = 2"),
     ]
 
 
