@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from cpcompose.config import load_config
+from cpcompose.train import main as train_main
 from cpcompose.training.loop.lr_schedule import lr_factor
 from cpcompose.training.loop.trainer import Trainer
 from tests.support.cpu_kernels import NEEDS_BF16_CPU_FLASH
@@ -154,17 +155,24 @@ def _main(args: list[str], env: dict[str, str] | None = None) -> subprocess.Comp
         (["--config", "no/such/file.toml"], {}, "no/such/file.toml"),
     ],
 )
-def test_bad_config_is_reported_before_any_process_starts(args, env, message) -> None:
-    result = _main(args, env)
-    assert result.returncode == 2, result.stderr
-    assert message in result.stderr
+def test_bad_config_is_reported_before_any_process_starts(args, env, message, capsys, monkeypatch) -> None:
+    """The launcher's own call (`cpcompose.train.main`, what `python -m cpcompose.train` runs), in this process:
+    a config error returns 2 before any rank starts (test_command_line_run starts the interpreter itself)."""
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    code = train_main(args)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert message in err
 
 
-def test_dry_run_prints_the_8b_plan() -> None:
+def test_dry_run_prints_the_8b_plan(capsys, monkeypatch) -> None:
     config = Path(__file__).parents[3] / "train_configs" / "llama3_8b_128k.toml"
-    result = _main(["--config", str(config), "--job.dry_run=true"], {"WORLD_SIZE": "64"})
-    assert result.returncode == 0, result.stderr
-    assert "8.03" in result.stdout and "cp=8" in result.stdout and "131,072 tokens" in result.stdout
+    monkeypatch.setenv("WORLD_SIZE", "64")
+    code = train_main(["--config", str(config), "--job.dry_run=true"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "8.03" in out and "cp=8" in out and "131,072 tokens" in out
 
 
 @pytest.mark.parametrize("cp", [1, 2])
