@@ -207,6 +207,14 @@ def unflatten_mesh(mesh: Any, dim: str, sizes: tuple[int, ...], names: tuple[str
     return mesh._unflatten(dim, sizes, names)
 
 
+def strided_shard(dim: int, split_factor: int) -> Any:
+    """`_StridedShard(dim, split_factor=...)`: a placement that subdivides each of the `split_factor` chunks a later
+    mesh axis's `Shard(dim)` makes (FSDP2's placement over TP's shards). Private in torch 2.13."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return _StridedShard(dim, split_factor=split_factor)
+
+
 def group_timeout(group: Any) -> Any:
     """The timeout a process group was created with (read from its backend: private in torch 2.13)."""
     device = next(iter(group._device_types))

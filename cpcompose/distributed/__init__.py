@@ -8,12 +8,14 @@ Context parallelism itself is the public API in ``cpcompose.parallel``.
 
 from cpcompose.distributed.activation_checkpoint import apply_activation_checkpointing
 from cpcompose.distributed.compile import apply_compile
+from cpcompose.distributed.expert_state import ExpertShards
 from cpcompose.distributed.fsdp import apply_fsdp, fsdp_applied
 from cpcompose.distributed.parallel_dims import MESH_DIM_NAMES, ParallelDims, flat_mesh
 from cpcompose.distributed.pipeline import build_pipeline_schedule, build_pipeline_stage
 from cpcompose.distributed.tiled import apply_tiled_mlp, tiled_mlp
 
 __all__ = [
+    "ExpertShards",
     "MESH_DIM_NAMES",
     "ParallelDims",
     "apply_activation_checkpointing",

@@ -3,7 +3,7 @@
 A folder is what `cpcompose/integrations/transformers/tiny_model.py` writes (config.json, model.safetensors, a
 byte-level BPE tokenizer with `<|eos|>`): a 2-layer random model of each family, float32, vocab
 320. `run_hf` is a pool case: every rank runs the trainer in-process and returns its losses and,
-from rank 0, the trained weights gathered whole (for the export round trip).
+from rank 0, the trained weights gathered whole (for the export round trip, `same_logits`).
 """
 
 from __future__ import annotations
@@ -106,9 +106,11 @@ def run_hf(mesh, args: list[str], weights: bool = False) -> dict:
     except TrainingError as e:
         return {"losses": None, "error": str(e), "weights": None}
     state = None
-    if weights:
-        state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
-                 for k, v in trainer.model.state_dict().items()}
+    if weights:  # expert-parallel blocks gathered whole (each rank holds its experts under the full tensor's name)
+        state = trainer.model.state_dict()
+        if trainer.trained.expert_shards is not None:
+            state = trainer.trained.expert_shards.view(state)["model"]
+        state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone() for k, v in state.items()}
     return {"losses": losses, "error": None, "weights": state}
 
 
@@ -117,6 +119,23 @@ def train(pools, world: int, args: list[str], weights: bool = False) -> dict:
     results = pools.get(world).run(run_hf, args, weights)
     assert all(r["losses"] == results[0]["losses"] and r["error"] == results[0]["error"] for r in results), results
     return results[0]
+
+
+def same_logits(trained: dict[str, torch.Tensor], source: Path, exported: Path) -> None:
+    """from_pretrained(exported) and the source's model holding the trained weights: equal weights, equal logits."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    back = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32)
+    state = back.state_dict()
+    assert set(trained) == set(state)
+    for name, tensor in trained.items():
+        assert torch.equal(state[name], tensor), name
+    again = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32,
+                                                 config=AutoConfig.from_pretrained(exported))
+    again.load_state_dict(trained)
+    ids = torch.randint(0, back.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(back(input_ids=ids).logits, again(input_ids=ids).logits)
 
 
 def reference_first_loss(args: list[str], hf_config=None, attention: str | None = "sdpa") -> float:

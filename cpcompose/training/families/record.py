@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from cpcompose.comm import CommMeter
 from cpcompose.config import ConfigError, JobConfig
-from cpcompose.distributed import ParallelDims
+from cpcompose.distributed import ExpertShards, ParallelDims
 from cpcompose.layouts import PackedLayout
 from cpcompose.models.spec import MemoryProfile
 
@@ -63,6 +63,9 @@ class TrainedModel:
     gradient norm sums their squares over that group)."""
     ep_group: dist.ProcessGroup | None = None
     """The expert-parallel group of `expert_parameters` (None without expert parallelism)."""
+    expert_shards: ExpertShards | None = None
+    """With expert parallelism: how the state's expert blocks are seen whole, so that checkpoints and the export
+    write every expert once (and a checkpoint loads at another ep)."""
     router_loss: RouterLoss | None = None
     """The MoE router's load-balancing loss the model trains beside the language-model loss (None: none)."""
 

@@ -2,9 +2,11 @@
 
 `torch.distributed.checkpoint` writes the model and optimizer as sharded state
 keyed by parameter name, so a checkpoint saved at one parallel layout (say
-dp_shard=2 x cp=2) loads into another (cp=4, or one process). The trainer state
-(step, LR schedule, data position, RNG, loss history) is small and the same on
-every rank; rank 0 writes it next to the shards.
+dp_shard=2 x cp=2) loads into another (cp=4, or one process). Expert-parallel
+blocks (each EP rank its own experts under the whole tensor's name) are written
+seen whole (`ExpertShards.view`), so they too load at another ep, or at ep = 1.
+The trainer state (step, LR schedule, data position, RNG, loss history) is small
+and the same on every rank; rank 0 writes it next to the shards.
 
 What keeps a checkpoint from being lost or silently wrong:
 - A save goes to `step-N.tmp/` and is renamed to `step-N/` only after every rank
@@ -36,6 +38,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.optim import Optimizer
 
 from cpcompose.comm import barrier, broadcast
+from cpcompose.distributed import ExpertShards
 from cpcompose.training.errors import TrainingError
 
 __all__ = [
@@ -116,10 +119,19 @@ def earlier_run_message(folder: Path, existing: list[tuple[int, Path]]) -> str:
 
 
 class CheckpointManager:
-    """Saves every `interval` steps into `folder`, keeping the newest `keep_latest_k` (0: all)."""
+    """Saves every `interval` steps into `folder`, keeping the newest `keep_latest_k` (0: all); `experts`: the
+    model's expert-parallel blocks (None without expert parallelism)."""
 
-    def __init__(self, folder: str | Path, *, interval: int, keep_latest_k: int) -> None:
+    def __init__(self, folder: str | Path, *, interval: int, keep_latest_k: int,
+                 experts: ExpertShards | None = None) -> None:
         self.folder, self.interval, self.keep_latest_k = Path(folder), interval, keep_latest_k
+        self.experts = experts
+
+    def _written(self, model_state: dict[str, Any], optim_state: dict[str, Any]) -> dict[str, Any]:
+        """What DCP writes and reads: the two state dicts, expert blocks seen whole (sharing their storage)."""
+        if self.experts is None:
+            return {"model": model_state, "optimizer": optim_state}
+        return self.experts.view(model_state, optim_state)
 
     def due(self, step: int, *, last_step: int) -> bool:
         return step % self.interval == 0 or step == last_step
@@ -190,8 +202,7 @@ class CheckpointManager:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         barrier()
-        model_state, optim_state = get_state_dict(model, optimizer)
-        dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(tmp))
+        dcp.save(self._written(*get_state_dict(model, optimizer)), checkpoint_id=str(tmp))
         if rank == 0:
             torch.save(trainer_state, tmp / TRAINER_STATE)
         barrier()  # every shard is on disk before the checkpoint counts
@@ -216,7 +227,11 @@ class CheckpointManager:
     def load(self, path: Path, model: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
         """Load `path` into the (already parallelized) model and optimizer; returns the trainer state."""
         model_state, optim_state = get_state_dict(model, optimizer)
-        state = {"model": model_state, "optimizer": optim_state}
-        dcp.load(state, checkpoint_id=str(path))
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        state = self._written(model_state, optim_state)
+        dcp.load(state, checkpoint_id=str(path))  # tensors in place (a view's storage is its block's)
+        if self.experts is not None:  # values DCP replaces rather than fills (none for AdamW) went to the view's dicts
+            for name in self.experts.names & optim_state["state"].keys():
+                optim_state["state"][name].update({k: v for k, v in state["optimizer"]["state"][name].items()
+                                                   if not isinstance(v, torch.Tensor)})
+        set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
         return torch.load(path / TRAINER_STATE, weights_only=False)

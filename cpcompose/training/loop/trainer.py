@@ -110,7 +110,8 @@ class Trainer:
         self.schedule = self._build_schedule() if self.dims.pp_enabled else None
         dump = Path(c.job.dump_folder)
         self.checkpoints = CheckpointManager(
-            dump / c.checkpoint.folder, interval=c.checkpoint.interval, keep_latest_k=c.checkpoint.keep_latest_k
+            dump / c.checkpoint.folder, interval=c.checkpoint.interval, keep_latest_k=c.checkpoint.keep_latest_k,
+            experts=self.trained.expert_shards,
         )
         self.step = 0
         self._num_tokens = torch.zeros(())  # this step's global count of valid labels

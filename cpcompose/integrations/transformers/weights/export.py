@@ -27,15 +27,18 @@ from cpcompose.integrations.transformers.weights.shards import expert_pieces
 __all__ = ["copy_model_files", "export_pretrained", "save_pretrained_weights"]
 
 
-def save_pretrained_weights(model: nn.Module, folder: str | Path, plan: WeightPlan) -> None:
+def save_pretrained_weights(model: nn.Module, folder: str | Path, plan: WeightPlan,
+                            state: dict[str, Tensor] | None = None) -> None:
     """Write `model`'s weights into `folder` as `plan`'s checkpoint stores them: the same names, dtypes and files.
 
     Every rank writes its slices (`HuggingFaceStorageWriter`, distributed), then rank 0 consolidates them
     into whole tensors, one file per file of the source checkpoint, with `model.safetensors.index.json`.
     A collective over the default group (every rank calls it); `folder` must be on storage every rank sees.
+    `state`: the model's state as written (default `model.state_dict()`); expert-parallel blocks must come seen
+    whole (`cpcompose.distributed.ExpertShards.view`), each rank's experts at their offset in the full tensor.
     """
     folder = Path(folder)
-    state = model.state_dict()
+    state = model.state_dict() if state is None else state
     out: dict[str, Tensor] = {stored: state[name] for name, stored in plan.direct.items()}
     out.update(expert_pieces(plan, state))
     pieces: dict[str, list[tuple[int, Tensor]]] = {}  # stored name -> (first row, rows) from each model tensor
@@ -69,7 +72,7 @@ def copy_model_files(source: str | Path, folder: str | Path) -> list[str]:
 
 
 def export_pretrained(model: nn.Module, folder: str | Path, *, source: str | Path, config: PretrainedConfig,
-                      plan: WeightPlan) -> None:
+                      plan: WeightPlan, state: dict[str, Tensor] | None = None) -> None:
     """Write a folder `from_pretrained` loads: `model`'s weights as `source` stores them, `config`, `source`'s
     tokenizer and other files. A collective (see `save_pretrained_weights`); rank 0 writes the small files.
 
@@ -78,7 +81,8 @@ def export_pretrained(model: nn.Module, folder: str | Path, *, source: str | Pat
         folder: created if missing.
         source: the folder the model was loaded from (names, dtypes and files of the weights; tokenizer files).
         config: the model's config as it was trained (with any context-extension overrides).
-        plan: `weight_plan(model, source)`.
+        plan: `weight_plan(model, source)` (the whole model's, under expert parallelism too).
+        state: as `save_pretrained_weights` takes it.
     """
     folder = Path(folder)
     rank0 = _is_rank0()
@@ -87,7 +91,7 @@ def export_pretrained(model: nn.Module, folder: str | Path, *, source: str | Pat
         for stale in list(folder.glob("*.safetensors")) + [folder / INDEX_FILE]:  # an earlier export's files
             stale.unlink(missing_ok=True)
     _barrier()
-    save_pretrained_weights(model, folder, plan)
+    save_pretrained_weights(model, folder, plan, state)
     if rank0:
         copy_model_files(source, folder)
         config = copy.deepcopy(config)

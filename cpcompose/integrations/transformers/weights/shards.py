@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from torch import Tensor
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
 from cpcompose.integrations.transformers.weights.plan import WeightPlan
 
@@ -20,14 +20,16 @@ __all__ = ["expert_pieces", "local_rows"]
 def local_rows(tensor: Tensor) -> tuple[int, Tensor]:
     """(global index of the first row (expert) this rank holds, its local rows) of a model tensor sharded on dim 0.
 
+    Dim 0 may be split by several mesh axes (Shard(0), or the `_StridedShard(0)` of expert-parallel blocks seen
+    whole, `ExpertShards`) as long as each rank's rows are one range.
+
     Raises:
         ValueError: a DTensor sharded on another dim, which would split an expert between ranks.
     """
     if not isinstance(tensor, DTensor):
         return 0, tensor
-    if any(isinstance(p, Shard) and p.dim != 0 for p in tensor.placements) or not all(
-            isinstance(p, Shard) or p.is_replicate() for p in tensor.placements):
-        raise ValueError(f"a stacked-experts tensor sharded as {tensor.placements}: only Shard(0) (FSDP's default) "
+    if not all(p.is_replicate() or getattr(p, "dim", None) == 0 for p in tensor.placements):
+        raise ValueError(f"a stacked-experts tensor sharded as {tensor.placements}: only dim 0 (FSDP's default) "
                          "keeps each expert whole on one rank")
     chunks = tensor.__create_chunk_list__()  # the local shard's offset in the global tensor (as DCP reads it)
     return int(chunks[0].offsets[0]) if chunks else 0, tensor.to_local()

@@ -33,7 +33,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from cpcompose.comm import CommMeter
 from cpcompose.config import ConfigError, JobConfig, cp_options
-from cpcompose.distributed import ParallelDims, apply_activation_checkpointing, apply_fsdp, apply_tiled_mlp
+from cpcompose.distributed import (ExpertShards, ParallelDims, apply_activation_checkpointing, apply_fsdp,
+                                   apply_tiled_mlp)
 from cpcompose.layouts import PackedLayout
 from cpcompose.parallel import context_parallel, recompute_context
 from cpcompose.training.errors import TrainingError
@@ -194,12 +195,11 @@ def router_loss_of(model: nn.Module, *, where: str = "config.json") -> RouterLos
 
 
 def _check_expert_parallel(model: nn.Module, config: JobConfig) -> None:
-    """`parallelism.ep` > 1: every experts module's layout is one cpcompose reads, and what EP does not yet do is
-    refused by name.
+    """`parallelism.ep` > 1: every experts module's layout is one cpcompose reads. Checkpoints and the export
+    need nothing more: they see each rank's block of experts as part of the whole tensor (`ExpertShards`).
 
     Raises:
-        ConfigError: no experts module, a layout not declared (the class named), an export or a DCP checkpoint
-            (each rank holds other experts under the same names: neither writes them yet).
+        ConfigError: no experts module, or a layout not declared (the class named).
     """
     from cpcompose.integrations.transformers.expert_parallel import experts_modules
     from cpcompose.integrations.transformers.experts import read_experts
@@ -214,13 +214,6 @@ def _check_expert_parallel(model: nn.Module, config: JobConfig) -> None:
             read_experts(module)
         except ValueError as e:
             raise ConfigError(f"parallelism.ep: {ep}: {name}: {e}; set parallelism.ep = 1") from None
-    if config.checkpoint.enable:
-        raise ConfigError(f"checkpoint.enable: not yet with parallelism.ep = {ep} (each rank holds other experts "
-                          "under the same names, which the DCP checkpoint does not write yet); set "
-                          "checkpoint.enable = false or parallelism.ep = 1")
-    if config.checkpoint.export_hf is not None:
-        raise ConfigError(f"checkpoint.export_hf: not yet with parallelism.ep = {ep} (the experts' blocks are not "
-                          "written back yet); unset checkpoint.export_hf or set parallelism.ep = 1")
 
 
 def _decoder_layers(model: nn.Module) -> nn.ModuleList | None:
@@ -367,7 +360,11 @@ def build_hf_model(config: JobConfig, *, dims: ParallelDims, mesh: DeviceMesh, d
             raise TrainingError(f"parallelism.cp_verify: {e}", exit_code=2) from None
 
     def export(folder: Path) -> None:  # a collective: every rank calls it
-        cphf.export_pretrained(model, folder, source=config.model.path, config=prepared.config, plan=prepared.plan)
+        state = model.state_dict()
+        if trained.expert_shards is not None:  # each expert written from its rank, under the whole tensor's name
+            state = trained.expert_shards.view(state)["model"]
+        cphf.export_pretrained(model, folder, source=config.model.path, config=prepared.config, plan=prepared.plan,
+                               state=state)
 
     return dataclasses.replace(trained, export=export)
 
@@ -409,13 +406,14 @@ def parallelize_hf_model(model: nn.Module, config: JobConfig, *, dims: ParallelD
     t, layers = config.training, list(_decoder_layers(model) or ())
     model.__class__ = _trainer_class(type(model))
     model.train()
-    experts, expert_mesh = [], None
+    experts, expert_mesh, shards = [], None, None
     if dims.ep_enabled:
-        from cpcompose.integrations.transformers.expert_parallel import apply_expert_parallel
+        from cpcompose.integrations.transformers.expert_parallel import apply_expert_parallel, expert_parameter_names
 
         expert_mesh = dims.build_expert_mesh(mesh)
         swapped = apply_expert_parallel(model, expert_mesh["ep"], meter=meter)
         experts = [model.get_submodule(name) for name in swapped]
+        shards = ExpertShards(expert_mesh, frozenset(expert_parameter_names(model)))  # checkpoints, the export
     apply_tiled_mlp([_mlp(layer) for layer in layers], tiles=t.tiled_mlp)
     if config.activation_checkpoint.mode == "full":
         # CP lives in a region (a TorchFunctionMode), not in hooks: the recomputation must re-enter it.
@@ -429,7 +427,8 @@ def parallelize_hf_model(model: nn.Module, config: JobConfig, *, dims: ParallelD
     expert_parameters, ep_group = _expert_split(model)
     return TrainedModel(module=model, cp_scope=_cp_scope(config, dims=dims, mesh=mesh,
                                                          options=_options(config, meter=meter)),
-                        expert_parameters=expert_parameters, ep_group=ep_group, router_loss=router_loss_of(model))
+                        expert_parameters=expert_parameters, ep_group=ep_group, expert_shards=shards,
+                        router_loss=router_loss_of(model))
 
 
 def _cp_scope(config: JobConfig, *, dims: ParallelDims, mesh: DeviceMesh,

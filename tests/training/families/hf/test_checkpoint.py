@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig
 
 from cpcompose.training.families.export import MARKER
-from tests.support.hf_trainer import hf_args, make_model, reference_first_loss, text_corpus, train
+from tests.support.hf_trainer import hf_args, make_model, reference_first_loss, same_logits, text_corpus, train
 
 CKPT = ["--checkpoint.enable=true", "--checkpoint.interval=2", "--checkpoint.keep_latest_k=0"]
 
@@ -28,20 +28,6 @@ CKPT = ["--checkpoint.enable=true", "--checkpoint.interval=2", "--checkpoint.kee
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> Path:
     return text_corpus(tmp_path_factory.mktemp("corpus"))
-
-
-def _same_logits(trained: dict[str, torch.Tensor], source: Path, exported: Path) -> None:
-    """from_pretrained(exported) and the source's model holding the trained weights: equal weights, equal logits."""
-    back = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32)
-    state = back.state_dict()
-    assert set(trained) == set(state)
-    for name, tensor in trained.items():
-        assert torch.equal(state[name], tensor), name
-    again = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, config=AutoConfig.from_pretrained(exported))
-    again.load_state_dict(trained)
-    ids = torch.randint(0, back.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        assert torch.equal(back(input_ids=ids).logits, again(input_ids=ids).logits)
 
 
 def test_tied_model_resumes_exactly_and_exports(pools, corpus, tmp_path: Path) -> None:
@@ -65,7 +51,7 @@ def test_tied_model_resumes_exactly_and_exports(pools, corpus, tmp_path: Path) -
     files = sorted(p.name for p in out.iterdir())
     assert "tokenizer.json" in files and "chat_template.jinja" in files and "sharded" not in files, files
     assert "lm_head.weight" not in json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
-    _same_logits(full["weights"], source, out)
+    same_logits(full["weights"], source, out)
 
 
 def test_stacked_experts_export_and_context_overrides(pools, corpus, tmp_path: Path) -> None:
@@ -86,7 +72,7 @@ def test_stacked_experts_export_and_context_overrides(pools, corpus, tmp_path: P
     assert rope["original_max_position_embeddings"] == 4096 and config["max_position_embeddings"] == 8192
     stored = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
     assert "model.layers.0.mlp.experts.1.gate_proj.weight" in stored and not any("gate_up_proj" in k for k in stored)
-    _same_logits(run["weights"], source, out)
+    same_logits(run["weights"], source, out)
 
     extended = AutoConfig.from_pretrained(source)  # what the overrides mean, said with transformers alone
     extended.rope_parameters = {**extended.rope_parameters, "rope_type": "yarn", "factor": 2.0, "rope_theta": 50000.0,
@@ -104,5 +90,5 @@ def test_export_of_a_finished_run_resumes_and_only_exports(pools, corpus, tmp_pa
     again = train(pools, 1, hf_args(source, corpus, tmp_path / "run", *CKPT, "--checkpoint.export_hf=hf",
                                     steps=2), weights=True)
     assert again["losses"] == [] and again["error"] is None, again
-    _same_logits(first["weights"], source, out)
+    same_logits(first["weights"], source, out)
     assert json.loads((out / MARKER).read_text())["dump_folder"] == str((tmp_path / "run").resolve())

@@ -113,10 +113,6 @@ def _cases(llama: Path, tmp: Path) -> list[tuple[Path, list[str], str, str]]:
         (llama, ["--parallelism.cp=2", "--parallelism.ep=2"], "parallelism.ep", "declares no experts"),
         (make_model(tmp / "moe-ep", "qwen3_next"), ["--parallelism.cp=4", "--parallelism.ep=4"], "parallelism.ep",
          "does not divide the model's 2 experts"),
-        (tmp / "moe-ep", ["--parallelism.cp=2", "--parallelism.ep=2", "--checkpoint.enable=true"], "checkpoint.enable",
-         "not yet with parallelism.ep = 2"),
-        (tmp / "moe-ep", ["--parallelism.cp=2", "--parallelism.ep=2", f"--checkpoint.export_hf={tmp / 'ep-out'}"],
-         "checkpoint.export_hf", "not yet with parallelism.ep = 2"),
     ]
 
 
