@@ -50,27 +50,70 @@ def make_hybrid_model(folder: Path, family: str) -> Path:
     return folder
 
 
-def make_qwen3_moe(folder: Path, **overrides) -> Path:
-    """A tiny float32 Qwen3-MoE (4 experts, 2 per token, 2 MoE layers, hidden 32) with the tiny tokenizer, written by
-    `save_pretrained` (one tensor per expert) into `folder`; `overrides` go to its config. The router's weight is
-    randomised (transformers zeroes it at init, which routes every token alike)."""
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss", "qwen3_next")
+"""The MoE families `make_moe` writes: each one's router, experts layout and attention differ (below)."""
+
+
+def _moe_config(family: str, common: dict):
+    """`family`'s tiny config: 4 experts, 2 per token, hidden 32, 2 layers, `common` (vocabulary, special ids)."""
+    import transformers as hf
+
+    attention = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    moe = dict(num_experts_per_tok=2, output_router_logits=True)
+    return {
+        # softmax top-2, not renormalised; every layer MoE
+        "qwen3_moe": lambda: hf.Qwen3MoeConfig(**common, **attention, **moe, intermediate_size=64,
+                                               moe_intermediate_size=16, num_experts=4, decoder_sparse_step=1,
+                                               max_position_embeddings=256),
+        # softmax top-2 renormalised, the routing weights kept in float32; jitter off (refused under CP)
+        "mixtral": lambda: hf.MixtralConfig(**common, **attention, **moe, intermediate_size=16, num_local_experts=4,
+                                            router_jitter_noise=0.0, max_position_embeddings=256),
+        # MLA, sigmoid scores plus a correction bias for the choice, 2 groups of 2 experts with 1 kept (so the group
+        # limit acts), a shared expert, layer 0 dense (head_dim: the rotary part's, transformers' rule); no router
+        # loss in transformers: output_router_logits off
+        "deepseek_v3": lambda: hf.DeepseekV3Config(
+            **common, **dict(attention, num_key_value_heads=4, head_dim=4), intermediate_size=64,
+            moe_intermediate_size=16, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=8,
+            v_head_dim=6, first_k_dense_replace=1, n_routed_experts=4, n_shared_experts=1, n_group=2, topk_group=1,
+            num_experts_per_tok=2, output_router_logits=False, max_position_embeddings=256),
+        # transposed, biased, interleaved and clamped experts; a biased router, softmax over the top 2; attention
+        # sinks; a sliding layer (window 8) then a full one; yarn RoPE (transformers' default for the family)
+        "gpt_oss": lambda: hf.GptOssConfig(**common, **attention, **moe, intermediate_size=16, num_local_experts=4,
+                                           sliding_window=8, layer_types=["sliding_attention", "full_attention"]),
+        # a Gated DeltaNet layer then gated attention; softmax top-2 renormalised; a shared expert behind a sigmoid
+        # gate in every layer
+        "qwen3_next": lambda: hf.Qwen3NextConfig(
+            **common, **attention, **moe, intermediate_size=64, layer_types=["linear_attention", "full_attention"],
+            linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+            linear_conv_kernel_dim=4, num_experts=4, moe_intermediate_size=16, shared_expert_intermediate_size=16,
+            decoder_sparse_step=1, max_position_embeddings=256),
+    }[family]()
+
+
+def make_moe(folder: Path, family: str = "qwen3_moe", **overrides) -> Path:
+    """A tiny float32 MoE model of `family` (MOE_FAMILIES: 4 experts, 2 per token, hidden 32, 2 layers; the router
+    loss on, `output_router_logits = true`, except DeepSeek-V3, which has none) with the tiny tokenizer, written by
+    transformers' `save_pretrained` (one tensor per expert) into `folder`; `overrides` go to its config. The routers'
+    weights (and biases, DeepSeek-V3's `e_score_correction_bias`) are drawn N(0, 0.5): transformers zeroes some at
+    init, which routes every token alike, and leaves the correction bias at 0, which would not exercise it."""
     import transformers as hf
 
     tokenizer = tiny_model_script().make_tokenizer(folder)
-    config = hf.Qwen3MoeConfig(**{
-        "vocab_size": len(tokenizer), "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "head_dim": 8, "intermediate_size": 64, "moe_intermediate_size": 16,
-        "num_experts": 4, "num_experts_per_tok": 2, "decoder_sparse_step": 1, "output_router_logits": False,
-        "max_position_embeddings": 256,
-        **{key: tokenizer.convert_tokens_to_ids(token)
-           for key, token in (("pad_token_id", "<|pad|>"), ("bos_token_id", "<|bos|>"), ("eos_token_id", "<|eos|>"))},
-        **overrides,
-    })
+    common = {"vocab_size": len(tokenizer), **{
+        key: tokenizer.convert_tokens_to_ids(token)
+        for key, token in (("pad_token_id", "<|pad|>"), ("bos_token_id", "<|bos|>"), ("eos_token_id", "<|eos|>"))}}
+    config = _moe_config(family, common)
+    for key, value in overrides.items():
+        setattr(config, key, value)
     torch.manual_seed(0)
     model = hf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    routers = [m for m in model.modules() if type(m).__name__.lower().endswith("topkrouter")]
+    assert routers, f"{family}: no router found"
     with torch.no_grad():
-        for layer in model.model.layers:
-            layer.mlp.gate.weight.normal_(0, 0.5)
+        for router in routers:
+            for name in ("weight", "bias", "e_score_correction_bias"):
+                if isinstance(getattr(router, name, None), torch.Tensor):
+                    getattr(router, name).normal_(0, 0.5)
     model.save_pretrained(folder)
     return folder
 

@@ -39,12 +39,13 @@ from cpcompose.layouts import PackedLayout
 from cpcompose.parallel import context_parallel, recompute_context
 from cpcompose.training.errors import TrainingError
 from cpcompose.training.families.export import check_export_folder, export_folder
-from cpcompose.training.families.record import RouterLoss, TrainedModel
+from cpcompose.training.families.hf.router_loss import router_loss_of
+from cpcompose.training.families.record import TrainedModel
 from cpcompose.training.units import human_count
 from cpcompose.training.mixed_precision import compute_dtype
 
 __all__ = ["build_hf_model", "build_unfilled_hf_model", "check_hf_model", "describe_hf_model",
-           "parallelize_hf_model", "read_hf_config", "router_loss_of"]
+           "parallelize_hf_model", "read_hf_config"]
 
 
 def _hf() -> Any:
@@ -157,41 +158,6 @@ def _prepare(config: JobConfig, *, weights: bool = True) -> _Prepared:
 
 _JITTER_KEYS = ("router_jitter_noise", "input_jitter_noise")
 """Where MoE families keep their training-time routing noise (Mixtral, MiniMax: router_jitter_noise; PhiMoE: both)."""
-
-
-def router_loss_of(model: nn.Module, *, where: str = "config.json") -> RouterLoss | None:
-    """The router loss a transformers causal LM trains with `output_router_logits = true`, which the trainer
-    reproduces over the whole micro-batch; None when `output_router_logits` is false.
-
-    Reproduced: the families whose causal LM's forward calls transformers' `load_balancing_loss_func` (Qwen2/3-MoE,
-    Qwen3-Next, Mixtral, gpt-oss, Jamba, GraniteMoE, ...: the same body in each modeling file, compared by bytecode)
-    on `self.num_experts` and `self.num_experts_per_tok`, weighted by `self.router_aux_loss_coef`.
-
-    Raises:
-        ConfigError: `output_router_logits` is true for a family whose forward computes no router loss (the
-            DeepSeek-V3 line, LFM2-MoE, Llama 4: the logits are only recorded) or another one (doge's, a z-loss).
-    """
-    config = model.config
-    if not getattr(config, "output_router_logits", False):
-        return None
-    from transformers.models.qwen3_moe import modeling_qwen3_moe
-
-    forward = next(c for c in type(model).__mro__ if "forward" in vars(c) and c is not _TrainerForward).forward
-    while hasattr(forward, "__wrapped__"):
-        forward = forward.__wrapped__
-    name, shared = "load_balancing_loss_func", modeling_qwen3_moe.load_balancing_loss_func.__code__
-    called = forward.__globals__.get(name) if name in forward.__code__.co_names else None
-    same = (callable(called) and called.__code__.co_code == shared.co_code
-            and called.__code__.co_names == shared.co_names)
-    numbers = [getattr(model, key, None) for key in ("num_experts", "num_experts_per_tok", "router_aux_loss_coef")]
-    if not (same and isinstance(numbers[0], int) and isinstance(numbers[1], int)
-            and isinstance(numbers[2], (int, float))):
-        what = ("computes another router loss than transformers' load_balancing_loss_func" if name in
-                forward.__code__.co_names else "computes no router loss")
-        raise ConfigError(f"model.path: {where} sets output_router_logits = true, but {type(model).__name__} "
-                          f"(model_type {config.model_type!r}) {what}, which the trainer does not reproduce; set "
-                          "output_router_logits = false in config.json")
-    return RouterLoss(num_experts=numbers[0], top_k=numbers[1], coefficient=float(numbers[2]))
 
 
 def _check_expert_parallel(model: nn.Module, config: JobConfig) -> None:
