@@ -1,6 +1,6 @@
 """Checkpoints of an expert-parallel model move between layouts, and its export is the whole model (issue 38).
 
-A tiny float32 Qwen3-MoE (4 experts, 2 per token, 2 MoE layers; `make_qwen3_moe`, stored one tensor per expert)
+A tiny float32 Qwen3-MoE (4 experts, 2 per token, 2 MoE layers; `make_moe` with the router loss off, stored one tensor per expert)
 trained 3 steps at cp = 2 x ep = 2 on 2 ranks, saving at steps 2 and 3: each rank writes its 2 experts of every
 layer (and their Adam moments) at their offset in the whole stacked tensor (`ExpertShards`). Step 2 is resumed
 at ep = 1 on one process (transformers' own experts module, plain tensors), at ep = 2 with each block FSDP-split
@@ -29,7 +29,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from tests.support.hf_trainer import hf_args, make_qwen3_moe, same_logits, text_corpus, train
+from tests.support.hf_trainer import hf_args, make_moe, same_logits, text_corpus, train
 
 RTOL = 1e-5
 CKPT = ["--checkpoint.enable=true", "--checkpoint.interval=2", "--checkpoint.keep_latest_k=0"]
@@ -52,7 +52,7 @@ def _stored(folder: Path) -> set[str]:
 
 
 def test_saved_at_ep2_resumes_in_other_layouts_and_exports(pools, tmp_path: Path) -> None:
-    moe, corpus = make_qwen3_moe(tmp_path / "qwen3_moe"), text_corpus(tmp_path)
+    moe, corpus = make_moe(tmp_path / "qwen3_moe", output_router_logits=False), text_corpus(tmp_path)
     out = tmp_path / "exported"
     full = train(pools, 2, hf_args(moe, corpus, tmp_path / "run", *EP2, *CKPT, f"--checkpoint.export_hf={out}",
                                    steps=3), weights=True)

@@ -1,6 +1,6 @@
 """Experts FSDP-sharded beside expert parallelism on 4 ranks, as torchtitan folds them (issue 38).
 
-The tiny Qwen3-MoE folder of test_expert_parallel.py, trained 4 steps on 4 ranks in two foldings and at cp = 1 on
+The tiny Qwen3-MoE folder of test_expert_parallel.py (its router loss on), trained 4 steps on 4 ranks in two foldings and at cp = 1 on
 one process:
 
 * cp = 2 x dp_shard = 2 x ep = 2: the expert mesh's `efsdp` axis has size 2, so each rank holds half of its EP
@@ -20,7 +20,7 @@ import pytest
 
 from cpcompose.config import load_config
 from cpcompose.training.loop.trainer import Trainer
-from tests.support.hf_trainer import hf_args, make_qwen3_moe, text_corpus
+from tests.support.hf_trainer import hf_args, make_moe, text_corpus
 
 RTOL, NORM_RTOL = 1e-4, 1e-5
 
@@ -44,7 +44,7 @@ def run_with_norms(mesh, args: list[str]) -> dict:  # noqa: ANN001
 
 @pytest.fixture(scope="module")
 def moe(tmp_path_factory) -> Path:
-    return make_qwen3_moe(tmp_path_factory.mktemp("qwen3_moe"))
+    return make_moe(tmp_path_factory.mktemp("qwen3_moe"))
 
 
 @pytest.mark.parametrize(("folding", "fsdp"), [(("--parallelism.cp=2", "--parallelism.dp_shard=2"), (("efsdp", 2),)),
