@@ -5,7 +5,8 @@ layers: Qwen3-MoE, Mixtral, DeepSeek-V3 (MLA, a shared expert, group-limited rou
 topk_group = 1 and a nonzero `e_score_correction_bias`), gpt-oss (attention sinks, sliding layers, its
 transposed biased clamped experts) and Qwen3-Next (Gated DeltaNet beside gated attention, a gated shared
 expert). Each runs at (ep, cp) in {(2, 1), (2, 2)} on 2 ranks and {(4, 1), (4, 2)} on 4 (ep folded out of
-dp_shard x cp, so dp_shard = ranks / cp), made parallel as the trainer does (experts swapped, FSDP2: the dense
+dp_shard x cp, so dp_shard = ranks / cp; Qwen3-MoE and gpt-oss also at ep = 2, cp = 2 on 4 ranks: efsdp = 2,
+the experts FSDP-sharded over the two holders of each block), made parallel as the trainer does (experts swapped, FSDP2: the dense
 layers over dp_shard x cp, the experts over `efsdp`), on a plain batch (each dp rank its rows, CP's zigzag)
 and on packed documents (each dp rank its documents, `pack_batch`'s layout, the pack's padding left out of the
 router loss), with `cp_cross_entropy` plus `cp_load_balancing_loss` (DeepSeek-V3: none, transformers has
@@ -49,7 +50,10 @@ from tests.support.tolerance import assert_close
 
 VOCAB, EXPERTS, TOP_K = 64, 4, 2
 AUX = 0.25  # the router loss's coefficient, far above transformers' 0.001 so its gradient is visible
-MATRIX_SPLITS = {2: [(2, 1), (2, 2)], 4: [(4, 1), (4, 2)]}  # (ep, cp) per pool: dp_shard = ranks / cp
+# (ep, cp, families: None for all) per pool, dp_shard = ranks / cp; the last on 4 ranks has efsdp = 2 (each block
+# of experts FSDP-sharded over the 2 ranks that hold it), which does not depend on the family: two layouts
+MATRIX_SPLITS = {2: [(2, 1, None), (2, 2, None)],
+                 4: [(4, 1, None), (4, 2, None), (2, 2, ("qwen3_moe", "gpt_oss"))]}
 MATRIX_TERMS = ep_cases.ROWS * ep_cases.SEQ * 64  # a weight gradient: every token x a width <= 64
 TOKEN_TERMS = ep_cases.ROWS * ep_cases.SEQ  # a float32 weight gradient: a sum over the tokens
 # families that compute in float32 inside the float64 model, whatever its dtype: DeepSeek-V3's router (a
@@ -99,7 +103,9 @@ def test_expert_parallel_matrix_equals_one_process(pools, world: int) -> None:
         largest = max(g.abs().max().item() for g in want["grads"].values())
         gates = [n for n in want["grads"] if n.endswith(("mlp.gate.weight", "mlp.router.weight"))]
         assert len(gates) == 2 and all(want["grads"][n].abs().max() > 0 for n in gates), (name, gates)
-        for ep, cp in splits:
+        for ep, cp, only in splits:
+            if only is not None and name not in only:
+                continue
             for rank, results in enumerate(per_rank):
                 got = results[ep, cp, name, kind]
                 at = f"{name} {kind} ep={ep} cp={cp} rank {rank}"

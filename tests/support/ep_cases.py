@@ -210,15 +210,19 @@ def _step(model: torch.nn.Module, root, dims: ParallelDims, name: str, kind: str
     return {"loss": total, "grads": grads, "blocks": blocks, "swapped": swapped}
 
 
-def matrix_case(mesh, splits: list[tuple[int, int]], states: dict[str, dict]) -> dict:  # noqa: ANN001
-    """Every (ep, cp) of `splits` on this pool's ranks, every family of `states` (its weights), both batch kinds."""
+def matrix_case(mesh, splits: list[tuple[int, int, tuple[str, ...] | None]],  # noqa: ANN001
+                states: dict[str, dict]) -> dict:
+    """Every (ep, cp, families) of `splits` on this pool's ranks, each of those families (None: every family of
+    `states`, their weights), both batch kinds."""
     world = mesh.size()
     out: dict[Any, dict] = {}
-    for ep, cp in splits:
+    for ep, cp, only in splits:
         dims = ParallelDims(dp_replicate=1, dp_shard=world // cp, cp=cp, tp=1, pp=1, world_size=world, ep=ep)
         root = dims.build_mesh("cpu")
         experts_mesh = dims.build_expert_mesh(root)
         for name, state in states.items():
+            if only is not None and name not in only:
+                continue
             model = _parallel(root, experts_mesh, dims, name, state)  # once for both batches
             for kind in KINDS:
                 out[(ep, cp, name, kind)] = _step(model, root, dims, name, kind)
