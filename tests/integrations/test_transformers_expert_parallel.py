@@ -130,11 +130,14 @@ def test_expert_parallel_matrix_equals_one_process(pools, world: int) -> None:
 
 def test_the_probe_proves_a_model_with_expert_parallel_experts(pools) -> None:
     """`verify` at cp = 2 x ep = 2 (the EP modules' exchanges run in the probe's one-process and CP runs alike, in
-    one order on every rank): each family passes as the trainer builds it, and a token mixer that is not CP-aware
-    is still named with the experts in their EP form."""
-    for rank, got in enumerate(pools.get(2).run(ep_cases.probe_case)):
-        for (name, sharded, mixer), message in got.items():
-            at = f"rank {rank} {name} fsdp={sharded}"
+    one order on every rank): each family passes as the trainer builds it (its config asking for the router
+    loss, whose `aux_loss` the probe leaves out: under CP it is each shard's own statistic, EP or not), and a
+    token mixer that is not CP-aware is still named with the experts in their EP form."""
+    per_rank = pools.get(2).run(ep_cases.probe_case)
+    assert len(per_rank[0]) == len(ep_cases.FAMILIES) + 3
+    for rank, got in enumerate(per_rank):
+        for (name, ep, sharded, mixer), message in got.items():
+            at = f"rank {rank} {name} ep={ep} fsdp={sharded}"
             if mixer:
                 assert "module 'model.norm' (_SequenceSum) computes something else under CP" in message, (at, message)
             else:

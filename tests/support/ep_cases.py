@@ -240,21 +240,22 @@ class _SequenceSum(torch.nn.Module):
         return self.inner(hidden) + 0.1 * hidden.cumsum(dim=1)
 
 
-def probe_case(mesh) -> dict[str, str]:  # noqa: ANN001
+def probe_case(mesh) -> dict[tuple[str, bool, bool, bool], str]:  # noqa: ANN001
     """`cphf.verify` at cp = 2 x ep = 2 on a model whose experts are in their EP form: every family as the trainer
     builds it (float32, FSDP2 over the ranks, the experts over `efsdp`), one without FSDP (the probe's float64
-    run then casts the EP modules too), and one with a token mixer the probe must name. -> case: "ok" or the
-    error."""
+    run then casts the EP modules too), one without EP (the router loss's `aux_loss` under CP alone), and one
+    with a token mixer the probe must name. -> (family, ep, fsdp, mixer): "ok" or the error."""
     world = mesh.size()
     dims = ParallelDims(dp_replicate=1, dp_shard=world // 2, cp=2, tp=1, pp=1, world_size=world, ep=2)
     root = dims.build_mesh("cpu")
     experts_mesh = dims.build_expert_mesh(root)
     out = {}
-    cases = [(name, True, False) for name in FAMILIES] + [("qwen3_moe", False, False), ("qwen3_moe", True, True)]
-    for name, sharded, mixer in cases:
+    cases = [(name, True, True, False) for name in FAMILIES]
+    cases += [("qwen3_moe", True, False, False), ("qwen3_moe", False, False, False), ("qwen3_moe", True, True, True)]
+    for name, ep, sharded, mixer in cases:
         model = build(name, "cpcompose", dtype=torch.float32)
         model.train()
-        swapped = apply_expert_parallel(model, experts_mesh["ep"])
+        swapped = apply_expert_parallel(model, experts_mesh["ep"]) if ep else []
         if mixer:
             model.model.norm = _SequenceSum(model.model.norm)
         if sharded:
@@ -262,7 +263,7 @@ def probe_case(mesh) -> dict[str, str]:  # noqa: ANN001
                        experts=[model.get_submodule(n) for n in swapped], expert_mesh=experts_mesh)
         try:
             cphf.verify(model, root["cp"])
-            out[name, sharded, mixer] = "ok"
+            out[name, ep, sharded, mixer] = "ok"
         except ValueError as e:
-            out[name, sharded, mixer] = str(e)
+            out[name, ep, sharded, mixer] = str(e)
     return out
