@@ -1,61 +1,65 @@
-"""A transformers MoE model with its experts split over ranks (EP) gives one process's loss and gradients.
+"""transformers MoE models with their experts split over ranks (EP) give one process's loss and gradients.
 
-A tiny float64 Qwen3-MoE (4 experts, 2 per token, 2 MoE layers) is built once; its reference is transformers
-on one process over the whole batch (experts "eager": the grouped GEMM refuses float64; attention "sdpa").
-On 2 ranks `apply_expert_parallel` swaps both experts modules for their EP form (rank r keeps experts
-`[2r, 2r + 2)`), in two splits of the tokens:
-
-* ep = 2, cp = 1: each rank its own row of the batch (data parallel over the EP group);
-* cp = 2 x ep = 2 on the same ranks (ep folded out of cp): the whole batch on both, the sequence dealt by
-  `context_parallel` (zigzag), the experts by EP.
-
-The loss is `cp_cross_entropy` (a token sum over the global count), summed over the ranks; the dense
-parameters' gradients (router gates included) are summed over the ranks; each expert's gradient is read on
-its owner alone (dispatch's backward already brought every rank's tokens to it) and equals the reference's
-slice; with the router's load-balancing loss on, `cp_load_balancing_loss` adds its share on each rank (the
-reference adds the same loss in float64, checked against transformers' own float32 `aux_loss` to 1e-6).
-Loading: a float32 Qwen3-MoE folder (save_pretrained's one tensor per expert and projection, and the same
-weights stored stacked) built on the meta device, swapped to its EP form, FSDP-sharded as the trainer does
-(the experts over the expert mesh's `efsdp` axis, size 1 here; the rest over both ranks) and read from the
-folder: each rank's experts equal rows `[2r, 2r + 2)` of `from_pretrained`'s, every other tensor equals it whole
-(bit for bit: copies, no arithmetic).
-A second layout, gpt-oss's experts (transposed, biased, interleaved, clamped), is checked as a module alone
-against its own eager forward on each rank's tokens.
+The matrix (`tests/support/ep_cases.py`): five tiny float64 families, 4 experts and 2 per token in 2 MoE
+layers: Qwen3-MoE, Mixtral, DeepSeek-V3 (MLA, a shared expert, group-limited routing with n_group = 2,
+topk_group = 1 and a nonzero `e_score_correction_bias`), gpt-oss (attention sinks, sliding layers, its
+transposed biased clamped experts) and Qwen3-Next (Gated DeltaNet beside gated attention, a gated shared
+expert). Each runs at (ep, cp) in {(2, 1), (2, 2)} on 2 ranks and {(4, 1), (4, 2)} on 4 (ep folded out of
+dp_shard x cp, so dp_shard = ranks / cp; Qwen3-MoE and gpt-oss also at ep = 2, cp = 2 on 4 ranks: efsdp = 2,
+the experts FSDP-sharded over the two holders of each block), made parallel as the trainer does (experts swapped, FSDP2: the dense
+layers over dp_shard x cp, the experts over `efsdp`), on a plain batch (each dp rank its rows, CP's zigzag)
+and on packed documents (each dp rank its documents, `pack_batch`'s layout, the pack's padding left out of the
+router loss), with `cp_cross_entropy` plus `cp_load_balancing_loss` (DeepSeek-V3: none, transformers has
+none). The reference is transformers on one process over the whole batch, or each document alone; its router
+loss is transformers' formula in float64 over every token (checked against transformers' own float32
+`aux_loss` to 1e-6). The loss and every dense gradient (routers included) equal the reference's, and each
+rank's expert gradients equal its block's rows. One pool launch per size runs all its cases.
 
 Tolerance (tests/support/tolerance.py): float64's epsilon x the longest reduction (a weight gradient sums over
-batch x sequence x width <= 64 terms) x the reference's magnitude (every gradient at the model's largest
-gradient: a router gate's gradient cancels far below its terms); what is left is summation order. The
-router's softmax runs in float32 inside transformers' float64 model, identically in both runs (its inputs
-agree to float64 rounding, which a float32 rounding almost never sees).
+tokens x width <= 64 x 64 terms) x the reference's magnitude (every gradient at the model's largest: a router
+gate's gradient cancels far below its terms); for DeepSeek-V3 and Qwen3-Next float32's epsilon x the tokens
+(64), since they compute in float32 inside a float64 model (DeepSeek-V3's router; Qwen3-Next's norms and
+delta rule), whose weight gradients sum over the tokens there.
+
+Also: `verify` at cp = 2 x ep = 2 on each family as the trainer builds it; a class that declares no layout
+is refused by name; gpt-oss's experts module alone against its own eager forward; each rank loads its
+block of experts from a folder, bit for bit.
 """
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 import transformers as hf
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
 
 import cpcompose.integrations.transformers as cphf
-from cpcompose import context_parallel, cp_cross_entropy
 from cpcompose.comm import CPGroup
 from cpcompose.distributed import ParallelDims
 from cpcompose.integrations.transformers.expert_parallel import (
     ExpertParallelExperts,
     expert_blocks,
     apply_expert_parallel,
-    expert_parameter_names,
 )
-from cpcompose.parallel import cp_load_balancing_loss
+from tests.support import ep_cases
 from tests.support.tolerance import assert_close
 
-BATCH, SEQ, VOCAB, EXPERTS, TOP_K = 2, 16, 64, 4, 2
-TERMS = BATCH * SEQ * 64
+VOCAB, EXPERTS, TOP_K = 64, 4, 2
 AUX = 0.25  # the router loss's coefficient, far above transformers' 0.001 so its gradient is visible
+# (ep, cp, families: None for all) per pool, dp_shard = ranks / cp; the last on 4 ranks has efsdp = 2 (each block
+# of experts FSDP-sharded over the 2 ranks that hold it), which does not depend on the family: two layouts
+MATRIX_SPLITS = {2: [(2, 1, None), (2, 2, None)],
+                 4: [(4, 1, None), (4, 2, None), (2, 2, ("qwen3_moe", "gpt_oss"))]}
+MATRIX_TERMS = ep_cases.ROWS * ep_cases.SEQ * 64  # a weight gradient: every token x a width <= 64
+TOKEN_TERMS = ep_cases.ROWS * ep_cases.SEQ  # a float32 weight gradient: a sum over the tokens
+# families that compute in float32 inside the float64 model, whatever its dtype: DeepSeek-V3's router (a
+# routing weight one float32 rounding apart moves its token's whole contribution), Qwen3-Next's norms and
+# Gated DeltaNet kernel
+FLOAT32_INSIDE = {"deepseek_v3", "qwen3_next"}
 
 
 def _config(router_loss: bool) -> hf.Qwen3MoeConfig:
@@ -67,107 +71,77 @@ def _config(router_loss: bool) -> hf.Qwen3MoeConfig:
     )
 
 
-def _build(attn: str, router_loss: bool, state: dict | None = None) -> torch.nn.Module:
-    torch.manual_seed(0)
-    model = hf.AutoModelForCausalLM.from_config(_config(router_loss), attn_implementation=attn,
-                                                dtype=torch.float64, experts_implementation="eager")
-    if state is None:  # transformers zeroes the router's weight at init: random, so the routing is not uniform
-        with torch.no_grad():
-            for layer in model.model.layers:
-                layer.mlp.gate.weight.normal_(0, 0.5)
-    else:
-        model.load_state_dict(state)
-    return model
+@functools.cache
+def _references() -> tuple[dict[tuple[str, str], dict], dict[str, dict]]:
+    """Every family's one-process runs, plain and packed, and its weights (the same for both): computed once
+    for both pools."""
+    wants, states = {}, {}
+    for name in ep_cases.FAMILIES:
+        for kind in ep_cases.KINDS:
+            wants[name, kind], states[name] = ep_cases.reference(name, kind)
+    return wants, states
 
 
-def _batch() -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(2, VOCAB, (BATCH, SEQ), generator=g)
-    labels = ids.clone()
-    labels[0, :5] = -100  # uneven valid counts per rank: the global count matters
-    return ids, cphf.shift_labels(labels)
+def _tolerance(family: str) -> dict:
+    """The derived tolerance of one family's values (module docstring)."""
+    if family in FLOAT32_INSIDE:
+        return {"terms": TOKEN_TERMS, "dtype": torch.float32}
+    return {"terms": MATRIX_TERMS}
 
 
-def _switch_loss(router_logits: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    """transformers' `load_balancing_loss_func` (no mask) in float64, where transformers sums in float32."""
-    probs = [F.softmax(x, dim=-1) for x in router_logits]
-    chosen = torch.cat([p.topk(TOP_K, dim=-1).indices.reshape(-1) for p in probs])
-    counts = torch.bincount(chosen, minlength=EXPERTS).to(torch.float64)
-    prob_sum = sum(p.sum(0) for p in probs)
-    rows = sum(p.shape[0] for p in probs)
-    return EXPERTS * torch.sum(counts / rows * prob_sum / rows)
+@pytest.mark.parametrize("world", [2, 4], ids=["2-ranks", "4-ranks"])
+def test_expert_parallel_matrix_equals_one_process(pools, world: int) -> None:
+    """Five families x (ep, cp) x plain and packed, FSDP2 on, the router loss on where transformers has one:
+    the loss and every gradient (router gates included) equal one process's in float64."""
+    wants, states = _references()
+    splits = MATRIX_SPLITS[world]
+    per_rank = pools.get(world).run(ep_cases.matrix_case, splits, states, timeout=900)
+    failures = []
+    for (name, kind), want in wants.items():
+        if want["hf_aux"] is not None:  # the float64 formula is transformers' own (which rounds to float32)
+            assert abs(want["hf_aux"] - want["aux"]) <= 1e-6 * abs(want["aux"]), (name, want["hf_aux"], want["aux"])
+        largest = max(g.abs().max().item() for g in want["grads"].values())
+        gates = [n for n in want["grads"] if n.endswith(("mlp.gate.weight", "mlp.router.weight"))]
+        assert len(gates) == 2 and all(want["grads"][n].abs().max() > 0 for n in gates), (name, gates)
+        for ep, cp, only in splits:
+            if only is not None and name not in only:
+                continue
+            for rank, results in enumerate(per_rank):
+                got = results[ep, cp, name, kind]
+                at = f"{name} {kind} ep={ep} cp={cp} rank {rank}"
+                assert got["swapped"] == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"], at
+                checks = [("loss", got["loss"], want["loss"], _tolerance(name))]
+                first, count = (rank % ep) * EXPERTS // ep, EXPERTS // ep
+                for param, grad in got["grads"].items():
+                    expected = want["grads"][param]
+                    if param.rpartition(".")[0] in got["blocks"]:
+                        assert got["blocks"][param.rpartition(".")[0]] == (first, count), at
+                        expected = expected[first:first + count]
+                    checks.append((param, grad, expected, {**_tolerance(name), "scale": largest}))
+                if rank == 0:
+                    assert got["grads"].keys() == want["grads"].keys(), at
+                for what, actual, expected, tol in checks:
+                    try:
+                        assert_close(actual, expected, **tol)
+                    except AssertionError as e:
+                        failures.append(f"{at} {what}: {str(e).splitlines()[0:4]}")
+    assert not failures, "\n".join(failures)
 
 
-def _reference(router_loss: bool) -> tuple[dict, dict]:
-    model = _build("sdpa", router_loss)
-    state = {k: v.clone() for k, v in model.state_dict().items()}
-    ids, targets = _batch()
-    out = model(input_ids=ids, use_cache=False)
-    loss = F.cross_entropy(out.logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
-    hf_aux = None
-    if router_loss:
-        aux = _switch_loss(out.router_logits)
-        hf_aux = (out.aux_loss.item(), aux.item())
-        loss = loss + AUX * aux
-    loss.backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    return {"loss": loss.detach(), "grads": grads, "hf_aux": hf_aux}, state
-
-
-def _step(mesh, state: dict, router_loss: bool, split: str) -> dict:
-    """One forward and backward of the EP model; `split`: "batch" (rank r its row r) or "sequence" (CP)."""
-    cp = split == "sequence"
-    model = _build("cpcompose" if cp else "sdpa", router_loss, state)
-    swapped = apply_expert_parallel(model, mesh)
-    ids, targets = _batch()
-    rank = mesh.get_local_rank()
-    if cp:
-        positions = torch.arange(SEQ)[None].expand(BATCH, -1).clone()
-        region = context_parallel(mesh, buffers=[ids, targets, positions], buffer_seq_dims=[1, 1, 1], verify=False)
-    else:
-        ids, targets, positions = ids[rank:rank + 1], targets[rank:rank + 1], None
-        region = torch.enable_grad()  # no CP region: the batch rows are split by hand
-    with region:
-        out = model(input_ids=ids, position_ids=positions, use_cache=False)
-        loss = cp_cross_entropy(out.logits, targets, mesh=mesh)
-        if router_loss:
-            loss = loss + AUX * cp_load_balancing_loss(out.router_logits, num_experts=EXPERTS, top_k=TOP_K, mesh=mesh)
-        loss.backward()
-    experts = expert_parameter_names(model)
-    dense = [p for n, p in model.named_parameters() if n not in experts]
-    flat = torch.cat([p.grad.reshape(-1) for p in dense])
-    dist.all_reduce(flat, group=mesh.get_group())
-    for p, g in zip(dense, flat.split([p.numel() for p in dense])):
-        p.grad.copy_(g.view_as(p))
-    dist.all_reduce(total := loss.detach().clone(), group=mesh.get_group())
-    blocks = {n: (m.first_expert, m.num_local_experts) for n, m in model.named_modules()
-              if isinstance(m, ExpertParallelExperts)}
-    return {"loss": total, "grads": {n: p.grad.clone() for n, p in model.named_parameters()}, "experts": experts,
-            "swapped": swapped, "blocks": blocks}
-
-
-@pytest.mark.parametrize("router_loss", [False, True], ids=["lm-loss", "router-loss"])
-@pytest.mark.parametrize("split", ["batch", "sequence"], ids=["ep2-rows", "cp2xep2"])
-def test_expert_parallel_equals_one_process(pools, split: str, router_loss: bool) -> None:
-    want, state = _reference(router_loss)
-    if router_loss:  # the float64 formula is transformers' own (which rounds to float32)
-        hf_aux, aux = want["hf_aux"]
-        assert abs(hf_aux - aux) <= 1e-6 * abs(aux), (hf_aux, aux)
-    largest = max(g.abs().max().item() for g in want["grads"].values())
-    per_rank = pools.get(2).run(_step, state, router_loss, split)
+def test_the_probe_proves_a_model_with_expert_parallel_experts(pools) -> None:
+    """`verify` at cp = 2 x ep = 2 (the EP modules' exchanges run in the probe's one-process and CP runs alike, in
+    one order on every rank): each family passes as the trainer builds it (its config asking for the router
+    loss, whose `aux_loss` the probe leaves out: under CP it is each shard's own statistic, EP or not), and a
+    token mixer that is not CP-aware is still named with the experts in their EP form."""
+    per_rank = pools.get(2).run(ep_cases.probe_case)
+    assert len(per_rank[0]) == len(ep_cases.FAMILIES) + 3
     for rank, got in enumerate(per_rank):
-        assert got["swapped"] == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
-        assert len(got["experts"]) == 4 and len(got["grads"]) == len(want["grads"])
-        assert_close(got["loss"], want["loss"], terms=TERMS, msg=lambda m: f"rank {rank} loss: {m}")
-        for name, grad in got["grads"].items():
-            expected = want["grads"][name]
-            if name in got["experts"]:  # this rank's block of the stacked experts
-                first, count = got["blocks"][name.rpartition(".")[0]]
-                assert (first, count) == (2 * rank, 2)
-                expected = expected[first:first + count]
-            assert_close(grad, expected, terms=TERMS, scale=largest, msg=lambda m: f"rank {rank} {name}: {m}")
-    gates = [n for n in want["grads"] if n.endswith("mlp.gate.weight")]
-    assert gates and all(want["grads"][n].abs().max() > 0 for n in gates), "the router gates must get a gradient"
+        for (name, ep, sharded, mixer), message in got.items():
+            at = f"rank {rank} {name} ep={ep} fsdp={sharded}"
+            if mixer:
+                assert "module 'model.norm' (_SequenceSum) computes something else under CP" in message, (at, message)
+            else:
+                assert message == "ok", (at, message)
 
 
 def test_an_undeclared_layout_is_refused_by_name() -> None:

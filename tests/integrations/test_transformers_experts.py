@@ -11,6 +11,8 @@ grouped GEMM against the module's own `grouped_mm` path. Tolerances derived (`te
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 import transformers as hf
@@ -19,7 +21,11 @@ from transformers.models.llama4.modeling_llama4 import Llama4TextExperts
 from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHExperts
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
-from cpcompose.integrations.transformers.experts import read_experts
+from cpcompose.comm import CPGroup
+from cpcompose.integrations.transformers.expert_parallel import apply_expert_parallel, experts_modules
+from cpcompose.integrations.transformers.experts import UNDECLARED_EXPERTS, read_experts
+from tests.support import moe_families
+from tests.support.hybrid_cases import one_thread
 from tests.support.tolerance import tolerance
 
 HIDDEN, INTER, EXPERTS, TOKENS, TOP_K = 16, 8, 4, 6, 2
@@ -100,3 +106,53 @@ def test_an_undeclared_layout_is_refused_by_name() -> None:
     config = hf.Llama4TextConfig(hidden_size=HIDDEN, intermediate_size=INTER, num_local_experts=2)
     with pytest.raises(ValueError, match=r"Llama4TextExperts: .*\(Llama 4's experts are \(experts, hidden"):
         read_experts(Llama4TextExperts(config))
+
+
+@one_thread()  # tiny eager loops: two threads on two shared cores spin against each other (10 ms an index_add_)
+def test_every_moe_causal_lm_is_read_or_refused_by_name() -> None:
+    """The survey (docs/design/experts.md): every causal LM in transformers' auto mapping whose modeling file names
+    experts, built tiny (`tests/support/moe_families.py`), is either read by EP's adapter (each experts module is
+    called with `(hidden, top_k_index, top_k_weights)` and `read_experts` gives its own eager forward in float64
+    on a few tokens, its weights and biases random) or refused by `apply_expert_parallel` with the class named,
+    before any communication; a family with no experts module in its tiny build is refused by the trainer
+    ("has no experts module"), and the families that cannot be built tiny are exactly `NOT_BUILT`.
+    `terms` = hidden + intermediate + the routed pairs, as above."""
+    unbuilt, read, refused, none = {}, set(), set(), set()
+    g = torch.Generator().manual_seed(3)
+    for model_type in moe_families.moe_model_types():
+        model = moe_families.build_tiny(model_type)
+        if isinstance(model, str):
+            unbuilt[model_type] = model
+            continue
+        found = experts_modules(model)
+        if not found:
+            none.add(model_type)
+        if any(type(m).__name__ in UNDECLARED_EXPERTS for _, m in found):
+            first = next(type(m).__name__ for _, m in found if type(m).__name__ in UNDECLARED_EXPERTS)
+            with pytest.raises(ValueError, match=rf"^{first}: its layout is not declared"):
+                apply_expert_parallel(model, CPGroup(group=None, rank=0, world=2))  # type: ignore[arg-type]
+            refused.add(model_type)
+            continue
+        for name, module in found:
+            assert len(inspect.signature(module.forward).parameters) == 3, (model_type, name)  # EP's call
+            module.to_empty(device="cpu")
+            with torch.no_grad():
+                for p in module.parameters():
+                    p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.5)
+            adapter = read_experts(module)
+            experts, hidden = adapter.weights.num_experts, module.config.hidden_size
+            index = torch.stack([torch.randperm(experts, generator=g)[:TOP_K] for _ in range(TOKENS)])
+            weights = torch.rand(TOKENS, TOP_K, generator=g, dtype=torch.float64)
+            rows = torch.randn(TOKENS, hidden, generator=g, dtype=torch.float64)
+            want = module(rows, index, weights)
+            terms = hidden + max(adapter.weights.down.shape[1:]) + TOKENS * TOP_K
+            dtype = torch.float32 if model_type in moe_families.FLOAT32_SUM else None
+            torch.testing.assert_close(adapter(rows, index, weights, kernel="loop"), want,
+                                       **tolerance(want, terms=terms, dtype=dtype),
+                                       msg=lambda m: f"{model_type} {name}: {m}")
+        read.add(model_type)
+    assert set(unbuilt) == set(moe_families.NOT_BUILT), unbuilt
+    assert refused == {"dbrx", "jetmoe", "llama4_text", "longcat_flash"}, refused
+    assert none == set(moe_families.NO_EXPERTS), none
+    assert {"qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss", "qwen3_next", "qwen2_moe", "olmoe", "sarvam_mla"} <= read, read
+    assert len(read) >= 49, sorted(read)

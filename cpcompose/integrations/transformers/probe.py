@@ -72,15 +72,28 @@ def verify(model: nn.Module, mesh: DeviceMesh, *, options: CPOptions | None = No
     ids = torch.randint(0, vocab, (1, length), generator=generator).to(device)
     positions = torch.arange(length, device=device)[None]
     opts = (options or CPOptions()).replace(layout=None, verify=False, meter=None, **overrides)
+    extra: dict[str, Any] = {"use_cache": False}
+    if _adds_router_loss(model):
+        # transformers' load-balancing loss (`aux_loss`) is a statistic of every token of the forward: under CP each
+        # rank's is its shard's, rightly different (`cp_load_balancing_loss` is the exact one, from the router
+        # logits, which are per token and compared module by module like any other output)
+        extra["output_router_logits"] = False
     training = model.training
     model.eval()  # dropout would make the two runs differ
     try:
         verify_modules(model, mesh, {"input_ids": ids, "position_ids": positions}, options=opts,
-                       forward=lambda **inputs: model(**inputs, use_cache=False))
+                       forward=lambda **inputs: model(**inputs, **extra))
     finally:
         model.train(training)
         _reshard(model)
     _VERIFIED.update(m for m in model.modules() if _is_hf_model(m))
+
+
+def _adds_router_loss(model: nn.Module) -> bool:
+    """Whether the model's forward returns transformers' router loss (`output_router_logits` in its config)."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return bool(getattr(config, "output_router_logits", False) or getattr(text, "output_router_logits", False))
 
 
 def _reshard(model: nn.Module) -> None:
