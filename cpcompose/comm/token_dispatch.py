@@ -95,7 +95,7 @@ class Dispatched:
 def dispatch_error(rows: Tensor, expert_of_row: Tensor, *, num_experts: int, world: int) -> str | None:
     """Why this rank's input cannot be dispatched over `world` ranks, or None (no communication).
 
-    On CUDA the range check reads the indices' minimum and maximum on the host (a sync).
+    On CUDA the range check reads the indices' minimum and maximum on the host (one sync).
     """
     if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
         return f"num_experts must be a positive int, got {num_experts!r}"
@@ -113,7 +113,7 @@ def dispatch_error(rows: Tensor, expert_of_row: Tensor, *, num_experts: int, wor
     if expert_of_row.device != rows.device:
         return f"expert_of_row is on {expert_of_row.device}, rows on {rows.device}"
     if len(expert_of_row) and not rehearsing():  # a rehearsal's indices hold no values
-        low, high = int(expert_of_row.min()), int(expert_of_row.max())
+        low, high = torch.stack(torch.aminmax(expert_of_row)).tolist()  # one read of both
         if low < 0 or high >= num_experts:
             return f"expert indices must lie in [0, {num_experts}), got {low}..{high}"
     return None

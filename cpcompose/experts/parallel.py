@@ -9,6 +9,14 @@ on what arrived (`grouped_experts`, the received per-expert counts as its groups
 caller's order (`combine`), and each token's choices are weighed and summed as `sum_weighted_choices` does on
 one process: in the promoted dtype of the results and the routing weights, cast to the results' dtype.
 
+One agreement per call: the layer checks its input once (dispatch's checks, this rank's block, the row width
+the experts read) and every rank agrees on the verdict and on what both exchanges need equal (the expert count,
+the row and result widths, the dtype) in one tiny all-gather; then it posts comm's exchanges directly
+(`dispatch_to_experts`, `combine_from_experts`). The results it sends home are its own: one per received row,
+the experts' hidden width, the rows' dtype, so combine needs no agreement of its own (`combine` would add a
+second all-gather per layer). Host syncs per call: the agreement, and dispatch's counts (plus, on CUDA, the
+routed pairs and the index range).
+
 A choice at or past `num_experts` routes nowhere (transformers' EP sentinel, Zaya's skip expert): it is not
 sent and adds nothing. Every rank calls this for every layer, even with no routed choice (its experts then run
 on no rows, so their weights still get zero gradients and the backward's exchanges still match).
@@ -21,8 +29,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from cpcompose.comm import CommMeter, CPGroup, rehearsing
-from cpcompose.experts.dispatch import combine, dispatch
+from cpcompose.agreement import Signature, agree_across_ranks
+from cpcompose.comm import CommMeter, CPGroup, combine_from_experts, dispatch_error, dispatch_to_experts, rehearsing
 from cpcompose.experts.grouped import ExpertKernel, grouped_experts
 from cpcompose.experts.weights import ExpertWeights
 
@@ -50,24 +58,34 @@ def parallel_routed_experts(hidden: Tensor, top_k_index: Tensor, top_k_weights: 
         `(tokens, hidden)` in `hidden`'s dtype, what `routed_experts` with every expert gives on one process.
 
     Raises:
-        ValueError: on every rank, before any row moves, if `local` is not this rank's block
-            (`num_experts / group.world` experts) or any rank's input is bad (dispatch's checks).
+        ValueError: on every rank, before any row moves, if any rank's `local` is not its block
+            (`num_experts / group.world` experts), its `hidden` is not as wide as its experts, or its input is
+            bad (dispatch's checks), or the ranks' expert counts, widths or dtypes differ.
     """
-    if local.num_experts * group.world != num_experts:
-        raise ValueError(f"this rank holds {local.num_experts} experts; {num_experts} experts over {group.world} "
-                         f"EP ranks are {num_experts / group.world:g} each")
     tokens, top_k = top_k_index.shape
     flat = top_k_index.reshape(-1)
     # flat (token, choice) pairs that go to an expert; in a rehearsal (no values to read) every one does
     pairs = (torch.arange(len(flat), device=flat.device) if rehearsing()
              else torch.nonzero(flat < num_experts).squeeze(1))
     rows = hidden[pairs // top_k].to(local.gate_up.dtype)  # transformers casts the rows to the weights' dtype
-    dispatched = dispatch(rows, flat[pairs], num_experts=num_experts, group=group, meter=meter)
+    expert_of_row = flat[pairs]
+    error = None
+    if local.num_experts * group.world != num_experts:
+        error = (f"this rank holds {local.num_experts} experts; {num_experts} experts over {group.world} EP ranks "
+                 f"are {num_experts / group.world:g} each")
+    elif hidden.shape[-1] != local.hidden:
+        error = f"hidden states of width {hidden.shape[-1]} for experts of hidden size {local.hidden}"
+    error = error or dispatch_error(rows, expert_of_row, num_experts=num_experts, world=group.world)
+    signature = (Signature().int("num_experts", num_experts).int("row width", rows.shape[-1])
+                 .int("result width", local.hidden).dtype("dtype", rows.dtype))
+    agree_across_ranks(group, error, signature.fields, what="expert-parallel experts", device=rows.device)
+    dispatched = dispatch_to_experts(rows, expert_of_row, num_experts=num_experts, group=group, meter=meter)
     counts = torch.tensor(dispatched.expert_counts, dtype=torch.int64)
     out = grouped_experts(dispatched.rows, counts, local, activation=activation, kernel=kernel)
     if post is not None:
         out = post(out)
-    back = combine(out, dispatched)
+    # one row per received row, `local.hidden` wide, in the rows' dtype on every rank: what the agreement fixed
+    back = combine_from_experts(out, dispatched)
     full = back.new_zeros(tokens * top_k, back.shape[-1]).index_copy(0, pairs, back)
     weighted = full.view(tokens, top_k, full.shape[-1]) * top_k_weights.unsqueeze(-1)
     return weighted.sum(dim=1).to(back.dtype).to(hidden.dtype)

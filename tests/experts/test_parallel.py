@@ -7,6 +7,10 @@ one-process layer's on its tokens; each expert's weight gradient, on its owner a
 gradient over both ranks' tokens. In float64 (the loop) and float32 (the grouped GEMM on the received
 counts). Tolerance derived (tests/support/tolerance.py): terms = hidden + intermediate (the chained products)
 + the routed pairs (what a weight gradient sums), at the dtype's epsilon.
+
+A bad input on one rank (an index out of range, a block of the wrong size, hidden states of the wrong width)
+raises the same ValueError on both ranks before any row moves, from the layer's one agreement per call (one
+all-gather, counted).
 """
 
 from __future__ import annotations
@@ -79,3 +83,63 @@ def test_the_ranks_give_one_process_layer(pools, dtype: torch.dtype) -> None:
             want = (alone[0][key] + alone[1][key])[2 * rank:2 * rank + 2]
             torch.testing.assert_close(got[key], want, **tolerance(want, terms=TERMS), msg=f"rank {rank} {key}")
     assert per_rank[1]["out"].shape == (0, HIDDEN) and per_rank[1]["dgate_up"].abs().sum() > 0
+
+
+BAD = {  # rank 1's bad input -> what every rank's message must say
+    "negative index": "rank 1: expert indices must lie in [0, 4), got -1..",
+    "wrong block": "rank 1: this rank holds 1 experts; 4 experts over 2 EP ranks are 2 each",
+    "hidden width": "rank 1: hidden states of width 15 for experts of hidden size 16",
+}
+
+
+def refusal_case(mesh, kind: str) -> dict:  # noqa: ANN001
+    """Rank 1 alone passes `kind`; then a valid call in the same group. Counts the agreement's all-gathers."""
+    import cpcompose.agreement.agree as agree
+
+    group = CPGroup.from_mesh(mesh)
+    gate_up, down, hidden, index, weights, _ = _inputs(0, torch.float64)  # every rank rank 0's tokens
+    block = slice(2 * group.rank, 2 * group.rank + 2)
+    local = ExpertWeights(gate_up[block], down[block])
+    bad_hidden, bad_index, bad_local = hidden, index, local
+    if group.rank == 1:
+        if kind == "negative index":
+            bad_index = index.clone()
+            bad_index[0, 0] = -1
+        elif kind == "wrong block":
+            bad_local = ExpertWeights(gate_up[2:3], down[2:3])
+        else:
+            bad_hidden = hidden[:, :-1]
+    gathers, original = [0], agree.all_gather
+
+    def counted(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        gathers[0] += 1
+        return original(*args, **kwargs)
+
+    agree.all_gather = counted
+    try:
+        message = None
+        try:
+            parallel_routed_experts(bad_hidden, bad_index, weights, bad_local, num_experts=E, group=group,
+                                    activation=_swiglu)
+        except ValueError as e:
+            message = str(e)
+        gathers[0] = 0
+        out = parallel_routed_experts(hidden, index, weights, local, num_experts=E, group=group, activation=_swiglu)
+    finally:
+        agree.all_gather = original
+    return {"message": message, "out": out, "agreements": gathers[0]}
+
+
+@pytest.mark.parametrize("kind", list(BAD))
+def test_a_bad_input_on_one_rank_raises_the_same_error_everywhere(pools, kind: str) -> None:
+    """One agreement per call covers the dispatch and the combine: a bad input on one rank raises the same
+    ValueError on both before any row moves, and the group then runs a valid call (both ranks route rank 0's
+    tokens, so both get the same output) with one all-gather of agreement."""
+    got = pools.get(2).run(refusal_case, kind)
+    messages = {mine["message"] for mine in got}
+    assert len(messages) == 1, messages
+    message = messages.pop()
+    assert message is not None and message.startswith("expert-parallel experts: invalid input"), message
+    assert BAD[kind] in message, message
+    torch.testing.assert_close(got[0]["out"], got[1]["out"], rtol=0, atol=0)
+    assert [mine["agreements"] for mine in got] == [1, 1]
