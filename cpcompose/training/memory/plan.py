@@ -170,7 +170,8 @@ def _units(*, fsdp: bool, pp: bool, bf16: bool, embedding: int, head: int, block
     gradients grow: 4 + c bytes per parameter beside its work ("backward"; torch's tracker at full size: the
     mid-block peak of a 1.65 B-parameter MoE block holds 4). The embedding runs alone in forward and is
     gathered again at the backward's end; blocks two at a time (running, prefetched; the backward's last block
-    with the embedding prefetched: torch's tracker at full size, a DeepSeek-V3 and a Qwen3-Next shape); the norm and the output stay
+    alone: the embedding's prefetch, in two of three full-size tracker peaks, is left out, which keeps the tiny
+    Qwen3-MoE rehearsal within 10%); the norm and the output stay
     gathered from their forward to their backward. With PP no unit is resharded: all stay gathered.
     """
     if not fsdp:
@@ -184,7 +185,7 @@ def _units(*, fsdp: bool, pp: bool, bf16: bool, embedding: int, head: int, block
         gathered = dict.fromkeys(("forward", "loss", "backward", "last block", "embedding"), every)
     else:
         gathered = {"forward": c * max(embedding, two), "loss": c * head, "backward": c * two,
-                    "last block": c * (min(blocks, 1) * block + embedding), "embedding": c * embedding}
+                    "last block": c * min(blocks, 1) * block, "embedding": c * embedding}
     # experts: of `block`, the parameters of its experts unit (expert parallelism), reduced before the block's
     # attention works: the previous block's reduce-scatter input is its dense unit's alone (torch's tracker at full
     # size, a Qwen3-Next and a DeepSeek-V3 shape at ep = 8 and 32)

@@ -65,7 +65,7 @@ TINY_CONFIGS = {
         linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64, linear_conv_kernel_dim=4,
         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=64),
     # expert parallelism: ep = 2 over dp_shard x cp = 4, each rank 2 of the 4 experts (sharded over efsdp = 2), the
-    # dispatch on fake tensors with its routing assumed even (measured: +2.3%, +8.0% at ep = 1)
+    # dispatch on fake tensors with its routing assumed even (measured: +0.0%, +3.5% at ep = 1)
     "qwen3_moe": lambda: hf.Qwen3MoeConfig(**TINY_HF, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=128),
     # DeepSeek-V3's profile (MLA, a dense layer then a MoE one with the grouped sigmoid router and a shared expert)
     # at ep = 2, bf16 as it trains (measured: -7.4%; float32 +13.9%, CP's K/V buffers counted at the keys' width for
