@@ -25,6 +25,7 @@ on no rows, so their weights still get zero gradients and the backward's exchang
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -35,6 +36,25 @@ from cpcompose.experts.grouped import ExpertKernel, grouped_experts
 from cpcompose.experts.weights import ExpertWeights
 
 __all__ = ["parallel_routed_experts"]
+
+
+class _PlaceRows(torch.autograd.Function):
+    """`rows` placed at `index` of `(n, width)` zeros; the backward gathers the gradient's rows at `index`.
+
+    `Tensor.index_copy` computes the same, but its autograd keeps its `source` (the combined expert outputs,
+    `top_k x tokens x hidden`) alive until backward for that tensor's shape alone: one more routed copy of the
+    hidden states per MoE layer than the experts path of transformers saves (found by counting the saved tensors
+    in a rehearsal, docs/trainer/memory.md). Here only `index` is kept."""
+
+    @staticmethod
+    def forward(ctx: Any, rows: Tensor, index: Tensor, n: int) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(index)
+        return rows.new_zeros(n, rows.shape[-1]).index_copy_(0, index, rows)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:  # type: ignore[override]
+        (index,) = ctx.saved_tensors
+        return grad.index_select(0, index), None, None
 
 
 def parallel_routed_experts(hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor, local: ExpertWeights, *,
@@ -67,7 +87,9 @@ def parallel_routed_experts(hidden: Tensor, top_k_index: Tensor, top_k_weights: 
     # flat (token, choice) pairs that go to an expert; in a rehearsal (no values to read) every one does
     pairs = (torch.arange(len(flat), device=flat.device) if rehearsing()
              else torch.nonzero(flat < num_experts).squeeze(1))
-    rows = hidden[pairs // top_k].to(local.gate_up.dtype)  # transformers casts the rows to the weights' dtype
+    # Each `top_k x tokens x hidden` copy is let go as soon as the next one exists (the step's peak: the
+    # profile's `Moe.dispatch`); what backward needs autograd keeps. transformers casts the rows to the weights' dtype.
+    rows = hidden[pairs // top_k].to(local.gate_up.dtype)
     expert_of_row = flat[pairs]
     error = None
     if local.num_experts * group.world != num_experts:
@@ -80,12 +102,17 @@ def parallel_routed_experts(hidden: Tensor, top_k_index: Tensor, top_k_weights: 
                  .int("result width", local.hidden).dtype("dtype", rows.dtype))
     agree_across_ranks(group, error, signature.fields, what="expert-parallel experts", device=rows.device)
     dispatched = dispatch_to_experts(rows, expert_of_row, num_experts=num_experts, group=group, meter=meter)
+    del rows
     counts = torch.tensor(dispatched.expert_counts, dtype=torch.int64)
     out = grouped_experts(dispatched.rows, counts, local, activation=activation, kernel=kernel)
     if post is not None:
         out = post(out)
     # one row per received row, `local.hidden` wide, in the rows' dtype on every rank: what the agreement fixed
     back = combine_from_experts(out, dispatched)
-    full = back.new_zeros(tokens * top_k, back.shape[-1]).index_copy(0, pairs, back)
+    del out, dispatched
+    dtype = back.dtype
+    full = _PlaceRows.apply(back, pairs, tokens * top_k)
+    del back
     weighted = full.view(tokens, top_k, full.shape[-1]) * top_k_weights.unsqueeze(-1)
-    return weighted.sum(dim=1).to(back.dtype).to(hidden.dtype)
+    del full
+    return weighted.sum(dim=1).to(dtype).to(hidden.dtype)

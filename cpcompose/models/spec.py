@@ -108,8 +108,9 @@ class MemoryProfile:
     vocab: int
     """Logits per token (the output layer's rows)."""
     attention_saved: float | None = None
-    """What the largest block with attention saves per token, where that is not the largest block (a hybrid's
-    linear-attention layers can save more): its recompute goes with CP's K/V buffers. None: `block_saved`."""
+    """What a block's saved tensors still hold per token when its attention's backward runs (the largest over
+    the blocks with attention): its recompute goes with CP's K/V buffers. A Hugging Face profile counts the input
+    norm's and the mixer's (the feed-forward's backward ran first and freed its own). None: `block_saved`."""
     block_expert_params: int = 0
     """Of `block_params`, the routed experts' own (the experts module: stacked gate/up and down weights, their
     biases; not the router, a shared expert or a post-expert norm). Under expert parallelism (`parallelism.ep`)

@@ -40,7 +40,8 @@ def describe_plan(config: JobConfig, world: int, lengths_png: Path | None = None
         f"  context parallel: strategy={p.cp_strategy}{_blocks(p.cp, p.cp_alltoall_size)} layout={p.cp_layout}; "
         f"{t.seq_len:,} tokens per sequence, {local_seq:,} per CP rank",
         f"  model: {model}",
-        f"  parameter + gradient + AdamW state: {state_gib:.2f} GiB per rank (fp32, sharded {shards}-way)",
+        f"  parameter + gradient + AdamW state: {state_gib:.2f} GiB per rank (fp32, sharded {shards}-way)"
+        + (_experts_share(config, dims) if dims.ep_enabled else ""),
         f"  batch: {t.batch_size} sequences per step over dp={dims.dp_size}, grad_accum={t.grad_accum_steps}, "
         f"{t.steps} steps, precision {t.mixed_precision}, activation checkpointing "
         f"{config.activation_checkpoint.mode}",
@@ -51,6 +52,20 @@ def describe_plan(config: JobConfig, world: int, lengths_png: Path | None = None
 
         lines += describe_rehearsal(rehearse(config, world), world)
     return "\n".join(lines)
+
+
+def _experts_share(config: JobConfig, dims: ParallelDims) -> str:
+    """Under expert parallelism, the routed experts' part of the state line: each rank holds 1/ep of every MoE
+    layer's experts, sharded efsdp ways (ep x efsdp = the FSDP degree, so the bytes per rank are the same as
+    sharding all of them over every rank; what ep changes is each gathered block's, which the memory plan shows)."""
+    try:
+        profile = family_of(config).memory_profile(config, tp=dims.tp, precision="float32", mlp_tiles=1)
+    except ValueError:  # a family the plan cannot count: the split alone
+        return f"; the routed experts 1/{dims.ep} per rank (ep), sharded {dims.efsdp_size}-way (efsdp)"
+    experts = profile.body_expert_params
+    return (f"; of it the routed experts' {experts * 16 / dims.ep / dims.efsdp_size / 2**30:.2f} GiB: "
+            f"{experts / 1e9:.1f}B parameters, 1/{dims.ep} of them per rank (ep), sharded {dims.efsdp_size}-way "
+            f"(efsdp)")
 
 
 def _blocks(cp: int, alltoall_size: int | None) -> str:

@@ -16,8 +16,9 @@ L: blocks on this rank's pipeline stage, S: FSDP's shard degree dp_shard x cp wh
   the compute dtype, cast to float32, copied into the reduce-scatter's input: a block's "block end", beside no
   work; while a block works, the previous block's reduce-scatter input and its own growing gradients). The
   backward ends with the embedding gathered and its gradient reduced, every other gradient shard already made
-  ("embedding backward": the peak where parameters dominate). Without FSDP, bfloat16 is autocast, which keeps a
-  bf16 copy of every linear weight until backward ends.
+  ("embedding backward": the peak where parameters dominate). The backward's last block works beside every other
+  gradient shard ("last block backward": the peak of a MoE model at few tokens per rank). Without FSDP, bfloat16
+  is autocast, which keeps a bf16 copy of every linear weight until backward ends.
 * "loss": the activations every block keeps (all it saves, or its input alone with activation
   checkpointing; offloaded to host memory with `activation_checkpoint.offload` on CUDA), the
   final norm's, and the loss at its peak, forward or backward: unfused, the float32 log-softmax,
@@ -77,8 +78,8 @@ class MemoryPlan:
     parts: tuple[tuple[str, int], ...]
     """(part, bytes) at the peak phase, in a fixed order; parts of 0 bytes are kept (the table shows them)."""
     phase: str
-    """Where the peak falls: "forward", "loss", "backward", "block end" or "embedding backward" (FSDP) or
-    "optimizer step"."""
+    """Where the peak falls: "forward", "loss", "backward", "last block backward", "block end" or "embedding
+    backward" (FSDP) or "optimizer step"."""
     host_bytes: int
     """What is kept in host memory instead (CUDA): checkpointed activations (`activation_checkpoint.offload`) and the
     parameter shards, their gradients and AdamW's moments (`training.offload_params`)."""
@@ -158,7 +159,8 @@ class _Units:
     reducing: dict[str, int]
 
 
-def _units(*, fsdp: bool, pp: bool, bf16: bool, embedding: int, head: int, block: int, blocks: int) -> _Units:
+def _units(*, fsdp: bool, pp: bool, bf16: bool, embedding: int, head: int, block: int, blocks: int,
+           experts: int = 0) -> _Units:
     """What FSDP2 holds unsharded, in apply_fsdp's units (the embedding, each block, the norm with the output).
 
     Gathered in the compute dtype (bf16 under mixed precision). A unit's gradient is made in that dtype, cast to
@@ -167,22 +169,28 @@ def _units(*, fsdp: bool, pp: bool, bf16: bool, embedding: int, head: int, block
     block's backward works, the previous block's reduce-scatter input (float32) is still held and the block's own
     gradients grow: 4 + c bytes per parameter beside its work ("backward"; torch's tracker at full size: the
     mid-block peak of a 1.65 B-parameter MoE block holds 4). The embedding runs alone in forward and is
-    gathered again at the backward's end; blocks two at a time (running, prefetched); the norm and the output stay
+    gathered again at the backward's end; blocks two at a time (running, prefetched; the backward's last block
+    alone: the embedding's prefetch, in two of three full-size tracker peaks, is left out, which keeps the tiny
+    Qwen3-MoE rehearsal within 10%); the norm and the output stay
     gathered from their forward to their backward. With PP no unit is resharded: all stay gathered.
     """
     if not fsdp:
-        return _Units(dict.fromkeys(("forward", "loss", "backward", "embedding"), 0),
+        return _Units(dict.fromkeys(("forward", "loss", "backward", "last block", "embedding"), 0),
                       dict.fromkeys(("loss", "backward", "block end", "embedding"), 0))
     c = 2 if bf16 else 4
     reduce = 4 + 4 + (c if bf16 else 0)
     two = min(blocks, 2) * block
     if pp:
         every = c * (embedding + blocks * block + head)
-        gathered = dict.fromkeys(("forward", "loss", "backward", "embedding"), every)
+        gathered = dict.fromkeys(("forward", "loss", "backward", "last block", "embedding"), every)
     else:
         gathered = {"forward": c * max(embedding, two), "loss": c * head, "backward": c * two,
-                    "embedding": c * embedding}
-    return _Units(gathered, {"loss": reduce * head, "backward": (4 + c) * block, "block end": reduce * block,
+                    "last block": c * min(blocks, 1) * block, "embedding": c * embedding}
+    # experts: of `block`, the parameters of its experts unit (expert parallelism), reduced before the block's
+    # attention works: the previous block's reduce-scatter input is its dense unit's alone (torch's tracker at full
+    # size, a Qwen3-Next and a DeepSeek-V3 shape at ep = 8 and 32)
+    return _Units(gathered, {"loss": reduce * head, "backward": 4 * (block - experts) + c * block,
+                             "block end": reduce * block,
                              "embedding": reduce * embedding})
 
 
@@ -213,6 +221,7 @@ def _stage(c: JobConfig, dims: ParallelDims, prof: MemoryProfile, stage: int, T:
     state = 0 if offload_state else (4 * sharded if dims.ep > 1 else 4 * params // shards)
     moments = 2 * state
     units = _units(fsdp=fsdp, pp=dims.pp > 1, bf16=bf16, embedding=embedding, head=head, block=block,
+                   experts=prof.block_expert_params // dims.ep if dims.ep > 1 else 0,
                    blocks=L)
     # Without FSDP (one rank over dp x cp), bf16 is autocast: its cache keeps a bf16 copy of each linear weight.
     cast = 2 * (L * prof.block_cast_params + head) if bf16 and not fsdp else 0
@@ -221,6 +230,7 @@ def _stage(c: JobConfig, dims: ParallelDims, prof: MemoryProfile, stage: int, T:
     keep = prof.block_input if checkpointing else prof.body_saved / prof.layers  # per block, on average
     kept_blocks = min(L, 2) if offload else L
     activations = int(keep * T * kept_blocks * in_flight)
+    last_activations = int(keep * T * min(kept_blocks, 1) * in_flight)  # the backward's last block: its own alone
     host = (int(keep * T * L * in_flight) if offload else 0) + (
         (16 * sharded if dims.ep > 1 else 16 * params // shards) if offload_state else 0)
     vocab = prof.vocab
@@ -257,6 +267,7 @@ def _stage(c: JobConfig, dims: ParallelDims, prof: MemoryProfile, stage: int, T:
     heap_held = {"forward": activations + recompute + int(prof.block_forward * T) + dispatch + attention,
                  "loss": activations + loss_heap,
                  "backward": activations + backward_work + backward_attention,
+                 "last block backward": last_activations + backward_work + backward_attention,
                  "optimizer step": 0, "embedding backward": 0, "block end": activations}
     # It grows to the most any phase holds there, plus the holes that one block's backward in flight (and a tiled
     # feed-forward's tile) leave between differently sized tensors, and keeps that resident through the step, the
@@ -279,6 +290,14 @@ def _stage(c: JobConfig, dims: ParallelDims, prof: MemoryProfile, stage: int, T:
         return max(0, high_water - heap_held[name])
 
     during = state if grads_always else 0
+    # The backward's last block (the model's first) works as every block does, but beside every other gradient
+    # shard already made (the output layer's and the other blocks': all but the embedding's and its own) and only
+    # its own activations left. Where the sharded state outweighs the activations (a MoE model at few tokens per
+    # rank: torch's tracker at 64 ranks, a Qwen3-Next shape at 4,096 tokens per rank, peaks there with 86% of the
+    # gradient shards made) this end is the backward's peak, not its start.
+    block_shard = (prof.block_params - prof.block_expert_params) // shards + (
+        prof.block_expert_params // dims.ep // dims.efsdp_size if dims.ep > 1 else prof.block_expert_params // shards)
+    made = 0 if grads_always or offload_state or L < 2 else max(0, state - 4 * (embedding // shards) - 4 * block_shard)
     # The head's backward: the loss at its peak, then (its buffers gone) the head unit's gradients reduced.
     head_reducing = units.reducing["loss"] if units.reducing["loss"] > loss else 0
     phases = {
@@ -292,6 +311,10 @@ def _stage(c: JobConfig, dims: ParallelDims, prof: MemoryProfile, stage: int, T:
                           backward_work, backward_attention, 0, units.reducing["backward"]),
         "optimizer step": phase("optimizer step", state, 0, 0, 0, 0, 0, 0),
     }
+    if made:  # the backward's last block: the same work beside the other blocks' gradient shards
+        phases["last block backward"] = phase("last block backward", made, units.gathered["last block"], cast,
+                                              last_activations, backward_work, backward_attention, 0,
+                                              units.reducing["backward"])
     if units.reducing["block end"]:  # a block's end: its gradients made, cast and copied for the reduce-scatter
         phases["block end"] = phase("block end", during, units.gathered["backward"], cast, activations, 0, 0, 0,
                                     units.reducing["block end"])

@@ -13,9 +13,13 @@ Counted from transformers' modules as autograd runs them under the trainer (c: b
 * a linear saves its input (c per element; q, k and v projections share theirs, as gate and up do);
 * CP attention saves q, k, v and its output (c each) and one float32 log-sum-exp per head;
 * a SwiGLU feed-forward saves its gate's output, the SiLU's, the up projection's and their product (4 c F);
-* a mixture of experts saves the router's input and float32 probabilities, and per routed token (top-k
+* DeepSeek's latent attention (MLA) saves its input, the two latents' norms and inputs, q and k, v and the
+  output, the log-sum-exp and o_proj's input (see `LatentAttention`);
+* a mixture of experts saves the router's (float32 probabilities, or DeepSeek-V3's grouped sigmoid scores over
+  its input cast to float32, and the indices of its choices: `Moe.router_saved`), and per routed token (top-k
   copies) the gathered input, the expert's gate/up output, its SiLU and product, and the weighted output
-  (grouped_mm, transformers' default); its shared expert is a SwiGLU with a sigmoid gate;
+  (grouped_mm, transformers' default; cpcompose's expert-parallel path saves the same); its shared expert is a
+  SwiGLU with a sigmoid gate (Qwen) or without one (DeepSeek-V3);
 * a Gated DeltaNet saves its projections, the causal convolution's input and output, the float32 gates and
   the chunked delta rule's per-token tensors, and its gated RMSNorm (see `GatedDeltaNet`).
 """
@@ -26,9 +30,20 @@ from collections.abc import Callable
 from typing import Any
 
 from cpcompose.models.spec import MemoryProfile, loss_bytes
-from cpcompose.training.families.hf.pieces import Attention, GatedDeltaNet, Layer, Moe, SwiGlu, norm_saved
+from cpcompose.training.families.hf.pieces import (
+    Attention,
+    GatedDeltaNet,
+    LatentAttention,
+    Layer,
+    Moe,
+    SwiGlu,
+    norm_saved,
+)
 
 __all__ = ["hf_memory_profile", "profiled_families"]
+
+_ATTENTION = (Attention, LatentAttention)
+"""The mixers that are softmax attention (CP's K/V buffers go beside them)."""
 
 
 def _attention(c: Any, *, qk_norm: bool, gated: bool = False, float_scale: bool = False,
@@ -76,6 +91,21 @@ def _qwen3_next(c: Any) -> list[Layer]:
     return layers
 
 
+def _deepseek_v3(c: Any) -> list[Layer]:
+    """Multi-head latent attention in every layer; a SwiGLU in the first `first_k_dense_replace`, then a mixture
+    of `n_routed_experts` with the grouped sigmoid router and `n_shared_experts` ungated shared experts (one
+    SwiGLU of `n_shared_experts x moe_intermediate_size`)."""
+    attention = LatentAttention(dim=c.hidden_size, heads=c.num_attention_heads, q_lora=c.q_lora_rank or 0,
+                                kv_lora=c.kv_lora_rank, rope=c.qk_rope_head_dim, nope=c.qk_nope_head_dim,
+                                v_dim=c.v_head_dim, bias=bool(getattr(c, "attention_bias", False)))
+    shared = c.n_shared_experts * c.moe_intermediate_size if c.n_shared_experts else 0
+    moe = Moe(dim=c.hidden_size, experts=c.n_routed_experts, top_k=c.num_experts_per_tok, ffn=c.moe_intermediate_size,
+              shared=SwiGlu(c.hidden_size, shared) if shared else None, shared_gate=False, groups=c.n_group,
+              topk_groups=c.topk_group)
+    dense = SwiGlu(c.hidden_size, c.intermediate_size)
+    return [Layer(attention, moe if i >= c.first_k_dense_replace else dense) for i in range(c.num_hidden_layers)]
+
+
 _FAMILIES: dict[str, Callable[[Any], list[Layer]]] = {
     "llama": lambda c: _dense(c, qk_norm=False),
     "mistral": lambda c: _dense(c, qk_norm=False),
@@ -83,6 +113,7 @@ _FAMILIES: dict[str, Callable[[Any], list[Layer]]] = {
     "qwen3": lambda c: _dense(c, qk_norm=True),
     "qwen3_moe": _qwen3_moe,
     "qwen3_next": _qwen3_next,
+    "deepseek_v3": _deepseek_v3,
 }
 """model_type -> its layers. Families of the same pieces join with one line; a new kind of piece goes in
 `hf_pieces` with its own count."""
@@ -122,7 +153,7 @@ def hf_memory_profile(hf_config: Any, *, tp: int, precision: str, mlp_tiles: int
     params = [layer.params() for layer in layers]
     largest = layers[params.index(max(params))]
     block_input = c * D if precision == "bfloat16-params" else 4 * D  # autocast keeps the float32 residual
-    attentions = [layer.mixer for layer in kinds if isinstance(layer.mixer, Attention)]
+    attentions = [layer.mixer for layer in kinds if isinstance(layer.mixer, _ATTENTION)]
     heads = (attentions[0].heads, attentions[0].kv_heads, attentions[0].head_dim) if attentions else (1, 1, 1)
     return MemoryProfile(
         root_params=2 * V * D + D, block_params=max(params), output_params=V * D,
@@ -133,11 +164,14 @@ def hf_memory_profile(hf_config: Any, *, tp: int, precision: str, mlp_tiles: int
         tile_work=max(layer.tile_work(c, mlp_tiles) for layer in kinds),
         head_saved=norm_saved(D, c) + c * D + 8,  # the final norm, the output layer's input, the label
         **loss_bytes(V, D, c),
-        attention_backward=max((layer.mixer.backward(c) for layer in kinds if isinstance(layer.mixer, Attention)),
+        attention_backward=max((layer.mixer.backward(c) for layer in kinds if isinstance(layer.mixer, _ATTENTION)),
                                default=0) + 3 * c * D,
         attention=heads, layers=len(layers), body_params=sum(params), body_saved=sum(saved), vocab=V,
-        attention_saved=max((layer.saved(c, mlp_tiles) for layer in kinds if isinstance(layer.mixer, Attention)),
-                            default=None),
+        # a block's attention runs its backward after the feed-forward's, whose saved tensors are then freed:
+        # beside CP's K/V buffers, the input norm's and the mixer's alone (torch's tracker at full size: a
+        # DeepSeek-V3 shape's MoE block holds 408 KB per token more in its feed-forward's saved tensors)
+        attention_saved=max((norm_saved(D, c, float_scale=layer.float_scale) + layer.mixer.saved(c)
+                             for layer in kinds if isinstance(layer.mixer, _ATTENTION)), default=None),
         block_expert_params=largest.expert_params(), body_expert_params=sum(layer.expert_params() for layer in layers),
         dispatch=max(layer.dispatch(c) for layer in kinds),
     )

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Attention", "GatedDeltaNet", "Layer", "Moe", "SwiGlu", "norm_saved"]
+__all__ = ["Attention", "GatedDeltaNet", "LatentAttention", "Layer", "Moe", "SwiGlu", "norm_saved"]
 
 DELTA_CHUNK = 64
 """transformers' chunk length of the chunked delta rule (`torch_chunk_gated_delta_rule`'s default)."""
@@ -44,16 +44,22 @@ class SwiGlu:
 @dataclass(frozen=True)
 class Moe:
     """A router over `experts` SwiGLU experts, `top_k` of them per token (transformers' grouped_mm), and a shared
-    expert with a sigmoid gate (Qwen3-Next, Qwen2-MoE)."""
+    expert: with a sigmoid gate (Qwen3-Next, Qwen2-MoE) or without one (DeepSeek-V3, `shared_gate=False`).
+
+    The router is a float32 softmax over the experts (Qwen's), or with `groups` DeepSeek-V3's: float32 sigmoid
+    scores over its input cast to float32, the best `topk_groups` of `groups` expert groups, then the top-k."""
 
     dim: int
     experts: int
     top_k: int
     ffn: int
     shared: SwiGlu | None
+    shared_gate: bool = True
+    groups: int = 0
+    topk_groups: int = 0
 
     def params(self) -> int:
-        shared = self.shared.params() + self.dim if self.shared else 0
+        shared = self.shared.params() + (self.dim if self.shared_gate else 0) if self.shared else 0
         return self.experts * (3 * self.dim * self.ffn + self.dim) + shared
 
     def expert_params(self) -> int:
@@ -67,13 +73,26 @@ class Moe:
         sent ones, and the grouped GEMM over them holds what it holds on one process)."""
         return self.top_k * 2 * c * self.dim
 
+    def router_saved(self, c: int) -> int:
+        """What the router saves per token, measured with `saved_tensors_hooks` (float32 throughout).
+
+        Softmax (Qwen): its float32 probabilities (4 E), the top-k indices (8 k) and values (4 k); its input is
+        the feed-forward's. Grouped sigmoid (DeepSeek-V3): its input cast to float32 (4 D, a copy unless the
+        model is float32), the sigmoid's scores (4 E), the mask of the groups left out (1 E, bool), each group's
+        top-2 indices (16 per group), the chosen groups' indices (8 each), the top-k indices (8 k), the chosen
+        scores (4 k) and their sum (4)."""
+        if not self.groups:
+            return 4 * self.experts + 12 * self.top_k
+        cast = 4 * self.dim if c != 4 else 0
+        return cast + 5 * self.experts + 16 * self.groups + 8 * self.topk_groups + 4 + 12 * self.top_k
+
     def saved(self, c: int, tiles: int = 1) -> int:
-        router = 4 * self.experts + 12 * self.top_k  # float32 probabilities, the top-k values and indices
-        # per routed copy: the gathered input, gate/up's output, the SiLU, the product, the weighted output,
-        # the sort's permutation and weight
-        routed = self.top_k * (2 * c * self.dim + 4 * c * self.ffn + 16)
-        shared = self.shared.saved(c) + 2 * c + c * self.dim if self.shared else 0
-        return router + routed + shared
+        # per routed copy (measured, transformers' grouped_mm path and cpcompose's EP path alike): the gathered input
+        # and the weighted output (D wide), gate/up's output, the SiLU and the product (F wide), the sort's
+        # permutation, the gather's index and a third int64 index, and the float32 weight
+        routed = self.top_k * (2 * c * self.dim + 4 * c * self.ffn + 28)
+        shared = self.shared.saved(c) + (2 * c + c * self.dim if self.shared_gate else 0) if self.shared else 0
+        return self.router_saved(c) + routed + shared
 
     def backward(self, c: int, tiles: int = 1) -> float:
         shared = self.shared.backward(c) if self.shared else 0
@@ -114,6 +133,54 @@ class Attention:
 
     def backward(self, c: int) -> float:
         return (4 + c) * (self.heads + 2 * self.kv_heads) * self.head_dim
+
+
+@dataclass(frozen=True)
+class LatentAttention:
+    """DeepSeek's multi-head latent attention (MLA, DeepSeek-V2/V3): the query through a low-rank `q_lora` with
+    its RMSNorm (or one projection where `q_lora` is 0), keys and values from one `kv_lora`-wide latent with its
+    RMSNorm plus a `rope`-wide key shared by the heads; per head, `nope + rope`-wide queries and keys and `v_dim`-wide
+    values. Counted with `saved_tensors_hooks` on transformers' module under CP attention:
+    the projections' input (q_a and kv_a share it), the two latents' norms and the up-projections' inputs, q
+    and k (`nope + rope` per head), v and the output (`v_dim` per head), the log-sum-exp per head, o_proj's input.
+    (RoPE's cos and sin are saved once for the whole model: left out.)"""
+
+    dim: int
+    heads: int
+    q_lora: int
+    kv_lora: int
+    rope: int
+    nope: int
+    v_dim: int
+    bias: bool = False
+
+    @property
+    def kv_heads(self) -> int:
+        return self.heads
+
+    @property
+    def head_dim(self) -> int:
+        """The query and key width per head, which CP's K/V buffers and the cost model take (the values are
+        `v_dim`, narrower: counted as wide, a slight overestimate of the K/V in flight)."""
+        return self.nope + self.rope
+
+    def params(self) -> int:
+        qk, H = self.nope + self.rope, self.heads
+        q = (self.dim * self.q_lora + self.q_lora + self.q_lora * H * qk + (self.q_lora if self.bias else 0)
+             if self.q_lora else self.dim * H * qk)
+        kv = (self.dim * (self.kv_lora + self.rope) + self.kv_lora + self.kv_lora * H * (self.nope + self.v_dim)
+              + (self.kv_lora + self.rope if self.bias else 0))
+        return q + kv + H * self.v_dim * self.dim + (self.dim if self.bias else 0)
+
+    def saved(self, c: int) -> int:
+        qk, H = self.nope + self.rope, self.heads
+        q = norm_saved(self.q_lora, c) + c * self.q_lora if self.q_lora else 0
+        kv = norm_saved(self.kv_lora, c) + c * self.kv_lora
+        return c * self.dim + q + kv + 2 * c * H * qk + 2 * c * H * self.v_dim + 4 * H + c * H * self.v_dim
+
+    def backward(self, c: int) -> float:
+        """As `Attention.backward`: the float32 and compute-dtype gradients of q, k and v in flight."""
+        return (4 + c) * self.heads * (2 * (self.nope + self.rope) + self.v_dim)
 
 
 @dataclass(frozen=True)
@@ -159,7 +226,7 @@ class GatedDeltaNet:
 class Layer:
     """A decoder layer: two RMSNorms, a token mixer and a feed-forward."""
 
-    mixer: Attention | GatedDeltaNet
+    mixer: Attention | LatentAttention | GatedDeltaNet
     ffn: SwiGlu | Moe
     float_scale: bool = False
 

@@ -31,6 +31,10 @@ CONFIGS = {
         **SMALL, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=16,
         linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
         shared_expert_intermediate_size=32, decoder_sparse_step=2),
+    "deepseek_v3": lambda: hf.DeepseekV3Config(  # MLA; one dense layer, then MoE with the grouped router
+        **SMALL, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=8,
+        n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=2,
+        moe_intermediate_size=24, first_k_dense_replace=1),
 }
 
 
