@@ -73,6 +73,14 @@ def _qwen3_moe(c: Any) -> list[Layer]:
                   and (i + 1) % c.decoder_sparse_step == 0 else dense) for i in range(c.num_hidden_layers)]
 
 
+def _mixtral(c: Any) -> list[Layer]:
+    """Mistral's attention with a mixture of experts in every layer (no shared expert; its router a float32 softmax,
+    the top-k renormalised, as Qwen3-MoE's)."""
+    moe = Moe(dim=c.hidden_size, experts=c.num_local_experts, top_k=c.num_experts_per_tok, ffn=c.intermediate_size,
+              shared=None)
+    return [Layer(_attention(c, qk_norm=False), moe)] * c.num_hidden_layers
+
+
 def _qwen3_next(c: Any) -> list[Layer]:
     """Gated DeltaNet layers with gated full-attention ones (`layer_types`), each with a mixture of experts
     (or a SwiGLU in `mlp_only_layers` / off the `decoder_sparse_step`)."""
@@ -112,6 +120,7 @@ _FAMILIES: dict[str, Callable[[Any], list[Layer]]] = {
     "qwen2": lambda c: _dense(c, qk_norm=False, qkv_bias=True),
     "qwen3": lambda c: _dense(c, qk_norm=True),
     "qwen3_moe": _qwen3_moe,
+    "mixtral": _mixtral,
     "qwen3_next": _qwen3_next,
     "deepseek_v3": _deepseek_v3,
 }
