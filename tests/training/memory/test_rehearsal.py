@@ -2,13 +2,13 @@
 
 Runs in fresh interpreters (the fake process group must be the only one; each rehearsal makes and destroys its
 own, so one interpreter runs several in turn). A small Llama with FSDP over dp_shard=2 x cp=2 and bf16 mixed
-precision: the tracker must see every kind of tensor the plan counts (sharded parameters, the optimizer's
-state, activations, gathered units), and the plan's tensors must be within 10% of the tracker's peak, the issue's claim (measured: +5.6%). Tiny Hugging Face Qwen3 and
-Qwen3-Next models (from a config.json alone) are rehearsed through the dry run's option, which prints the
-tracker beside the plan; the plan must be within 10% there too; and a tiny Qwen3-MoE at parallelism.ep = 2 (its
-dispatch runs on fake tensors with the routing assumed even: `comm.rehearsing`), and a tiny DeepSeek-V3 at ep = 2
-(its profile: latent attention, the grouped router, a shared expert).
-"""
+precision: the tracker must see every kind of tensor the plan counts (sharded parameters, the optimizer's state,
+activations, gathered units), and the plan's tensors must be within 10% of the tracker's peak, the issue's claim
+(measured: +5.6%). Tiny Hugging Face Qwen3 and Qwen3-Next models (from a config.json alone) are rehearsed through
+the dry run's option, which prints the tracker beside the plan; the plan must be within 10% there too; and a tiny
+Qwen3-MoE at parallelism.ep = 2 (its dispatch runs on fake tensors with the routing assumed even:
+`comm.rehearsing`), and a tiny DeepSeek-V3 at ep = 2 (its profile: latent attention, the grouped router, a shared
+expert). """
 
 from __future__ import annotations
 
