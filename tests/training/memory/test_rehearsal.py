@@ -8,7 +8,8 @@ activations, gathered units), and the plan's tensors must be within 10% of the t
 the dry run's option, which prints the tracker beside the plan; the plan must be within 10% there too; and a tiny
 Qwen3-MoE at parallelism.ep = 2 (its dispatch runs on fake tensors with the routing assumed even:
 `comm.rehearsing`), and a tiny DeepSeek-V3 at ep = 2 (its profile: latent attention, the grouped router, a shared
-expert). """
+expert), and a tiny Mixtral at ep = 2.
+"""
 
 from __future__ import annotations
 
