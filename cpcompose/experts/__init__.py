@@ -4,9 +4,9 @@
 for the dtype and device, a loop over the experts elsewhere (always in float64); `ExpertWeights` holds the
 stacked weights in the model's own layout (no copy); `routed_experts` is a layer's routed part on one process
 (sort by expert, compute, weigh and sum the choices). Under EP each routed row travels to the rank that holds
-its expert and its result back (`dispatch`, `combine`: comm's token dispatch with the cross-rank agreement in
-front); `parallel_routed_experts` is `routed_experts` with the experts split over an EP group, those two
-exchanges between the sort and the weighted sum. The layouts of transformers' families are read by
+its expert and its result back: `dispatch` and `combine` are comm's token dispatch and combine, each with the
+cross-rank agreement in front, for a caller that exchanges once; `parallel_routed_experts` is `routed_experts` with
+the experts split over an EP group, both exchanges between the sort and the weighted sum behind one agreement. The layouts of transformers' families are read by
 `cpcompose.integrations.transformers.experts`, and `cpcompose.integrations.transformers.expert_parallel` swaps a
 model's experts modules for their EP form; the survey and the design are in docs/design/experts.md.
 """

@@ -4,9 +4,9 @@
 expert parallelism (EP) the `num_experts` experts are dealt to the `ep` ranks of a group in contiguous blocks
 (rank r holds `[r * E/ep, (r + 1) * E/ep)`), and each rank routes only its own tokens (its batch rows, its CP
 shard of the sequence, or both). Here each routed (token, choice) pair becomes one row, the rows go to their
-experts' ranks (`dispatch`: the counts, then the rows, every rank's input agreed first), the local experts run
-on what arrived (`grouped_experts`, the received per-expert counts as its groups), the results come back in the
-caller's order (`combine`), and each token's choices are weighed and summed as `sum_weighted_choices` does on
+experts' ranks (comm's token dispatch: the counts, then the rows), the local experts run on what arrived
+(`grouped_experts`, the received per-expert counts as its groups), the results come back in the caller's order
+(comm's combine), and each token's choices are weighed and summed as `sum_weighted_choices` does on
 one process: in the promoted dtype of the results and the routing weights, cast to the results' dtype.
 
 One agreement per call: the layer checks its input once (dispatch's checks, this rank's block, the row width
