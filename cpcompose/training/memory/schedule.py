@@ -1,0 +1,164 @@
+"""The microbatches a pipeline schedule keeps in flight, read from torch's own action order.
+
+A stage holds a microbatch's activations from its forward until its backward has run: for a zero-bubble schedule's
+split backward, until the weight part ("W") has run too (torch's `stage_backward_input` keeps the autograd graph
+for it). torch 2.13's schedules expose every rank's order (`pipeline_order`: forwards "F", full backwards "B", input
+and weight backwards "I" / "W", DualPipeV's "OVERLAP_F_B" of a forward and a backward); replaying one rank's order
+and counting, per stage, the forwards whose backward has not finished gives how many microbatches that rank holds
+at each moment. Nothing here is a per-schedule number: a schedule torch changes changes the counts with it.
+
+The orders are made by constructing torch's schedule class on stand-in stages (the few attributes its constructor
+reads: stage index, stage count, group size and rank), so no process group or model is needed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+from types import SimpleNamespace
+
+import torch.distributed.pipelining as pipelining
+from torch import nn
+
+__all__ = ["SCHEDULES", "Occupancy", "occupancy", "schedule_order", "stage_ids", "stages_per_rank", "V_SCHEDULES"]
+
+SCHEDULES = {"GPipe": "ScheduleGPipe", "1F1B": "Schedule1F1B", "Interleaved1F1B": "ScheduleInterleaved1F1B",
+             "InterleavedZeroBubble": "ScheduleInterleavedZeroBubble", "ZBVZeroBubble": "ScheduleZBVZeroBubble",
+             "DualPipeV": "ScheduleDualPipeV", "LoopedBFS": "ScheduleLoopedBFS"}
+"""`parallelism.pp_schedule` -> torch's schedule class in `torch.distributed.pipelining`."""
+SINGLE = ("GPipe", "1F1B")
+"""Schedules of one stage per rank."""
+V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
+"""Schedules whose two stages per rank make a V: rank r holds stages r and 2 pp - 1 - r."""
+
+
+def stage_ids(schedule: str, pp: int, pp_rank: int, per_rank: int) -> tuple[int, ...]:
+    """The stages pipeline rank `pp_rank` holds (the contract's placement): loop-style r, r + pp, r + 2 pp, ... or,
+    for the V-shaped schedules, r and 2 pp - 1 - r."""
+    if schedule in V_SCHEDULES:
+        return (pp_rank, 2 * pp - 1 - pp_rank)
+    return tuple(pp_rank + k * pp for k in range(per_rank))
+
+
+def stages_per_rank(parallelism: object, n_layers: int) -> int:
+    """Stages on each pipeline rank: one for GPipe and 1F1B; for the others `parallelism.pp_layers_per_stage` (layers
+    per virtual stage) where set, else two (the V-shaped schedules always two)."""
+    schedule, pp = parallelism.pp_schedule, parallelism.pp  # type: ignore[attr-defined]
+    if schedule in SINGLE:
+        return 1
+    per_stage = getattr(parallelism, "pp_layers_per_stage", None)
+    if schedule in V_SCHEDULES or per_stage is None:
+        return 2
+    return max(1, n_layers // per_stage // pp)
+
+
+@cache
+def schedule_order(schedule: str, pp: int, per_rank: int, microbatches: int) -> dict[int, tuple[tuple[str, int, int],
+                                                                                                 ...]]:
+    """Each pipeline rank's compute actions in torch's order, as (kind, stage, microbatch), kind one of "F", "B",
+    "I", "W" (an overlapped forward and backward listed as its forward, then its backward).
+
+    Raises:
+        ValueError: an unknown schedule, or one torch refuses for these counts (its message).
+    """
+    if schedule not in SCHEDULES:
+        raise ValueError(f"parallelism.pp_schedule: {schedule!r} is not one of {', '.join(SCHEDULES)}")
+    cls = getattr(pipelining, SCHEDULES[schedule])
+    n = pp * (1 if schedule in SINGLE else per_rank)
+    stages = [SimpleNamespace(stage_index=s, num_stages=n, group_size=pp, group_rank=0, is_first=s == 0,
+                              is_last=s == n - 1, submod=nn.Module())
+              for s in stage_ids(schedule, pp, 0, 1 if schedule in SINGLE else per_rank)]
+    try:
+        made = cls(stages[0] if schedule in SINGLE else stages, microbatches, loss_fn=_no_loss)
+    except (ValueError, AssertionError, RuntimeError) as e:
+        raise ValueError(f"parallelism.pp_schedule: torch's {cls.__name__} refuses pp = {pp}, {per_rank} stage(s) "
+                         f"per rank, {microbatches} microbatches: {e}") from None
+    if schedule in SINGLE:  # its `pipeline_order` is a drawing (torch 2.13's 1F1B one is off by one on the last
+        # ranks); what runs is `_step_microbatches`: record each rank's calls to a stand-in stage
+        return {rank: _run_single(cls, pp, rank, microbatches) for rank in range(pp)}
+    return {rank: tuple(_compute(actions)) for rank, actions in made.pipeline_order.items()}
+
+
+class _Recorder(SimpleNamespace):
+    """A stand-in stage that records the schedule's compute calls and has no communication."""
+
+    def get_fwd_recv_ops(self, *_: object) -> list:
+        return []
+
+    get_fwd_send_ops = get_bwd_recv_ops = get_bwd_send_ops = get_fwd_recv_ops
+
+    def forward_one_chunk(self, i: int, *_: object, **__: object) -> None:
+        self.calls.append(("F", self.stage_index, i))
+
+    def backward_one_chunk(self, i: int, *_: object, full_backward: bool = True, **__: object) -> None:
+        self.calls.append(("B" if full_backward else "I", self.stage_index, i))
+
+    def backward_weight_one_chunk(self, i: int, *_: object, **__: object) -> None:
+        self.calls.append(("W", self.stage_index, i))
+
+    def perform_reduce_grad(self, *_: object) -> None:
+        return None
+
+
+def _run_single(cls: type, pp: int, rank: int, microbatches: int) -> tuple[tuple[str, int, int], ...]:
+    stage = _Recorder(stage_index=rank, num_stages=pp, group_size=pp, group_rank=rank, is_first=rank == 0,
+                      is_last=rank == pp - 1, submod=nn.Module(), has_backward=True, calls=[])
+    schedule = cls(stage, microbatches, loss_fn=_no_loss)
+    schedule._initialize_stage = lambda *_, **__: None  # no shapes to infer: nothing runs
+    schedule._step_microbatches([()] * microbatches, [{}] * microbatches, [None] * microbatches, None)
+    return tuple(stage.calls)
+
+
+def _no_loss(output: object, target: object) -> object:  # the schedule is never run: it needs a loss to plan backwards
+    return output
+
+
+def _compute(actions: list) -> list[tuple[str, int, int]]:
+    out: list[tuple[str, int, int]] = []
+    for a in actions:
+        if a is None:
+            continue
+        kind = a.computation_type.value
+        if a.sub_actions:  # DualPipeV's overlapped forward and backward: torch runs the forward first
+            out += _compute(list(a.sub_actions))
+        elif kind in ("F", "B", "I", "W"):
+            out.append((kind, a.stage_index, a.microbatch_index))
+    return out
+
+
+@dataclass(frozen=True)
+class Occupancy:
+    """What one rank holds over its order: microbatches in flight per stage, at the moment each action runs (the
+    microbatch it runs counted)."""
+
+    stages: tuple[int, ...]
+    """The rank's stages."""
+    moments: tuple[tuple[str, tuple[int, ...]], ...]
+    """(kind of the action running, in-flight count per stage in `stages`' order), one per compute action."""
+
+    def most(self, stage: int) -> int:
+        """The most microbatches `stage` ever holds at once."""
+        i = self.stages.index(stage)
+        return max(counts[i] for _, counts in self.moments)
+
+    def peak(self, weights: tuple[int, ...], kinds: str = "FBIW") -> tuple[int, ...]:
+        """The in-flight counts at the moment the weighted sum (bytes per microbatch of each stage) is largest,
+        among the actions of `kinds` ("F": forwards; "BIW": backwards)."""
+        chosen = [counts for kind, counts in self.moments if kind in kinds] or [(0,) * len(self.stages)]
+        return max(chosen, key=lambda counts: sum(w * n for w, n in zip(weights, counts)))
+
+
+def occupancy(schedule: str, pp: int, per_rank: int, microbatches: int, pp_rank: int) -> Occupancy:
+    """Replay pipeline rank `pp_rank`'s order of `schedule`: a microbatch is in flight on a stage from its forward
+    until its backward ("B"), or its weight backward ("W") after a split one, has run."""
+    order = schedule_order(schedule, pp, per_rank, microbatches)[pp_rank]
+    stages = tuple(sorted({s for _, s, _ in order}))
+    held: dict[int, set[int]] = {s: set() for s in stages}
+    moments = []
+    for kind, stage, mb in order:
+        if kind == "F":
+            held[stage].add(mb)
+        moments.append((kind, tuple(len(held[s]) for s in stages)))
+        if kind in ("B", "W"):
+            held[stage].discard(mb)
+    return Occupancy(stages, tuple(moments))
