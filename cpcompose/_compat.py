@@ -38,7 +38,7 @@ __all__ = [
     "cpu_flash_forward", "cpu_flash_takes_bfloat16", "cuda_cudnn_backward", "cuda_cudnn_forward", "cuda_efficient_backward",
     "cuda_efficient_forward", "cuda_flash_backward", "cuda_flash_forward", "default_store", "flash_attn_backward",
     "fake_rehearsal_tools", "flash_attn_forward", "flash_attn_varlen_backward", "flash_attn_varlen_forward",
-    "flatten_mesh", "unflatten_mesh",
+    "flatten_mesh", "unflatten_mesh", "pipeline_stage_backward", "pipeline_reduce_grad", "track_several_roots",
     "function_mode_stack", "function_modes_suspended", "group_timeout", "grouped_mm", "has_flash_attn",
     "has_flash_attn_varlen", "grouped_mm_of_any_dtype_on_fake_tensors", "import_flash_attn",
     "import_fused_linear_cross_entropy",
@@ -296,6 +296,31 @@ def grouped_mm_of_any_dtype_on_fake_tensors() -> Iterator[None]:
         library._destroy()
         for key in list(aten._grouped_mm.default._dispatch_cache):  # the op's cached lookups still name ours
             aten._grouped_mm.default._uncache_dispatch(key)
+
+
+def pipeline_stage_backward() -> tuple[Any, Any, Any]:
+    """torch's (stage_backward, stage_backward_input, stage_backward_weight): what a pipeline stage runs for a full
+    backward ("B") and a zero-bubble schedule's split one ("I", then "W"), for a rehearsal that replays a rank's
+    schedule without its communication (`cpcompose.training.memory.rehearsal_pipeline`)."""
+    from torch.distributed.pipelining._backward import stage_backward, stage_backward_input, stage_backward_weight
+
+    return stage_backward, stage_backward_input, stage_backward_weight
+
+
+def pipeline_reduce_grad(module: torch.nn.Module) -> None:
+    """What torch's pipeline stage runs at a schedule's end ("REDUCE_GRAD", `perform_reduce_grad`): FSDP2's
+    post-backward of every unit of `module` (a stage's FSDP root), which reduce-scatters the accumulated gradients."""
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining import PipelineStage
+
+    PipelineStage.perform_reduce_grad(SimpleNamespace(submod=module), 1)  # type: ignore[arg-type]
+
+
+def track_several_roots(tracker: Any, modules: list[torch.nn.Module]) -> None:
+    """Have an FSDPMemTracker made on one FSDP root follow several (a pipeline rank's stages, each its own root): it
+    reads its root only through `.modules()` and `.buffers()` (torch 2.13)."""
+    tracker._root_mod = torch.nn.ModuleList(modules)
 
 
 def plain_mem_tracker() -> Any:

@@ -58,6 +58,8 @@ from cpcompose.models.spec import MemoryProfile
 from cpcompose.training.families import family_of
 from cpcompose.training.resolve import resolve_config
 from cpcompose.training.memory.footprint import process_bytes
+from cpcompose.training.memory.plan_pipeline import PipelineRank, pipeline_phases
+from cpcompose.training.memory.schedule import SINGLE, V_SCHEDULES, stage_ids, stages_per_rank
 
 __all__ = ["MemoryPlan", "plan_memory"]
 
@@ -87,6 +89,8 @@ class MemoryPlan:
     """Tokens per rank per forward (one micro-step's, or one pipeline microbatch's)."""
     phase_totals: tuple[tuple[str, int], ...] = ()
     """Every phase's predicted total, bytes (the peak is the largest)."""
+    pp_rank: int | None = None
+    """With pipelining, the pipeline rank this plan is (the one with the largest peak, unless asked for one)."""
 
     @property
     def total(self) -> int:
@@ -125,9 +129,10 @@ def attention_bytes(config: JobConfig, profile: MemoryProfile, *, rows: int, row
     return peak
 
 
-def plan_memory(config: JobConfig, world: int, *, device_type: str) -> MemoryPlan:
+def plan_memory(config: JobConfig, world: int, *, device_type: str, pp_rank: int | None = None) -> MemoryPlan:
     """Predict one rank's peak memory for `config` on `world` ranks of `device_type` ("cpu" or "cuda"), with
-    glibc's own allocator settings on CPU.
+    glibc's own allocator settings on CPU. With pipelining, the pipeline rank whose peak is largest, or `pp_rank`'s
+    (each rank's stages through its schedule's order: `plan_pipeline`).
 
     Raises:
         ValueError: the degrees do not fit `world`, or the model family has no memory profile.
@@ -145,10 +150,52 @@ def plan_memory(config: JobConfig, world: int, *, device_type: str) -> MemoryPla
     tokens = max(1, rows * t.seq_len // dims.cp // micro)
     attention = attention_bytes(c, prof, rows=1 if c.data.pack else max(1, rows // micro), row_len=row_len,
                                 device_type=device_type)
-    stages = [0, dims.pp - 1] if dims.pp > 1 else [0]
-    plans = [_stage(c, dims, prof, s, tokens, attention, device_type)
-             for s in dict.fromkeys(stages)]
-    return max(plans, key=lambda plan: plan.total)
+    if dims.pp == 1:
+        return _stage(c, dims, prof, 0, tokens, attention, device_type)
+    ranks = range(dims.pp) if pp_rank is None else [pp_rank]
+    return max((_pipeline(c, dims, prof, r, tokens, attention, device_type) for r in ranks),
+               key=lambda plan: plan.total)
+
+
+def _dim(prof: MemoryProfile, bf16_params: bool) -> int:
+    """The hidden width: a block's input is one D-wide tensor (bf16 under FSDP's mixed precision, else float32)."""
+    return int(prof.block_input) // (2 if bf16_params else 4)
+
+
+def _work(c: JobConfig, dims: ParallelDims, prof: MemoryProfile, T: int, attention: int) -> tuple[int, int]:
+    """One block's work beside the activations: (forward, backward), CP's K/V buffers in the one they are in."""
+    checkpointing = c.activation_checkpoint.mode == "full"
+    recompute = int((prof.block_saved if checkpointing else 0) * T)
+    dispatch = int(prof.dispatch * T) if dims.ep > 1 else 0
+    attention_saved = prof.block_saved if prof.attention_saved is None else prof.attention_saved
+    attention_side = int((attention_saved if checkpointing else 0) * T) + int(prof.attention_backward * T) + attention
+    ffn_side = recompute + int(prof.block_backward * T) + dispatch
+    return recompute + int(prof.block_forward * T) + dispatch + attention, max(attention_side, ffn_side)
+
+
+def _pipeline(c: JobConfig, dims: ParallelDims, prof: MemoryProfile, pp_rank: int, T: int, attention: int,
+              device_type: str) -> MemoryPlan:
+    """Pipeline rank `pp_rank`'s plan: its stages moment by moment through its schedule's order."""
+    t, p = c.training, c.parallelism
+    fsdp = dims.dp_cp_size > 1
+    bf16 = t.mixed_precision == "bfloat16"
+    schedule = p.pp_schedule
+    per_rank = 1 if schedule in SINGLE else 2 if schedule in V_SCHEDULES else stages_per_rank(p, prof.layers)
+    keep = prof.block_input if c.activation_checkpoint.mode == "full" else prof.body_saved / prof.layers
+    rank = PipelineRank(schedule=schedule, pp=dims.pp, per_rank=per_rank, microbatches=p.pp_microbatches,
+                        pp_rank=pp_rank, shards=dims.fsdp_size if fsdp else 1, c=2 if bf16 and fsdp else 4,
+                        logits=2 if bf16 else 4, keep=keep, tokens=T)
+    forward, backward = _work(c, dims, prof, T, attention)
+    layers = prof.layers // (dims.pp * per_rank) * per_rank
+    head = prof.output_params if dims.pp * per_rank - 1 in stage_ids(schedule, dims.pp, pp_rank, per_rank) else 0
+    cast = 2 * (layers * prof.block_cast_params + head) if bf16 and not fsdp else 0
+    base = {"process": process_bytes(device_type, family_of(c).rank_imports), "bf16 weight copies": cast}
+    phases = pipeline_phases(rank, prof, forward_work=forward, backward_work=backward, dim=_dim(prof, bf16 and fsdp),
+                             base=base,
+                             slack=CUDA_SLACK if device_type == "cuda" else 0.0)
+    name = max(phases, key=lambda k: sum(phases[k].values()))
+    return MemoryPlan(tuple(phases[name].items()), name, 0, T, tuple((k, sum(v.values())) for k, v in phases.items()),
+                      pp_rank=pp_rank)
 
 
 @dataclass(frozen=True)

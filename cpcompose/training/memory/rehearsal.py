@@ -45,6 +45,7 @@ from cpcompose.parallel import cp_cross_entropy, cp_linear_cross_entropy
 from cpcompose.training.families import family_of
 from cpcompose.training.resolve import resolve_config
 from cpcompose.training.memory.plan import GiB, plan_memory
+from cpcompose.training.memory.rehearsal_pipeline import pipeline_steps
 
 __all__ = ["Rehearsal", "describe_rehearsal", "rehearse"]
 
@@ -65,6 +66,9 @@ class Rehearsal:
     where the plan cannot count the model (`unplanned` says why)."""
     unplanned: str | None = None
     """Why the plan has no figure (a family without a memory profile), else None."""
+    pp_rank: int | None = None
+    """With pipelining, the pipeline rank rehearsed (its stages, in its schedule's order), and the plan is that
+    rank's; None without."""
 
     @property
     def ratio(self) -> float | None:
@@ -95,20 +99,25 @@ def _device_peak_tracker(tracker_cls: type, offload_params: bool) -> type:
     return DevicePeak
 
 
-def rehearse(config: JobConfig, world: int) -> Rehearsal:
-    """Run two steps of `config` on `world` fake ranks (this process is rank 0) and track the second.
+def rehearse(config: JobConfig, world: int, *, pp_rank: int | None = None) -> Rehearsal:
+    """Run two steps of `config` on `world` fake ranks and track the second.
+
+    With pipelining (`parallelism.pp > 1`) this process is the first rank of pipeline rank `pp_rank` (default: the
+    one the plan's peak is on), whose stages run in its schedule's order (`rehearsal_pipeline`); else rank 0.
 
     Raises:
-        ValueError: pipelining (one stage would need each rank).
+        ValueError: pipelining with a model family whose stages the rehearsal cannot cut yet.
         ConfigError: a Hugging Face folder whose config.json the trainer refuses.
     """
     config = resolve_config(config)  # a config straight from load_config too: a model folder's vocabulary counts
     c = dataclasses.replace(config, training=dataclasses.replace(config.training, compile=False),
                             parallelism=dataclasses.replace(config.parallelism, cp_verify=False))
-    if c.parallelism.pp > 1:
-        raise ValueError("rehearse: parallelism.pp > 1 is not rehearsed (each stage differs); use pp = 1")
+    pp = c.parallelism.pp
+    if pp > 1 and pp_rank is None:
+        pp_rank = plan_memory(config, world, device_type="cuda").pp_rank
     fake_mode, fake_store, tracker_cls, mod_stats = _compat.fake_rehearsal_tools()
-    dist.init_process_group("fake", store=fake_store(), rank=0, world_size=world)
+    # the mesh's first dimension is pp: this rank's pipeline coordinate is pp_rank
+    dist.init_process_group("fake", store=fake_store(), rank=(pp_rank or 0) * (world // pp), world_size=world)
     try:
         dims = ParallelDims.from_config(c.parallelism, world)
         mesh = init_device_mesh("cpu", tuple(getattr(dims, n) for n in MESH_DIM_NAMES), mesh_dim_names=MESH_DIM_NAMES)
@@ -119,15 +128,18 @@ def rehearse(config: JobConfig, world: int) -> Rehearsal:
             tracker_cls = _compat.plain_mem_tracker()
         tracker_cls = _device_peak_tracker(tracker_cls, c.training.offload_params)
         with rehearsal_mode(), _compat.grouped_mm_of_any_dtype_on_fake_tensors(), fake_mode(allow_non_fake_inputs=True):
-            tracked, by_kind = _two_steps(c, dims, mesh, tracker_cls, mod_stats)
+            if pp > 1:
+                tracked, by_kind = pipeline_steps(c, dims, mesh, tracker_cls, mod_stats, pp_rank)
+            else:
+                tracked, by_kind = _two_steps(c, dims, mesh, tracker_cls, mod_stats)
     finally:
         dist.destroy_process_group()
     try:
-        plan = plan_memory(config, world, device_type="cuda")
+        plan = plan_memory(config, world, device_type="cuda", pp_rank=pp_rank)
     except ValueError as e:  # a family the plan cannot count: the tracker alone, and why
-        return Rehearsal(tracked=tracked, by_kind=by_kind, planned=None, unplanned=str(e))
+        return Rehearsal(tracked=tracked, by_kind=by_kind, planned=None, unplanned=str(e), pp_rank=pp_rank)
     planned = plan.total - plan.part("process") - plan.part("allocator slack")
-    return Rehearsal(tracked=tracked, by_kind=by_kind, planned=planned)
+    return Rehearsal(tracked=tracked, by_kind=by_kind, planned=planned, pp_rank=pp_rank)
 
 
 def _with_expert_mesh(dims: ParallelDims, mesh) -> ParallelDims:  # noqa: ANN001
@@ -192,7 +204,8 @@ def _two_steps(c: JobConfig, dims: ParallelDims, mesh, tracker_cls, mod_stats) -
 def describe_rehearsal(result: Rehearsal, world: int) -> list[str]:
     """The dry run's and cpcompose-rehearse's lines: the tracker's peak and parts, and the plan's tensors beside
     it (or why the plan has none)."""
-    lines = [f"  rehearsal on {world} fake ranks: torch's FSDPMemTracker peak {result.tracked / GiB:.3f} GiB"]
+    where = "" if result.pp_rank is None else f", pipeline rank {result.pp_rank}'s stages in its schedule's order"
+    lines = [f"  rehearsal on {world} fake ranks{where}: torch's FSDPMemTracker peak {result.tracked / GiB:.3f} GiB"]
     lines += [f"    {kind:<26} {nbytes / GiB:8.3f} GiB" for kind, nbytes in result.by_kind.items() if nbytes]
     if result.planned is None:
         lines.append(f"  memory plan (tensors): not predicted ({result.unplanned})")

@@ -20,7 +20,7 @@ from types import SimpleNamespace
 import torch.distributed.pipelining as pipelining
 from torch import nn
 
-__all__ = ["SCHEDULES", "Occupancy", "occupancy", "schedule_order", "stage_ids", "stages_per_rank", "V_SCHEDULES"]
+__all__ = ["SCHEDULES", "Moment", "Occupancy", "occupancy", "schedule_order", "stage_ids", "stages_per_rank", "V_SCHEDULES"]
 
 SCHEDULES = {"GPipe": "ScheduleGPipe", "1F1B": "Schedule1F1B", "Interleaved1F1B": "ScheduleInterleaved1F1B",
              "InterleavedZeroBubble": "ScheduleInterleavedZeroBubble", "ZBVZeroBubble": "ScheduleZBVZeroBubble",
@@ -127,25 +127,37 @@ def _compute(actions: list) -> list[tuple[str, int, int]]:
 
 
 @dataclass(frozen=True)
+class Moment:
+    """One compute action of a rank's order, and what the rank holds while it runs (per stage, in `Occupancy.stages`'
+    order)."""
+
+    kind: str
+    """"F", "B", "I" or "W"."""
+    stage: int
+    """The stage it runs on."""
+    in_flight: tuple[int, ...]
+    """Microbatches forwarded whose backward has not finished, this action's own counted."""
+    forwards: tuple[int, ...]
+    """Forwards run so far this step, this one included."""
+    backwards: tuple[int, ...]
+    """Backwards that made weight gradients ("B", "W") so far, not this one."""
+    inputs: tuple[int, ...]
+    """Input-gradient backwards ("I") so far, not this one."""
+
+
+@dataclass(frozen=True)
 class Occupancy:
-    """What one rank holds over its order: microbatches in flight per stage, at the moment each action runs (the
-    microbatch it runs counted)."""
+    """What one rank holds over its order."""
 
     stages: tuple[int, ...]
     """The rank's stages."""
-    moments: tuple[tuple[str, tuple[int, ...]], ...]
-    """(kind of the action running, in-flight count per stage in `stages`' order), one per compute action."""
+    moments: tuple[Moment, ...]
+    """One per compute action, in order."""
 
     def most(self, stage: int) -> int:
         """The most microbatches `stage` ever holds at once."""
         i = self.stages.index(stage)
-        return max(counts[i] for _, counts in self.moments)
-
-    def peak(self, weights: tuple[int, ...], kinds: str = "FBIW") -> tuple[int, ...]:
-        """The in-flight counts at the moment the weighted sum (bytes per microbatch of each stage) is largest,
-        among the actions of `kinds` ("F": forwards; "BIW": backwards)."""
-        chosen = [counts for kind, counts in self.moments if kind in kinds] or [(0,) * len(self.stages)]
-        return max(chosen, key=lambda counts: sum(w * n for w, n in zip(weights, counts)))
+        return max(m.in_flight[i] for m in self.moments)
 
 
 def occupancy(schedule: str, pp: int, per_rank: int, microbatches: int, pp_rank: int) -> Occupancy:
@@ -154,11 +166,17 @@ def occupancy(schedule: str, pp: int, per_rank: int, microbatches: int, pp_rank:
     order = schedule_order(schedule, pp, per_rank, microbatches)[pp_rank]
     stages = tuple(sorted({s for _, s, _ in order}))
     held: dict[int, set[int]] = {s: set() for s in stages}
+    done = {k: dict.fromkeys(stages, 0) for k in "FBI"}
     moments = []
     for kind, stage, mb in order:
         if kind == "F":
             held[stage].add(mb)
-        moments.append((kind, tuple(len(held[s]) for s in stages)))
+            done["F"][stage] += 1
+        moments.append(Moment(kind, stage, *(tuple(x[s] for s in stages) for x in (
+            {s: len(held[s]) for s in stages}, done["F"], done["B"], done["I"]))))
         if kind in ("B", "W"):
             held[stage].discard(mb)
+            done["B"][stage] += 1
+        elif kind == "I":
+            done["I"][stage] += 1
     return Occupancy(stages, tuple(moments))

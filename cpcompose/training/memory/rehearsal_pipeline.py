@@ -1,0 +1,160 @@
+"""A pipelined step rehearsed on fake tensors: one pipeline rank's stages, run in its schedule's order.
+
+Under the fake process group no activation or gradient really travels between pipeline ranks, so the rehearsal runs
+one rank's own work alone, in the order torch's schedule gives that rank (`schedule.schedule_order`, the same order
+the plan counts from), doing for each action what torch's `PipelineStage` does:
+
+- each of the rank's stages is built as the family builds one (the model cut with the family's
+  `split_for_pipeline` at `num_stages` = pp x stages per rank, then parallelized: CP, TP, checkpointing, FSDP2 with
+  each stage its own root, no unit resharded between microbatches);
+- a stage that is not the first receives its input into one buffer per microbatch, made at the step's start and
+  kept (torch makes them once), fed here as fake hidden states of the stage's input shape; a stage that is not the
+  last receives its output's gradient into one buffer per microbatch likewise;
+- forward ("F"): the stage on the microbatch's input; the last stage computes the loss on its logits, and keeps the
+  logits to the step's end (`output_chunks`: the trainer's `schedule.step` returns outputs);
+- backward: torch's own `stage_backward` ("B"), or for a zero-bubble schedule its `stage_backward_input` ("I", which
+  keeps the autograd graph) then `stage_backward_weight` ("W"), with FSDP2 told what torch's stage tells it (no
+  gradient sync, no reshard: gradients accumulate unsharded in float32 until the end);
+- the end ("REDUCE_GRAD"): FSDP2's post-backward on every stage (the reduce-scatters), then AdamW over all stages.
+
+What it approximates: the rank's communication buffers in flight (a send or receive being waited on) are not
+counted beyond the persistent ones above; which rank is rehearsed is chosen by the caller (`pp_rank`), and other
+ranks hold other amounts (the plan's peak is the largest over the ranks, its per-rank figure is what compares).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from cpcompose import _compat
+from cpcompose.config import JobConfig
+from cpcompose.distributed import ParallelDims, flat_mesh
+from cpcompose.models import get_model_spec
+from cpcompose.parallel import cp_cross_entropy
+from cpcompose.training.families import family_of
+from cpcompose.training.memory.schedule import SINGLE, V_SCHEDULES, schedule_order, stage_ids, stages_per_rank
+from cpcompose.training.mixed_precision import compute_dtype
+
+__all__ = ["pipeline_steps"]
+
+
+def _stages(c: JobConfig, dims: ParallelDims, mesh, pp_rank: int) -> tuple[tuple[int, ...], int, dict[int, nn.Module]]:  # noqa: ANN001
+    """The rank's stage ids, the stage count, and each stage built (cut, then parallelized) as the family does."""
+    p = c.parallelism
+    per_rank = stages_per_rank(p, c.model.n_layers)
+    num_stages = p.pp * (1 if p.pp_schedule in SINGLE else 2 if p.pp_schedule in V_SCHEDULES else per_rank)
+    ids = stage_ids(p.pp_schedule, p.pp, pp_rank, num_stages // p.pp)
+    family = family_of(c)
+    if not hasattr(family, "parallelize"):
+        raise ValueError(f"rehearse: model.name = {c.model.name!r} is not rehearsed under parallelism.pp > 1 yet "
+                         "(its stages are cut by the family's pipeline build); use pp = 1")
+    spec = get_model_spec(c.model.name)
+    modules = {}
+    for s in ids:
+        model = spec.split_for_pipeline(spec.build(c.model, max_seq_len=c.max_seq_len()), num_stages=num_stages,
+                                        stage_index=s)
+        modules[s] = family.parallelize(model, c, dims=dims, mesh=mesh, meter=None).module
+    return ids, num_stages, modules
+
+
+def pipeline_steps(c: JobConfig, dims: ParallelDims, mesh, tracker_cls, mod_stats, pp_rank: int  # noqa: ANN001, ARG001
+                   ) -> tuple[int, dict[str, int]]:
+    """Two steps of pipeline rank `pp_rank`'s stages in its schedule's order, the second tracked: (peak, parts)."""
+    p, t = c.parallelism, c.training
+    ids, num_stages, modules = _stages(c, dims, mesh, pp_rank)
+    params = [q for m in modules.values() for q in m.parameters()]
+    optimizer = torch.optim.AdamW(params, lr=c.optimizer.lr, betas=c.optimizer.betas,
+                                  weight_decay=c.optimizer.weight_decay, eps=c.optimizer.eps, fused=True)
+    micro = p.pp_microbatches
+    rows = t.batch_size // (dims.dp_size * t.grad_accum_steps) // micro  # sequences per microbatch
+    T = t.seq_len // dims.cp
+    fsdp = dims.dp_cp_size > 1
+    hidden_dtype = compute_dtype(c) if fsdp and t.mixed_precision == "bfloat16" else torch.float32
+    tokens = torch.randint(0, c.model.vocab_size, (rows, T))
+    labels = torch.randint(0, c.model.vocab_size, (rows, T))
+    positions = torch.arange(T).expand(rows, T)
+    loss_mesh, count = flat_mesh(mesh, "dp_cp"), torch.tensor(float(t.batch_size * t.seq_len))
+    order = schedule_order(p.pp_schedule, p.pp, num_stages // p.pp, micro)[pp_rank]
+    backward, backward_input, backward_weight = _compat.pipeline_stage_backward()
+    roots = [m for m in modules.values() if fsdp]
+    tracker = tracker_cls(roots[0], optimizer) if fsdp else tracker_cls()
+    if fsdp:
+        _compat.track_several_roots(tracker, list(modules.values()))
+    else:
+        tracker.track_external(*modules.values(), optimizer)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if t.mixed_precision == "bfloat16" and not fsdp else None
+
+    def buffers(make: Callable[[], torch.Tensor], where: Callable[[int], bool]) -> dict[int, list[torch.Tensor]]:
+        return {s: [make() for _ in range(micro)] for s in ids if where(s)}
+
+    with tracker:
+        # torch's recv buffers, made once when the schedule first runs: inputs of every stage but the first,
+        # output gradients of every stage but the last
+        inputs = buffers(lambda: torch.empty(rows, T, c.model.dim, dtype=hidden_dtype), lambda s: s != 0)
+        grads = buffers(lambda: torch.empty(rows, T, c.model.dim, dtype=hidden_dtype), lambda s: s != num_stages - 1)
+        for step in range(2):
+            for buffer in (b for bs in inputs.values() for b in bs):
+                buffer.grad = None  # torch's clear_runtime_states at each step's start
+            kept: list[torch.Tensor] = []  # the last stage's outputs, returned by the step
+            cache: dict[tuple[int, int], tuple] = {}
+            split: dict[tuple[int, int], tuple] = {}
+            for kind, s, mb in order:
+                module = modules[s]
+                if kind == "F":
+                    x = tokens if s == 0 else inputs[s][mb].requires_grad_(True)
+                    with autocast or _nothing():
+                        out = module(x, positions)
+                        if s == num_stages - 1:
+                            kept.append(out)
+                            out = cp_cross_entropy(out, labels, mesh=loss_mesh, num_tokens=count)
+                    # torch keeps a stage's outputs as a tuple, the last stage's loss alone
+                    cache[s, mb] = (out if s == num_stages - 1 else (out,), [x] if s != 0 else [])
+                    continue
+                if fsdp and kind != "W":
+                    _no_sync(module)
+                if kind == "B":
+                    out, xs = cache.pop((s, mb))
+                    backward(out, None if s == num_stages - 1 else (grads[s][mb],), xs)
+                elif kind == "I":
+                    out, xs = cache.pop((s, mb))
+                    out_grads = None if s == num_stages - 1 else (grads[s][mb],)
+                    groups = None
+                    if s != 0:  # torch's stage leaves the first stage's whole backward to "W"
+                        _, groups = backward_input((out,) if s == num_stages - 1 else out, out_grads, xs,
+                                                   module.parameters())
+                    split[s, mb] = (out, out_grads, xs, groups)
+                else:  # "W"
+                    out, out_grads, xs, groups = split.pop((s, mb))
+                    if fsdp:
+                        _no_sync(module)
+                    if s != 0:
+                        backward_weight(module.parameters(), groups)
+                    else:
+                        backward(out, out_grads, xs)
+            for module in roots:  # REDUCE_GRAD
+                _compat.pipeline_reduce_grad(module)
+            del kept, cache, split
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if step == 0:
+                tracker.reset_mod_stats()
+                tracker.device_peak, tracker.device_parts = 0, {}
+    return tracker.device_peak, tracker.device_parts
+
+
+def _no_sync(module: nn.Module) -> None:
+    """What torch's stage tells an FSDP2 root before each microbatch's backward: accumulate, do not reduce."""
+    module.set_is_last_backward(False)
+    module.set_reshard_after_backward(False)
+    module.set_requires_gradient_sync(False)
+
+
+class _nothing:  # noqa: N801 (a null context, cheaper than contextlib's per microbatch)
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *_: object) -> None:
+        return None
