@@ -117,6 +117,10 @@ class MemoryProfile:
     each rank holds `1 / ep` of them, a separate FSDP unit sharded over efsdp = dp_shard x cp / ep."""
     body_expert_params: int = 0
     """Of `body_params`, the routed experts' own (every layer's experts module)."""
+    split_backward: float = 0.0
+    """What a zero-bubble schedule's split backward keeps per token of one block between its input part ("I") and
+    its weight part ("W"): the gradient of every weight-using op's output (torch's `stage_backward_input` keeps them
+    for `stage_backward_weight`). 0: not counted (a family that does not give it)."""
     dispatch: float = 0.0
     """Under expert parallelism, what the MoE layer's peak holds beyond `block_forward` / `block_backward` per
     token: the routed rows in transit (out and back, in the compute dtype) and the grouped GEMM's intermediate

@@ -78,6 +78,9 @@ def pipeline_phases(r: PipelineRank, prof: MemoryProfile, *, forward_work: int, 
     fixed = {**base, "parameters": state, "optimizer state": 2 * state}
     per_mb = {s: int(r.keep * T * per_stage) + (int((prof.head_saved + 4 * V) * T) if s == last else 0)
               for s in occ.stages}
+    # the last stage's also the logits' gradient (the output layer's weight gradient needs it) and the final norm's
+    split_mb = {s: int(prof.split_backward * T * per_stage) + ((r.logits * V + r.c * dim) * T if s == last else 0)
+                for s in occ.stages}
     recv = r.microbatches * r.c * dim * T * sum((s != 0) + (s != n - 1) for s in occ.stages)
     gathered = r.c * P if fsdp else 0
     block_grads = r.c * prof.block_params if fsdp else 0
@@ -86,8 +89,11 @@ def pipeline_phases(r: PipelineRank, prof: MemoryProfile, *, forward_work: int, 
 
     def moment(m) -> dict[str, int]:  # noqa: ANN001
         i = {s: k for k, s in enumerate(occ.stages)}
-        acts = sum(m.in_flight[i[s]] * per_mb[s] for s in occ.stages)
-        grads = 4 * sum(params[s] for s in occ.stages if m.backwards[i[s]] or (m.kind in "BW" and s == m.stage))
+        # a split backward's microbatches between "I" and "W" also keep their weight-using ops' output gradients
+        split = sum(max(0, m.inputs[i[s]] - m.backwards[i[s]]) * split_mb[s]
+                    for s in occ.stages if s != 0)  # the first stage's "I" does nothing
+        acts = sum(m.in_flight[i[s]] * per_mb[s] for s in occ.stages) + split
+        grads = 4 * sum(params[s] for s in occ.stages if m.backwards[i[s]])  # from a stage's first backward on
         buffers = recv + (r.logits * V * T * m.forwards[i[last]] if last is not None else 0) + \
             r.c * dim * T * sum(m.inputs[i[s]] for s in occ.stages if s != 0)
         if m.kind == "F":
