@@ -82,8 +82,6 @@ class JobConfig:
             raise error
         require(self.job.dry_run or not self.job.rehearse, "job.rehearse", "rehearses the dry run's step: add "
                 "--job.dry_run (or unset job.rehearse)")
-        require(p.pp == 1 or not self.job.rehearse, "job.rehearse", "a pipelined run (parallelism.pp > 1) is not "
-                "rehearsed: unset job.rehearse, or rehearse it with parallelism.pp = 1")
         dp: int | None = p.dp_replicate * p.dp_shard if p.dp_shard != -1 else None
         if world_size is not None:
             try:

@@ -57,7 +57,8 @@ class Job:
     """With job.dry_run: also run one training step of the config at its full size on fake tensors (torch's
     FakeTensorMode, its fake process group with this process as rank 0, its FSDPMemTracker) and print the
     tracker's peak and parts beside the memory plan's tensors. No GPU, no weights (a Hugging Face model needs only
-    its config.json); minutes of CPU at full size. Pipelining (parallelism.pp > 1) is not rehearsed."""
+    its config.json); minutes of CPU at full size. Pipelining (parallelism.pp > 1): the pipeline rank with the
+    largest planned peak, its stages run in its schedule's order."""
 
 
 @dataclass

@@ -135,8 +135,6 @@ def test_missing_config_file_is_a_config_error(tmp_path: Path) -> None:
         (["--training.tiled_mlp=2", "--training.compile=true"], r"^training.tiled_mlp: 2 tiles do not compile"),
         (["--activation_checkpoint.offload=true"], r'^activation_checkpoint.offload: .*mode = "full"'),
         (["--job.rehearse=true"], r"^job.rehearse: rehearses the dry run's step: add --job.dry_run"),
-        (["--job.rehearse=true", "--job.dry_run=true", "--parallelism.pp=2", "--training.batch_size=2"],
-         r"^job.rehearse: a pipelined run \(parallelism.pp > 1\) is not rehearsed"),
     ],
 )
 def test_inconsistent_values_name_the_key(argv: list[str], message: str) -> None:

@@ -123,6 +123,21 @@ def describe_memory(config: JobConfig, world: int) -> list[str]:
     lines += [f"    {name:<26} {b / GiB:8.3f} GiB" for name, b in parts]
     if plan.host_bytes:
         lines.append(f"    (offloaded to host memory: {plan.host_bytes / GiB:.3f} GiB)")
+    if plan.pp_rank is not None:
+        lines += _pipeline_lines(config, world)
+    return lines
+
+
+def _pipeline_lines(config: JobConfig, world: int) -> list[str]:
+    """Under pipelining, each pipeline rank's stages, the most microbatches each holds at once (read from torch's
+    schedule) and the rank's own peak."""
+    p = config.parallelism
+    lines = [f"  pipeline {p.pp_schedule}, {p.pp_microbatches} microbatches: each pipeline rank's stages (the most "
+             "microbatches each holds at once), its peak"]
+    for r in range(p.pp):
+        plan = plan_memory(config, world, device_type=run_device_type(config), pp_rank=r)
+        held = ", ".join(f"{s} ({n})" for s, n in plan.in_flight)
+        lines.append(f"    rank {r}: stages {held}: {plan.total / GiB:.2f} GiB (in {plan.phase})")
     return lines
 
 

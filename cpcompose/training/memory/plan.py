@@ -59,7 +59,7 @@ from cpcompose.training.families import family_of
 from cpcompose.training.resolve import resolve_config
 from cpcompose.training.memory.footprint import process_bytes
 from cpcompose.training.memory.plan_pipeline import PipelineRank, pipeline_phases
-from cpcompose.training.memory.schedule import SINGLE, V_SCHEDULES, stage_ids, stages_per_rank
+from cpcompose.training.memory.schedule import SINGLE, V_SCHEDULES, occupancy, stage_ids, stages_per_rank
 
 __all__ = ["MemoryPlan", "plan_memory"]
 
@@ -91,6 +91,8 @@ class MemoryPlan:
     """Every phase's predicted total, bytes (the peak is the largest)."""
     pp_rank: int | None = None
     """With pipelining, the pipeline rank this plan is (the one with the largest peak, unless asked for one)."""
+    in_flight: tuple[tuple[int, int], ...] = ()
+    """With pipelining, (stage, the most microbatches it holds at once) for each of the rank's stages."""
 
     @property
     def total(self) -> int:
@@ -184,7 +186,8 @@ def _pipeline(c: JobConfig, dims: ParallelDims, prof: MemoryProfile, pp_rank: in
     keep = prof.block_input if c.activation_checkpoint.mode == "full" else prof.body_saved / prof.layers
     rank = PipelineRank(schedule=schedule, pp=dims.pp, per_rank=per_rank, microbatches=p.pp_microbatches,
                         pp_rank=pp_rank, shards=dims.fsdp_size if fsdp else 1, c=2 if bf16 and fsdp else 4,
-                        logits=2 if bf16 else 4, keep=keep, tokens=T)
+                        logits=2 if bf16 else 4, keep=keep, tokens=T,
+                        recomputed=prof.block_saved - keep if c.activation_checkpoint.mode == "full" else 0.0)
     forward, backward = _work(c, dims, prof, T, attention)
     layers = prof.layers // (dims.pp * per_rank) * per_rank
     head = prof.output_params if dims.pp * per_rank - 1 in stage_ids(schedule, dims.pp, pp_rank, per_rank) else 0
@@ -194,8 +197,9 @@ def _pipeline(c: JobConfig, dims: ParallelDims, prof: MemoryProfile, pp_rank: in
                              base=base,
                              slack=CUDA_SLACK if device_type == "cuda" else 0.0)
     name = max(phases, key=lambda k: sum(phases[k].values()))
+    occ = occupancy(schedule, dims.pp, per_rank, p.pp_microbatches, pp_rank)
     return MemoryPlan(tuple(phases[name].items()), name, 0, T, tuple((k, sum(v.values())) for k, v in phases.items()),
-                      pp_rank=pp_rank)
+                      pp_rank=pp_rank, in_flight=tuple((s, occ.most(s)) for s in occ.stages))
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,9 @@ rank holds then (P: the rank's parameters, over its stages; T: tokens per microb
 * activations: per stage, the microbatches in flight (forwarded, backward not finished) times what its blocks keep
   per microbatch (all they save, or their inputs with checkpointing); the last stage's also the loss's float32
   log-softmax (4 V per token) until its backward;
+* a zero-bubble schedule's microbatches between their input backward ("I") and weight backward ("W"): the output
+  gradients of every weight-using op (`MemoryProfile.split_backward`), and with checkpointing the whole recompute
+  (torch's input part retains the graph, recomputed tensors included, for the weight part);
 * the pipeline's buffers, which torch's stage makes once and keeps: one input buffer per microbatch on each stage
   but the first, one output-gradient buffer per microbatch on each stage but the last (c D per token each); the
   last stage's logits of every microbatch forwarded, kept to the step's end (the schedule returns them); after a
@@ -52,6 +55,9 @@ class PipelineRank:
     """Bytes of one logit the last stage returns."""
     keep: float
     """What one block keeps per token for its backward (its input with checkpointing)."""
+    recomputed: float
+    """With checkpointing, what a block's recompute saves beyond its input, per token: a split backward's input part
+    ("I") recomputes it and keeps it (its graph retained) until the weight part ("W"); 0 without checkpointing."""
     tokens: int
     """T: tokens per microbatch on this rank."""
 
@@ -79,7 +85,7 @@ def pipeline_phases(r: PipelineRank, prof: MemoryProfile, *, forward_work: int, 
     per_mb = {s: int(r.keep * T * per_stage) + (int((prof.head_saved + 4 * V) * T) if s == last else 0)
               for s in occ.stages}
     # the last stage's also the logits' gradient (the output layer's weight gradient needs it) and the final norm's
-    split_mb = {s: int(prof.split_backward * T * per_stage) + ((r.logits * V + r.c * dim) * T if s == last else 0)
+    split_mb = {s: int((prof.split_backward + r.recomputed) * T * per_stage) + ((r.logits * V + r.c * dim) * T if s == last else 0)
                 for s in occ.stages}
     recv = r.microbatches * r.c * dim * T * sum((s != 0) + (s != n - 1) for s in occ.stages)
     gathered = r.c * P if fsdp else 0

@@ -119,6 +119,9 @@ def pipeline_steps(c: JobConfig, dims: ParallelDims, mesh, tracker_cls, mod_stat
                             out = cp_cross_entropy(out, labels, mesh=loss_mesh, num_tokens=count)
                     # torch keeps a stage's outputs as a tuple, the last stage's loss alone
                     cache[s, mb] = (out if s == num_stages - 1 else (out,), [x] if s != 0 else [])
+                    if _TRACE is not None and step == 1:
+                        _TRACE.append((kind, s, mb, {str(getattr(k, "value", k)): int(v) for snap in
+                                                     tracker._curr_mem_snap.values() for k, v in snap.items()}))
                     continue
                 if fsdp and kind != "W":
                     _no_sync(module)
