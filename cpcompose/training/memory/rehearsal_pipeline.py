@@ -52,10 +52,11 @@ def _stages(c: JobConfig, dims: ParallelDims, mesh, pp_rank: int) -> tuple[tuple
     num_stages = p.pp * (1 if p.pp_schedule in SINGLE else 2 if p.pp_schedule in V_SCHEDULES else per_rank)
     ids = stage_ids(p.pp_schedule, p.pp, pp_rank, num_stages // p.pp)
     family = family_of(c)
-    if not hasattr(family, "parallelize"):
-        raise ValueError(f"rehearse: model.name = {c.model.name!r} is not rehearsed under parallelism.pp > 1 yet "
-                         "(its stages are cut by the family's pipeline build); use pp = 1")
-    spec = get_model_spec(c.model.name)
+    try:
+        spec = get_model_spec(c.model.name)
+    except ValueError:  # a family read from a folder: its stages are cut by its own pipeline build
+        raise ValueError(f"rehearse: model.name = {c.model.name!r} is not rehearsed under parallelism.pp > 1 yet; "
+                         "use parallelism.pp = 1") from None
     modules = {}
     for s in ids:
         model = spec.split_for_pipeline(spec.build(c.model, max_seq_len=c.max_seq_len()), num_stages=num_stages,
