@@ -166,12 +166,18 @@ def test_the_fused_loss_holds_one_chunk_of_logits() -> None:
 
 
 def test_a_pipeline_computes_the_unfused_loss_and_keeps_the_logits() -> None:
-    """The pipeline's last stage takes the unfused loss on the logits its schedule keeps, fused_loss or not."""
+    """The pipeline's last stage takes the unfused loss on the logits its schedule keeps, fused_loss or not: every
+    microbatch's float32 logits (4 V bytes a token) stay to the step's end, in the last rank's pipeline buffers."""
     pp = ["--parallelism.pp=2", "--parallelism.pp_microbatches=2", "--training.batch_size=2"]
     fused, unfused = _plan([*pp, "--training.fused_loss=true"], 2), _plan([*pp, "--training.fused_loss=false"], 2)
-    assert fused.total == unfused.total
-    one = _plan(["--training.fused_loss=false"], 1)
-    assert unfused.part("loss") == one.part("loss") + 4 * 4096 * 8192  # + the held float32 logits
+    assert fused.total == unfused.total and unfused.pp_rank == 1
+    end = dict(unfused.phase_totals)["gradient reduction"]
+    three = _plan(["--parallelism.pp=2", "--parallelism.pp_microbatches=3", "--training.batch_size=3"], 2, "cuda")
+    two = _plan(pp, 2, "cuda")
+    assert three.tokens == two.tokens and end > 2 * 4 * 4096 * two.tokens
+    # one more microbatch: its logits, and its input and output-gradient buffers on the other rank's side
+    assert dict(three.phase_totals)["gradient reduction"] - dict(two.phase_totals)["gradient reduction"] == \
+        pytest.approx(1.1 * 4 * (4096 + 256) * two.tokens, abs=2)  # with CUDA's 10% slack
 
 
 def test_bf16_under_fsdp_gathers_units_in_bf16_and_copies_nothing() -> None:
