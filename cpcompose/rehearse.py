@@ -7,7 +7,10 @@
     python -m cpcompose.rehearse --world 64 --config train_configs/hf_qwen3_8b_128k.toml --model.path=FOLDER
         # Qwen3-8B: FOLDER holds its config.json alone (no weights needed)
 
-Any trainer option after the command's own (`--world`) overrides the config, as for `python -m cpcompose.train`.
+With `--parallelism.pp > 1` one pipeline rank is rehearsed (its stages in its schedule's order: the rank with the
+largest planned peak, or `--pp-rank R`).
+
+Any trainer option after the command's own (`--world`, `--pp-rank`) overrides the config, as for `python -m cpcompose.train`.
 Runs in one process on fake tensors with a fake process group (cpcompose.training.memory.rehearsal): no GPU, no
 communication. Prints the tracker's peak and its parts, and the plan's tensors (less process and slack); the
 dry run prints the same with --job.dry_run --job.rehearse. Installed as the `cpcompose-rehearse` command too.
@@ -33,10 +36,12 @@ def main(argv: list[str] | None = None) -> int:
     """
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--world", type=int, required=True, help="ranks to rehearse (this process is rank 0)")
+    parser.add_argument("--pp-rank", type=int, default=None,
+                        help="with parallelism.pp > 1: the pipeline rank to rehearse (default: the plan's largest)")
     args, trainer_args = parser.parse_known_args(argv)
     config = load_config(trainer_args)
     start = time.perf_counter()
-    result = rehearse(config, args.world)
+    result = rehearse(config, args.world, pp_rank=args.pp_rank)
     print(f"rehearsed {config.job.name} on {args.world} ranks in {time.perf_counter() - start:.0f} s")
     print("\n".join(describe_rehearsal(result, args.world)))
     return 0
