@@ -113,6 +113,8 @@ def rehearse(config: JobConfig, world: int, *, pp_rank: int | None = None) -> Re
     c = dataclasses.replace(config, training=dataclasses.replace(config.training, compile=False),
                             parallelism=dataclasses.replace(config.parallelism, cp_verify=False))
     pp = c.parallelism.pp
+    if pp_rank is not None and not 0 <= pp_rank < pp:
+        raise ValueError(f"rehearse: pp_rank {pp_rank} is not a pipeline rank of parallelism.pp = {pp}")
     if pp > 1 and pp_rank is None:
         pp_rank = plan_memory(config, world, device_type="cuda").pp_rank
     fake_mode, fake_store, tracker_cls, mod_stats = _compat.fake_rehearsal_tools()
