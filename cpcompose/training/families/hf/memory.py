@@ -26,7 +26,6 @@ Counted from transformers' modules as autograd runs them under the trainer (c: b
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -139,15 +138,12 @@ def hf_memory_profile(hf_config: Any, *, tp: int, precision: str, mlp_tiles: int
 
     Args:
         hf_config: the model's transformers config.
-        tp: tensor-parallel degree: each rank's share of the heads and of the feed-forward's columns (attention and
-            SwiGLU layers; the residual stream, the norms, the embedding and the output layer whole, no sequence
-            parallelism, as for the trainer's own Llama).
+        tp: tensor-parallel degree (1: the trainer refuses TP for Hugging Face models).
         precision: "float32", "bfloat16" (autocast) or "bfloat16-params" (FSDP2's mixed precision).
         mlp_tiles: sequence tiles of each layer's feed-forward (1: untiled).
 
     Raises:
-        ValueError: a family the plan cannot count (named, with the ones it can), tied word embeddings, or TP of a
-            layer kind the plan does not split (mixture of experts, latent attention, Gated DeltaNet).
+        ValueError: a family the plan cannot count (named, with the ones it can), tied word embeddings, or TP.
     """
     model_type = getattr(hf_config, "model_type", None)
     if model_type not in _FAMILIES:
@@ -156,8 +152,10 @@ def hf_memory_profile(hf_config: Any, *, tp: int, precision: str, mlp_tiles: int
     if getattr(hf_config, "tie_word_embeddings", False):
         raise ValueError("tied word embeddings (one weight in the input embedding and the output layer, kept in "
                          "FSDP's root unit): the plan does not count that unit")
+    if tp != 1:
+        raise ValueError("tensor parallelism with a Hugging Face model")
     c = 4 if precision == "float32" else 2
-    layers = [_tensor_parallel(layer, tp) for layer in _FAMILIES[model_type](hf_config)]
+    layers = _FAMILIES[model_type](hf_config)
     D, V = hf_config.hidden_size, hf_config.vocab_size
     saved = [layer.saved(c, mlp_tiles) for layer in layers]
     kinds = list(dict.fromkeys(layers))  # each kind of layer once, in order
@@ -186,16 +184,3 @@ def hf_memory_profile(hf_config: Any, *, tp: int, precision: str, mlp_tiles: int
         block_expert_params=largest.expert_params(), body_expert_params=sum(layer.expert_params() for layer in layers),
         dispatch=max(layer.dispatch(c) for layer in kinds),
     )
-
-
-def _tensor_parallel(layer: Layer, tp: int) -> Layer:
-    """`layer` on one rank of `tp`: its attention's heads and its SwiGLU's columns split (column-wise q/k/v and
-    gate/up, row-wise o and down, transformers' `base_model_tp_plan`)."""
-    if tp == 1:
-        return layer
-    if not isinstance(layer.mixer, Attention) or not isinstance(layer.ffn, SwiGlu):
-        kind = type(layer.ffn if isinstance(layer.mixer, Attention) else layer.mixer).__name__
-        raise ValueError(f"tensor parallelism of a {kind} layer (the plan splits attention and SwiGLU layers)")
-    a = layer.mixer
-    return dataclasses.replace(layer, mixer=dataclasses.replace(a, heads=a.heads // tp, kv_heads=a.kv_heads // tp),
-                               ffn=dataclasses.replace(layer.ffn, ffn=layer.ffn.ffn // tp))

@@ -70,27 +70,3 @@ def test_tied_word_embeddings_are_refused_by_name() -> None:
     with pytest.raises(ValueError, match="tied word embeddings"):
         hf_memory_profile(hf.Qwen3Config(**{**SMALL, "tie_word_embeddings": True}), tp=1, precision="float32",
                           mlp_tiles=1)
-
-
-SPLIT = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "q_proj.bias", "k_proj.bias",
-         "v_proj.bias", "gate_proj.weight", "up_proj.weight", "down_proj.weight")
-"""What transformers' tensor-parallel plan splits (column-wise q/k/v and gate/up with their biases, row-wise o and
-down); the norms and a row-wise layer's bias stay whole."""
-
-
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
-def test_tensor_parallelism_splits_the_heads_and_the_feed_forward(family: str) -> None:
-    config = CONFIGS[family]()
-    with torch.device("meta"):
-        layer = hf.AutoModelForCausalLM.from_config(config).model.layers[0]
-    one = hf_memory_profile(config, tp=1, precision="bfloat16-params", mlp_tiles=1)
-    two = hf_memory_profile(config, tp=2, precision="bfloat16-params", mlp_tiles=1)
-    assert two.block_params == sum(p.numel() // (2 if n.endswith(SPLIT) else 1) for n, p in layer.named_parameters())
-    assert two.attention == (one.attention[0] // 2, one.attention[1] // 2, one.attention[2])
-    assert two.root_params == one.root_params and two.block_input == one.block_input  # no sequence parallelism
-    assert two.block_saved < one.block_saved
-
-
-def test_tensor_parallelism_of_a_layer_the_plan_does_not_split_is_named() -> None:
-    with pytest.raises(ValueError, match="tensor parallelism of a Moe layer"):
-        hf_memory_profile(CONFIGS["qwen3_moe"](), tp=2, precision="float32", mlp_tiles=1)
