@@ -67,13 +67,14 @@ def _shared_folder_error(dump: Path, seats: list[Seat]) -> str | None:
     if rank == 0:
         marker = dump / f".cpcompose-shared-{secrets.token_hex(8)}"
         marker.write_text("written by rank 0 to check that every node sees this folder\n")
-    name = broadcast_object(None if marker is None else marker.name)  # after the write: the file exists now
+    # After the write, so the file exists now; rank 0's folder names it in the error on every rank.
+    folder, name = broadcast_object(None if marker is None else (str(dump), marker.name))
     seen = all_gather_objects((dump / name).is_file())
     if marker is not None:
         marker.unlink(missing_ok=True)
     blind = sorted({f"{seats[r][1]} ({seats[r][2]})" for r, ok in enumerate(seen) if not ok})
     if not blind:
         return None
-    return (f"job.dump_folder: {dump} is not one folder for the whole job: node(s) {', '.join(blind)} do not see "
+    return (f"job.dump_folder: {folder} is not one folder for the whole job: node(s) {', '.join(blind)} do not see "
             "the file rank 0 wrote there, so each node's checkpoint shards would land on its own disk; put "
             "job.dump_folder on a filesystem every node mounts, or set --checkpoint.enable=false")
