@@ -109,3 +109,24 @@ def test_two_nodes_through_a_c10d_rendezvous_train_as_one_node(pools, tmp_path: 
     assert len(list((dump / "checkpoint" / "step-3").glob("*.distcp"))) == 4
     assert len(list((dump / "tb").iterdir())) == 1, "one TensorBoard writer for the job (global rank 0)"
     print(f"two nodes of two ranks: {seconds:.1f} s")
+
+
+def test_what_a_nodes_ranks_offload_must_fit_its_host_memory(monkeypatch) -> None:
+    """On CUDA, activation offload keeps each rank's checkpointed activations in host memory: the ranks of a node
+    (LOCAL_WORLD_SIZE) share its RAM, so the plan's host bytes times the ranks of a node are checked against it."""
+    from cpcompose.training.memory import budget
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    config = load_config(TINY + ["--training.device=cuda", "--training.memory_budget_gib=80", "--parallelism.cp=4",
+                                 "--training.seq_len=4096", "--activation_checkpoint.mode=full",
+                                 "--activation_checkpoint.offload=true"])
+    host = budget.run_plan(config, 4).host_bytes
+    assert host > 0
+    assert f"{host / 2**30:.3f} GiB per rank, {2 * host / 2**30:.3f} GiB for the 2 ranks of a node" in "\n".join(
+        budget.describe_memory(config, 4))
+    monkeypatch.setattr(budget, "host_memory", lambda: (int(1.5 * host), 0))
+    with pytest.raises(ConfigError, match="activation_checkpoint.offload: the 2 ranks of this node would keep"):
+        budget.check_memory(config, 4)
+    monkeypatch.setattr(budget, "host_memory", lambda: (2 * host, 0))
+    budget.check_memory(config, 4)
