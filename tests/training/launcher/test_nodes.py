@@ -130,3 +130,28 @@ def test_what_a_nodes_ranks_offload_must_fit_its_host_memory(monkeypatch) -> Non
         budget.check_memory(config, 4)
     monkeypatch.setattr(budget, "host_memory", lambda: (2 * host, 0))
     budget.check_memory(config, 4)
+
+
+def test_the_slurm_script_starts_one_torchrun_agent_per_node(tmp_path: Path) -> None:
+    """scripts/multinode_train.slurm, run by bash with `scontrol` and `srun` stubbed (no cluster here): the command
+    it hands srun is torchrun's multi-node launch, as torchrun's own parser reads it."""
+    from torch.distributed.run import get_args_parser
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text("#!/bin/sh\nprintf 'gpu-node-07\\ngpu-node-08\\n'\n")
+    (bin_dir / "srun").write_text(f"#!/bin/sh\nprintf '%s\\n' \"$@\" > {tmp_path / 'srun_args'}\n")
+    for stub in bin_dir.iterdir():
+        stub.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_NNODES": "2", "SLURM_JOB_ID": "4321",
+           "SLURM_JOB_NODELIST": "gpu-node-[07-08]", "SLURM_SUBMIT_DIR": str(tmp_path), "GPUS_PER_NODE": "4"}
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "multinode_train.slurm"), "--config", "my.toml",
+                           "--parallelism.cp=8"], env=env, capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    srun = (tmp_path / "srun_args").read_text().splitlines()
+    assert srun[:4] == ["--kill-on-bad-exit=1", "python", "-m", "cpcompose.training.launcher.torchrun"]
+    args = get_args_parser().parse_args(srun[4:])
+    assert (args.nnodes, args.nproc_per_node, args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id) == (
+        "2", "4", "c10d", "gpu-node-07:29821", "4321")
+    assert args.module and args.training_script == "cpcompose.train"
+    assert args.training_script_args == ["--config", "my.toml", "--parallelism.cp=8"]
