@@ -155,3 +155,16 @@ def test_the_slurm_script_starts_one_torchrun_agent_per_node(tmp_path: Path) -> 
         "2", "4", "c10d", "gpu-node-07:29821", "4321")
     assert args.module and args.training_script == "cpcompose.train"
     assert args.training_script_args == ["--config", "my.toml", "--parallelism.cp=8"]
+
+
+def test_auto_counts_the_cp_ranks_of_a_node(monkeypatch) -> None:
+    """`cp_strategy = "auto"` prices each link by whether its CP ranks share a node: a node of LOCAL_WORLD_SIZE
+    ranks holds LOCAL_WORLD_SIZE / tp of them (tp is innermost in the mesh)."""
+    from cpcompose.attention.cost.calibration import Topology
+    from cpcompose.config import cp_options
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    config = load_config(TINY + ["--parallelism.tp=2", "--parallelism.cp=8", "--parallelism.cp_strategy=auto"])
+    assert cp_options(config.parallelism).topology == Topology(4)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert cp_options(config.parallelism).topology is None
