@@ -35,9 +35,10 @@ def cp_options(p: Parallelism, *, meter: CommMeter | None = None) -> CPOptions:
 
 def _cp_topology(p: Parallelism) -> Topology | None:
     """Which CP ranks share a node, for `auto`'s cost model: a node's `LOCAL_WORLD_SIZE` ranks (torchrun) hold
-    LOCAL_WORLD_SIZE / tp CP ranks, tp being innermost in the mesh (`distributed.nodes`); None when unset."""
+    LOCAL_WORLD_SIZE / tp CP ranks, tp being innermost in the mesh (`distributed.nodes`); None when unset, and for
+    any other strategy (which takes no topology)."""
     local = Topology.from_env().ranks_per_node
-    return None if local is None else Topology(max(1, local // p.tp))
+    return None if local is None or p.cp_strategy != "auto" else Topology(max(1, local // p.tp))
 
 
 def cp_options_error(p: Parallelism) -> ConfigError | None:
