@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from cpcompose.train import main as train_main
+from cpcompose.training.launcher.nodes import node_warnings, placement
 from cpcompose.training.launcher.preflight import preflight
 from cpcompose.config import ConfigError, load_config
 from tests.support.trainer import TINY, run_trainer
@@ -57,14 +58,21 @@ def test_preflight_refuses_it_before_a_launch(monkeypatch, tmp_path: Path) -> No
         preflight(cuda, 3)
 
 
-def test_alltoall_across_nodes_is_warned(monkeypatch, capsys) -> None:
-    monkeypatch.setenv("WORLD_SIZE", "4")
+def test_alltoall_across_nodes_is_warned(monkeypatch) -> None:
+    """The banner's and the dry run's lines (the two-node run below shows them in a real banner)."""
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    assert train_main(TINY + ["--parallelism.cp=4", "--parallelism.cp_strategy=alltoall", "--job.dry_run=true"]) == 0
-    out = capsys.readouterr().out
-    assert "nodes: 2 x 2 ranks; inside a node: cp 2 of 4 (2 ranks); across nodes: cp 4 = 2 per node x 2 nodes" in out
-    assert "warning: parallelism.cp_strategy = 'alltoall' over cp = 4 crosses nodes" in out
-    assert "cp_alltoall_size = 2" in out
+    config = load_config(TINY + ["--parallelism.cp=4", "--parallelism.cp_strategy=alltoall"])
+    placed = placement(config, 4)
+    assert placed.line() == ("nodes: 2 x 2 ranks; inside a node: cp 2 of 4 (2 ranks); "
+                             "across nodes: cp 4 = 2 per node x 2 nodes")
+    [warning] = node_warnings(config, placed)
+    assert warning.startswith("warning: parallelism.cp_strategy = 'alltoall' over cp = 4 crosses nodes")
+    assert "cp_strategy = 'alltoall_ring' with cp_alltoall_size = 2" in warning
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # cp = 3 on nodes of 4: groups straddle them unevenly
+    uneven = load_config(TINY + ["--parallelism.cp=3", "--parallelism.dp_shard=4", "--training.seq_len=96"])
+    warnings = node_warnings(uneven, placement(uneven, 12))
+    assert [w.split(":")[1] for w in warnings] == [" parallelism.cp = 3", " parallelism.dp_shard = 4"]
+    assert all("straddle the boundaries of nodes of 4 ranks unevenly" in w for w in warnings)
 
 
 def _free_port() -> int:
