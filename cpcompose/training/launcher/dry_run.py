@@ -18,7 +18,8 @@ __all__ = ["describe_plan"]
 
 def describe_plan(config: JobConfig, world: int, lengths_png: Path | None = None,
                   data_notes: Sequence[str] = ()) -> str:
-    """A readable summary: degrees, where they sit on the nodes (several), model size, per-rank tokens, the data, and the memory plan against the budget.
+    """A readable summary: degrees, where they sit on the nodes (several), model size, per-rank tokens, the data,
+    and the memory plan against the budget.
 
     ``lengths_png``: where token stores draw their documents' length histogram (the banner: beside the loss plot).
     ``data_notes``: what the pre-launch data check did (the banner: each token store reused, built or rebuilt).

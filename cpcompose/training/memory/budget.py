@@ -123,8 +123,8 @@ def describe_memory(config: JobConfig, world: int) -> list[str]:
     lines += [f"    {name:<26} {b / GiB:8.3f} GiB" for name, b in parts]
     if plan.host_bytes:
         ranks = _ranks_on_host(world)
-        lines.append(f"    (offloaded to host memory: {plan.host_bytes / GiB:.3f} GiB per rank, {plan.host_bytes * ranks / GiB:.3f}"
-                     f" GiB for the {ranks} rank{'s' if ranks > 1 else ''} of a node)")
+        lines.append(f"    (offloaded to host memory: {plan.host_bytes / GiB:.3f} GiB per rank, "
+                     f"{plan.host_bytes * ranks / GiB:.3f} GiB for the {ranks} rank{'s' if ranks > 1 else ''} of a node)")
     return lines
 
 
