@@ -1,0 +1,38 @@
+"""The trainer on a Hugging Face model at `parallelism.tp = 2 x cp = 2`: the same per-step loss as one process.
+
+A tiny `save_pretrained` Qwen3 folder (per-head q/k norms: the plan's `replicated_with_grad_allreduce`, whose
+weight gradient is summed over the tp ranks) trains 3 steps on 4 ranks (tp = 2 x cp = 2: heads split over tp,
+the sequence over cp, FSDP2 over cp on top of the tp split) and on one process at cp = 1. Tolerance: relative
+1e-4 per step (the issue's bound); the float32 sums run in another order (row-wise partial sums all-reduced over
+tp, attention merged over cp, FSDP's reduce-scatter), about 1e-7 relative at step 1, and AdamW, dividing each
+update by the gradient's own scale, moves a tiny-gradient weight by up to lr (3e-3) a step from those last bits.
+The run exports the model (`checkpoint.export_hf`), each rank writing its tp x FSDP slices: the folder loads with
+`from_pretrained` to the trained weights gathered whole and gives the same logits.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.support.hf_trainer import hf_args, make_model, run_hf, same_logits, text_corpus, train
+
+STEPS = 3
+RTOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    return text_corpus(tmp_path_factory.mktemp("corpus"))
+
+
+def test_qwen3_trains_at_tp2_cp2_as_on_one_process(pools, corpus, tmp_path: Path) -> None:
+    qwen3 = make_model(tmp_path / "qwen3", "qwen3")
+    [one] = pools.get(1).run(run_hf, hf_args(qwen3, corpus, tmp_path / "one", steps=STEPS))
+    out = tmp_path / "export"
+    four = train(pools, 4, hf_args(qwen3, corpus, tmp_path / "four", "--parallelism.tp=2", "--parallelism.cp=2",
+                                   f"--checkpoint.export_hf={out}", steps=STEPS), weights=True)
+    assert four["error"] is None, four["error"]
+    assert four["losses"] == pytest.approx(one["losses"], rel=RTOL), (four["losses"], one["losses"])
+    same_logits(four["weights"], qwen3, out)
