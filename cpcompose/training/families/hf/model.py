@@ -391,8 +391,8 @@ def parallelize_hf_model(model: nn.Module, config: JobConfig, *, dims: ParallelD
         # CP lives in a region (a TorchFunctionMode), not in hooks: the recomputation must re-enter it.
         apply_activation_checkpointing(layers, offload=config.activation_checkpoint.offload,
                                        context_fn=recompute_context)
-    if dims.dp_cp_size > 1:
-        embedding, head = _outer_units(model)
+    if dims.dp_cp_size > 1 or dims.tp_enabled:  # tp alone: FSDP over one rank, so every parameter is a DTensor
+        embedding, head = _outer_units(model)  # (the fused AdamW step takes no mix of DTensors and plain tensors)
         apply_fsdp(model, _unshared(layers), mesh=mesh, parallel_dims=dims, embedding=embedding, head=head,
                    param_dtype=compute_dtype(config), offload_params=t.offload_params, experts=experts,
                    expert_mesh=expert_mesh)
