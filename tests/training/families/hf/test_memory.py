@@ -70,3 +70,28 @@ def test_tied_word_embeddings_are_refused_by_name() -> None:
     with pytest.raises(ValueError, match="tied word embeddings"):
         hf_memory_profile(hf.Qwen3Config(**{**SMALL, "tie_word_embeddings": True}), tp=1, precision="float32",
                           mlp_tiles=1)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_at_tp_the_profile_counts_one_rank_share(family: str) -> None:
+    """At tp = 2 a layer's parameters are one tp rank's: the family's plan splits each colwise weight and bias and
+    each rowwise weight in two (a rowwise bias, the norms and the per-head q/k norms whole); its attention is that
+    rank's heads. A family whose layers are not split has no profile at tp > 1."""
+    from cpcompose.integrations.transformers.tensor_parallel import tensor_parallel_plan
+
+    tp, config = 2, CONFIGS[family]()
+    with torch.device("meta"):
+        model = hf.AutoModelForCausalLM.from_config(config)
+    layer = model.model.layers[0]
+    styles = tensor_parallel_plan(model, list(model.model.layers), tp).styles
+    share = sum(p.numel() // (tp if styles.get(owner) == "colwise" or (styles.get(owner) == "rowwise"
+                                                                      and leaf == "weight") else 1)
+                for name, p in layer.named_parameters() for owner, _, leaf in [name.rpartition(".")])
+    profile = hf_memory_profile(config, tp=tp, precision="bfloat16-params", mlp_tiles=1)
+    assert profile.block_params == share and profile.body_params == share * len(model.model.layers)
+    assert profile.attention == (SMALL["num_attention_heads"] // tp, SMALL["num_key_value_heads"] // tp,
+                                 SMALL["head_dim"])
+    whole = hf_memory_profile(config, tp=1, precision="bfloat16-params", mlp_tiles=1)
+    assert profile.root_params == whole.root_params and profile.block_saved < whole.block_saved
+    with pytest.raises(ValueError, match="'qwen3_moe' at parallelism.tp = 2"):
+        hf_memory_profile(CONFIGS["qwen3_moe"](), tp=2, precision="float32", mlp_tiles=1)
