@@ -108,7 +108,8 @@ def test_what_cannot_be_split_is_refused_by_name() -> None:
          ["Linear (model.layers.0.mlp.gate_proj) has 66 output features, which 4 tensor-parallel ranks do not split "
           "evenly"]),
         (_moe_config("qwen3_next", {"vocab_size": 64}), 2,
-         ["Qwen3NextGatedDeltaNet (model.layers.0.linear_attn)", "'colwise_gather_output'"]),
+         ["Qwen3NextGatedDeltaNet (model.layers.0.linear_attn) has no tensor-parallel form here",
+          "'colwise_gather_output'", "Qwen3NextSparseMoeBlock (model.layers.0.mlp) holds experts"]),
         (_moe_config("mixtral", {"vocab_size": 64}), 2,
          ["MixtralSparseMoeBlock (model.layers.0.mlp) holds experts, which expert parallelism (parallelism.ep) "
           "splits"]),
@@ -116,8 +117,8 @@ def test_what_cannot_be_split_is_refused_by_name() -> None:
         (hf.Olmo2Config(**SMALL), 2,
          ["Olmo2Attention (model.layers.0.self_attn) has a norm (self_attn.q_norm) that normalizes over the whole "
           "projected width (32"]),
-        (hf.Phi3Config(**SMALL), 2, ["Phi3Attention (model.layers.0.self_attn) is split by the family's plan as "
-                                     "self_attn.o_proj: 'rowwise_split_input'"]),
+        (hf.Phi3Config(**SMALL), 2, ["Phi3Attention (model.layers.0.self_attn) has no tensor-parallel form here: "
+                                     "the family's plan splits self_attn.o_proj as 'rowwise_split_input'"]),
         (hf.MambaConfig(vocab_size=64, hidden_size=16, num_hidden_layers=2, state_size=4, pad_token_id=0,
                         bos_token_id=1, eos_token_id=1), 2,
          ["MambaMixer (backbone.layers.0.mixer) has no tensor-parallel form"]),

@@ -172,6 +172,9 @@ def _layer_reasons(layer: nn.Module, styles: Mapping[str, str], tp: int, where: 
             continue
         part = f"{type(child).__name__} ({where}.{child_name})"
         split = [n for n, _ in owners if styles.get(n) in (COLWISE, ROWWISE)]
+        if split and any(_is_experts(m, styles.get(n)) for n, m in owners):  # a MoE block: its experts say it all
+            reasons.append(f"{part} {_no_form(child, owners, styles)}")
+            continue
         if not split:
             if all(p.dim() <= 1 for _, m in owners for p in m.parameters(recurse=False)):
                 continue  # a norm of the residual stream: replicated
@@ -207,8 +210,9 @@ def _no_form(child: nn.Module, owners: list[tuple[str, nn.Module]], styles: Mapp
             return f"has a norm ({name}) that {_unsplit(module, child)}"
     for name, module in owners:
         if (style := styles.get(name)) is not None and style not in STYLES:
-            return (f"is split by the family's plan as {name}: {style!r}, a style the trainer does not apply "
-                    f"(it applies {', '.join(STYLES)}; a gathered or packed projection runs every head on every rank)")
+            return (f"has no tensor-parallel form here: the family's plan splits {name} as {style!r}, a style the "
+                    f"trainer does not apply (it applies {', '.join(STYLES)}; a gathered or packed projection runs "
+                    "every head on every rank)")
     return ("has no tensor-parallel form: the plan splits none of its matrices (a Gated DeltaNet, a Mamba mixer, a "
             "convolution, latent attention, ...), and they cannot run whole on a share of the heads")
 
