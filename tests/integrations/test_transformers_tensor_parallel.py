@@ -113,7 +113,8 @@ def test_what_cannot_be_split_is_refused_by_name() -> None:
         (_moe_config("mixtral", {"vocab_size": 64}), 2,
          ["MixtralSparseMoeBlock (model.layers.0.mlp) holds experts, which expert parallelism (parallelism.ep) "
           "splits"]),
-        (_moe_config("gpt_oss", {"vocab_size": 64}), 2, ["GptOssAttention (model.layers.0.self_attn) holds sinks (4,)"]),
+        (_moe_config("gpt_oss", {"vocab_size": 64}), 2,
+         ["GptOssAttention (model.layers.0.self_attn) holds sinks (4,)"]),
         (hf.Olmo2Config(**SMALL), 2,
          ["Olmo2Attention (model.layers.0.self_attn) has a norm (self_attn.q_norm) that normalizes over the whole "
           "projected width (32"]),

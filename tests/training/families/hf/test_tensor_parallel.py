@@ -8,7 +8,8 @@ tp, attention merged over cp, FSDP's reduce-scatter), about 1e-7 relative at ste
 update by the gradient's own scale, moves a tiny-gradient weight by up to lr (3e-3) a step from those last bits.
 The run exports the model (`checkpoint.export_hf`), each rank writing its tp x FSDP slices: the folder loads with
 `from_pretrained` to the trained weights gathered whole and gives the same logits. At tp = 2 alone (2 ranks, FSDP
-over one rank so every parameter is a DTensor for the fused AdamW step) the losses are the same too.
+over one rank so every parameter is a DTensor for the fused AdamW step), with sequence-tiled MLPs (each tile through
+the split feed-forward), the losses are the same too.
 """
 
 from __future__ import annotations
@@ -37,5 +38,6 @@ def test_qwen3_trains_at_tp2_cp2_as_on_one_process(pools, corpus, tmp_path: Path
     assert four["error"] is None, four["error"]
     assert four["losses"] == pytest.approx(one["losses"], rel=RTOL), (four["losses"], one["losses"])
     same_logits(four["weights"], qwen3, out)
-    two = train(pools, 2, hf_args(qwen3, corpus, tmp_path / "two", "--parallelism.tp=2", steps=STEPS))
+    two = train(pools, 2, hf_args(qwen3, corpus, tmp_path / "two", "--parallelism.tp=2", "--training.tiled_mlp=2",
+                                  steps=STEPS))
     assert two["losses"] == pytest.approx(one["losses"], rel=RTOL), (two["losses"], one["losses"])
