@@ -71,13 +71,6 @@ def _meta(config: hf.PretrainedConfig) -> torch.nn.Module:
         return hf.AutoModelForCausalLM.from_config(config)
 
 
-def _refusal(config: hf.PretrainedConfig, tp: int = 2) -> str:
-    model = _meta(config)
-    with pytest.raises(ValueError) as e:
-        tensor_parallel_plan(model, list(model.model.layers), tp)
-    return str(e.value)
-
-
 SMALL = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              intermediate_size=64, pad_token_id=0, bos_token_id=1, eos_token_id=1)
 

@@ -186,9 +186,6 @@ def _layer_reasons(layer: nn.Module, styles: Mapping[str, str], tp: int, where: 
             if style is None:
                 reasons.append(f"{at} {_unsplit(module, child)}, inside {part}, whose heads or columns {source} "
                                "plan splits")
-            elif _is_experts(module, style):
-                reasons.append(f"{at}: experts are split by expert parallelism (parallelism.ep), not by tensor "
-                               "parallelism")
             elif style not in STYLES:
                 reasons.append(f"{at}: {source} plan's style {style!r} is not one the trainer applies "
                                f"({', '.join(STYLES)}; a gathered or packed projection would run every head on "
