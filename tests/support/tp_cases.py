@@ -116,3 +116,35 @@ def case(mesh, splits: list[tuple[int, int, int, bool]], states: dict[str, dict]
         for name, state in states.items():
             out[(dp_shard, cp, tp, name)] = _step(_parallel(root, dims, name, state, ac), root, dims)
     return out
+
+
+def saved_bytes_case(mesh, config: hf.PretrainedConfig, tokens: int) -> float:  # noqa: ANN001
+    """What one decoder layer of `config` (float32), split over the pool's ranks as the trainer splits it, saves for
+    backward per token inside a CP region of one rank: every saved tensor's storage once, the parameters and RoPE's
+    cos and sin (saved once for the whole model) left out."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    root = init_device_mesh("cpu", (1, mesh.size()), mesh_dim_names=("cp", "tp"))
+    torch.manual_seed(0)
+    model = hf.AutoModelForCausalLM.from_config(config, attn_implementation="cpcompose", dtype=torch.float32)
+    layers = list(model.model.layers)
+    apply_tensor_parallel(layers, tensor_parallel_plan(model, layers, mesh.size()), root["tp"])
+    x = torch.randn(1, tokens, config.hidden_size, requires_grad=True)
+    positions = torch.arange(tokens)[None]
+    rope = tuple(e.detach() for e in model.model.rotary_emb(x, positions))
+
+    def storage(t: torch.Tensor) -> torch.UntypedStorage:
+        return (t._local_tensor if isinstance(t, DTensor) else t).untyped_storage()
+
+    skip = {storage(t).data_ptr() for t in [*model.parameters(), *rope]}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if storage(t).data_ptr() not in skip:
+            saved[storage(t).data_ptr()] = storage(t).nbytes()
+        return t
+
+    with context_parallel(root["cp"], verify=False), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        layers[0](x, position_embeddings=rope, position_ids=positions, attention_mask=None)
+    return sum(saved.values()) / tokens

@@ -2,7 +2,8 @@
 
 Its parameter counts are exact: they must equal the model transformers builds (on the meta device) for each
 profiled family, the hybrid's layers of two kinds included. A family it cannot count is said in one line
-by the dry run's memory line, never a number. (What the counted tensors add up to is checked against torch's
+by the dry run's memory line, never a number. At tp = 2 the dense families count one tp rank's share, its
+parameters against the family's plan and a split Qwen3 layer's saved bytes against `saved_tensors_hooks`. (What the counted tensors add up to is checked against torch's
 tracker by tests/training/memory/test_rehearsal.py.)
 """
 
@@ -95,3 +96,16 @@ def test_at_tp_the_profile_counts_one_rank_share(family: str) -> None:
     assert profile.root_params == whole.root_params and profile.block_saved < whole.block_saved
     with pytest.raises(ValueError, match="'qwen3_moe' at parallelism.tp = 2"):
         hf_memory_profile(CONFIGS["qwen3_moe"](), tp=2, precision="float32", mlp_tiles=1)
+
+
+def test_at_tp_a_layer_saves_what_the_profile_counts(pools) -> None:
+    """A Qwen3 layer split over 2 tp ranks (its per-head norms, q, k, v and the feed-forward's columns halved) saves
+    per token, counted by `saved_tensors_hooks` on transformers' modules in a CP region, exactly the profile's
+    `block_saved` at tp = 2 (float32)."""
+    from tests.support.tp_cases import saved_bytes_case
+
+    config = hf.Qwen3Config(vocab_size=64, hidden_size=128, num_hidden_layers=1, num_attention_heads=8,
+                            num_key_value_heads=4, head_dim=32, intermediate_size=256)
+    measured = pools.get(2).run(saved_bytes_case, config, 64)
+    profile = hf_memory_profile(config, tp=2, precision="float32", mlp_tiles=1)
+    assert measured == [profile.block_saved] * 2, (measured, profile.block_saved)
