@@ -20,16 +20,15 @@ FSDP still shards that weight over dp_shard x cp, so its memory is not the tp de
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from cpcompose.config import ConfigError, JobConfig
-from cpcompose.integrations.transformers.tensor_parallel import (
-    TensorParallelPlan,
-    apply_tensor_parallel,
-    tensor_parallel_plan,
-)
+
+if TYPE_CHECKING:  # the integration imports transformers: only once model.name = "hf" has checked it is there
+    from cpcompose.integrations.transformers.tensor_parallel import TensorParallelPlan
 
 __all__ = ["apply_hf_tensor_parallel", "check_hf_tensor_parallel"]
 
@@ -40,6 +39,8 @@ def check_hf_tensor_parallel(model: nn.Module, layers: Sequence[nn.Module], conf
     Raises:
         ConfigError: `parallelism.tp`, naming every count or part that cannot be split.
     """
+    from cpcompose.integrations.transformers.tensor_parallel import tensor_parallel_plan
+
     tp = config.parallelism.tp
     prefix = f"{getattr(model, 'base_model_prefix', 'model')}.layers"
     try:
@@ -53,4 +54,6 @@ def check_hf_tensor_parallel(model: nn.Module, layers: Sequence[nn.Module], conf
 def apply_hf_tensor_parallel(model: nn.Module, layers: Sequence[nn.Module], config: JobConfig,
                              mesh: DeviceMesh) -> None:
     """Split `layers` over the root `mesh`'s tp axis, in place (before FSDP)."""
+    from cpcompose.integrations.transformers.tensor_parallel import apply_tensor_parallel
+
     apply_tensor_parallel(layers, check_hf_tensor_parallel(model, layers, config), mesh["tp"])
