@@ -53,10 +53,6 @@ class HuggingFaceFamily:
         if p.pp != 1:
             return ConfigError(f"parallelism.pp: {p.pp}: {who} is not cut into pipeline stages here; use "
                                "parallelism.cp and parallelism.dp_shard (FSDP) instead")
-        if config.training.compile:
-            return ConfigError(f"training.compile: not with model.name = '{self.name}': its attention runs "
-                               "cpcompose's checks in Python, which torch.compile(fullgraph=True) cannot trace; set "
-                               "training.compile = false")
         return None
 
     def resolve(self, config: JobConfig) -> JobConfig:
