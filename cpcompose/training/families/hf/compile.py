@@ -16,6 +16,7 @@ experts dispatch reads a ContextVar dynamo cannot trace) are refused by flag.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from torch import nn
@@ -70,9 +71,11 @@ def _sliding_window(hf_config: Any) -> int | None:
     return window if isinstance(window, int) else None
 
 
-def apply_hf_compile(layers: list[nn.Module], *, checkpointed: bool) -> None:
+def apply_hf_compile(layers: list[nn.Module], *, checkpointed: bool, backend: str | Callable[..., Any] = "inductor") \
+        -> None:
     """Compile each decoder layer (fullgraph), or with activation checkpointing each layer's parts.
 
     Lazy: each compiles at its first forward. Called before FSDP, as the own Llama does.
     """
-    apply_compile(layers if not checkpointed else [part for layer in layers for part in layer.children()])
+    apply_compile(layers if not checkpointed else [part for layer in layers for part in layer.children()],
+                  backend=backend)

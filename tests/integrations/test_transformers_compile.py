@@ -1,0 +1,51 @@
+"""Compiled decoder layers of Hugging Face models under a CP region: exact, one graph each, no recompiles.
+
+The trainer's compile (`apply_hf_compile`) on float64 Llama and Qwen3 at cp=2 (ring), with `aot_eager`
+(dynamo and AOTAutograd, what has to see around the custom op; inductor runs in the trainer's test,
+tests/training/families/hf/test_compile.py): loss and every gradient equal the single-process float64 run
+and the same model eager under CP at the derived float64 bound (only summation order differs). fullgraph=True
+makes any graph break an error; every graph holds one `cpcompose::attention` call per attention it traced;
+the second step, in a new region, runs with recompiles made errors. Llama also with activation
+checkpointing (each layer's parts compiled inside the checkpoint, the recomputation in the region again).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.support import hf_cases as cases
+from tests.support.hf_compile_cases import OP, compiled_bad_positions, compiled_steps
+from tests.support.tolerance import assert_close
+
+# Derived (tests/support/tolerance.py), float64: a weight gradient sums over batch x tokens x width (<= 64).
+TOL = dict(terms=cases.BATCH * cases.SEQ * 64)
+
+
+def _same(got: dict, want: dict, what: str) -> None:
+    assert_close(got["loss"], want["loss"], **TOL, msg=lambda m: f"{what} loss: {m}")
+    assert set(got["grads"]) == set(want["grads"])
+    for name, grad in want["grads"].items():
+        assert_close(got["grads"][name], grad, **TOL, msg=lambda m, name=name: f"{what} {name}: {m}")
+
+
+@pytest.mark.parametrize("name,checkpointed", [("llama", False), ("qwen3", False), ("llama", True)])
+def test_compiled_layers_are_exact(pools, name: str, checkpointed: bool) -> None:
+    want, state = cases.reference_plain(name)
+    for rank, got in enumerate(pools.get(2).run(compiled_steps, name, state, checkpointed)):
+        _same(got["eager"], want, f"rank {rank} eager")
+        for step, result in enumerate(got["steps"]):
+            _same(result, want, f"rank {rank} compiled step {step}")
+            _same(result, got["eager"], f"rank {rank} compiled step {step} vs eager")
+        attention = [g for g in got["graphs"] if OP in g]
+        assert attention and all(g.count(OP) == 1 for g in attention), "one CP attention op per traced attention"
+        # whole layers: every graph is a layer's and holds its attention; checkpointed: the layers' parts
+        assert checkpointed or len(attention) == len(got["graphs"]), got["graphs"]
+
+
+def test_positions_checked_inside_the_compiled_op(pools) -> None:
+    """Rank 1 alone gives positions numbered from 0: every rank raises from the op's agreement, naming rank 1's
+    position_ids (a value dynamo cannot read without a graph break); the next valid step runs."""
+    want, state = cases.reference_plain("llama")
+    for got in pools.get(2).run(compiled_bad_positions, state):
+        assert "rank 1" in got["error"] and "position_ids are not the positions" in got["error"], got["error"]
+        _same(got["after"], want, "after the refusal")
