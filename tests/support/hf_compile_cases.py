@@ -4,7 +4,7 @@
 checkpointing each layer's parts) on a float64 `hf_cases` model, two steps each in a new `context_parallel`
 region, the second with recompiles made errors; beside it the same model eager under CP, and every graph
 dynamo produced. `family_sweep`: every family the trainer trains, compiled (fullgraph) and run forward and
-backward at cp=2, beside `compile_refusal`'s verdict on it.
+backward in a CP region, beside `compile_refusal`'s verdict on it.
 """
 
 from __future__ import annotations
@@ -98,12 +98,15 @@ def trained_families() -> dict[str, Any]:
     made |= {name: make for name, (make, _) in DSA.items()}
     common = dict(vocab_size=cases.VOCAB, pad_token_id=0, bos_token_id=1, eos_token_id=1)
     made |= {f"moe_{name}": (lambda name=name: _moe_config(name, common)) for name in MOE_FAMILIES}
+    # a family that compiles, with a flag that does not: sliding-window layers
+    made["qwen3_window"] = lambda: hf.Qwen3Config(**dict(cases.ARCHS["qwen3"]().to_dict(), use_sliding_window=True, sliding_window=8,
+                                                        layer_types=["sliding_attention", "full_attention"]))
     return made
 
 
 def family_sweep(mesh, names: list[str]) -> dict[str, dict]:
-    """Each family compiled (dynamo, fullgraph) and run forward and backward at cp=2, float32: the error it raised
-    (None: it ran) and what `compile_refusal` says of it before launch."""
+    """Each family compiled (dynamo, fullgraph) and run forward and backward in a CP region on `mesh`, float32: the
+    error it raised (None: it ran) and what `compile_refusal` says of it before launch."""
     from tests.support.hybrid_families import HYBRIDS
 
     made, out = trained_families(), {}

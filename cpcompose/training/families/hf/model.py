@@ -146,7 +146,7 @@ def _prepare(config: JobConfig, *, weights: bool = True) -> _Prepared:
     if _uses_region(config) and (refused := cphf.refused_in(model)):
         raise ConfigError("model.path: cpcompose cannot make this model exact under CP (parallelism.cp > 1 or "
                           "data.pack): " + "; ".join(refused))
-    if t.compile and (why := compile_refusal(model, hf_config)):
+    if t.compile and (why := compile_refusal(model, hf_config, ep=config.parallelism.ep)):
         raise ConfigError(f"training.compile: {why}; set training.compile = false")
     if t.fused_loss:
         try:

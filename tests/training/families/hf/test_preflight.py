@@ -24,7 +24,7 @@ from cpcompose.training.resolve import resolve_config
 from cpcompose.config import load_config
 from cpcompose.train import main
 from cpcompose.training.launcher.preflight import preflight
-from tests.support.hf_trainer import ROOT, hf_args, make_model, text_corpus, train
+from tests.support.hf_trainer import ROOT, hf_args, make_model, make_moe, text_corpus, train
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +97,11 @@ def _cases(llama: Path, tmp: Path) -> list[tuple[Path, list[str], str, str]]:
         (llama, ["--model.vocab_size=64"], "model.vocab_size", "does not apply"),
         (llama, ["--parallelism.tp=2"], "parallelism.tp", "tensor parallelism"),
         (llama, ["--parallelism.pp=2", "--data.pack=false"], "parallelism.pp", "pipeline"),
-        (llama, ["--training.compile=true"], "training.compile", "fullgraph"),
+        (tmp / "gemma3", ["--parallelism.cp=2", "--training.compile=true"], "training.compile",
+         "model type 'gemma3_text' (Gemma3ForCausalLM) is not one whose decoder layers compile"),
+        (make_moe(tmp / "dsv3-moe", "deepseek_v3"), ["--parallelism.cp=2", "--parallelism.ep=2",
+                                                     "--training.compile=true"], "training.compile",
+         "not with parallelism.ep = 2"),
         (llama, [f"--checkpoint.export_hf={llama}"], "checkpoint.export_hf", "overwrite"),
         (llama, [f"--checkpoint.export_hf={_variant(llama, tmp / 'not-an-export')}"], "checkpoint.export_hf",
          "holds files no cpcompose export wrote"),
