@@ -175,10 +175,11 @@ class CPAttentionMode(TorchFunctionMode):
         if not (compiling and self._count_in_op):
             self.routed += 1
         if compiling:  # dynamo cannot trace the agreement: hide it in the op
+            window = overrides.pop("window_size", self.options.window_size)  # a layer's window: an op argument
             changed = sorted(k for k, value in overrides.items() if getattr(self.options, k) != value)
             if changed and caller_error is None:
                 caller_error = (
-                    f"per-call CP options {changed} (e.g. a Hugging Face layer's window) are not supported "
+                    f"per-call CP options {changed} (beyond a layer's window_size) are not supported "
                     "under torch.compile yet; run this model eagerly"
                 )
             if sinks is not None and caller_error is None:
@@ -188,7 +189,8 @@ class CPAttentionMode(TorchFunctionMode):
                                 "bidirectional model) is not supported under torch.compile yet; run this model "
                                 "eagerly, or build the batch with pack_batch")
             out = compiled_attention(q, k, v, context=self.context, is_causal=is_causal, scale=scale,
-                                     softcap=softcap, caller_error=caller_error, position_ids=position_ids)
+                                     softcap=softcap, caller_error=caller_error, position_ids=position_ids,
+                                     window_size=window)
         else:
             out = attend(q, k, v, mesh=self.mesh, is_causal=is_causal, scale=scale, softcap=softcap,
                          options=self.options.replace(**overrides), caller_error=caller_error, sinks=sinks,

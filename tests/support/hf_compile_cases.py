@@ -98,7 +98,7 @@ def trained_families() -> dict[str, Any]:
     made |= {name: make for name, (make, _) in DSA.items()}
     common = dict(vocab_size=cases.VOCAB, pad_token_id=0, bos_token_id=1, eos_token_id=1)
     made |= {f"moe_{name}": (lambda name=name: _moe_config(name, common)) for name in MOE_FAMILIES}
-    # a family that compiles, with a flag that does not: sliding-window layers
+    # a family of the list with sliding-window layers (its ARCHS config has none)
     made["qwen3_window"] = lambda: hf.Qwen3Config(**dict(cases.ARCHS["qwen3"]().to_dict(), use_sliding_window=True, sliding_window=8,
                                                         layer_types=["sliding_attention", "full_attention"]))
     return made

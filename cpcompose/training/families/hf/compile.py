@@ -4,16 +4,17 @@ Each decoder layer is compiled whole with `fullgraph=True`, as the own Llama's b
 (`cpcompose.distributed.apply_compile`); with activation checkpointing, each layer's parts instead, inside
 the checkpoint (dynamo cannot trace the checkpoint's `context_fn`, which re-enters the CP region around the
 recomputation). CP attention is one custom op in the graph (`cpcompose::attention`): the `cpcompose`
-attention function reads the region and its options while dynamo traces, and hands what it checks from
-tensor values (the positions) to the op, which checks them at run time inside the cross-rank agreement.
+attention function reads the region and its options while dynamo traces, passes a layer's sliding window
+as a constant of the op call, and hands what it checks from tensor values (the positions) to the op, which
+checks them at run time inside the cross-rank agreement.
 
 What does not compile is refused before launch, by family: `COMPILED_FAMILIES` are the model types whose
 layers compile without a graph break and train exactly under CP (tests/training/families/hf/test_compile.py
-tries every family the trainer trains and asserts this list, and the refusals, exactly). Within them, a
-sliding window (the op takes the region's window, not a layer's) and expert parallelism are refused by flag.
-Families outside the list fail for reasons of their own: the hybrids' mixers and the sparse-attention indexers
-run cpcompose's checks in Python; transformers records MoE router logits (the router loss) through a
-ContextVar that dynamo cannot read inside a compiled layer; a layer's window.
+tries every family the trainer trains and asserts this list, and the refusals, exactly). Within them,
+expert parallelism is refused by flag. Families outside the list fail for reasons of their own: the hybrids'
+mixers and the sparse-attention indexers run cpcompose's checks in Python; transformers records MoE router
+logits (the router loss) through a ContextVar that dynamo cannot read inside a compiled layer; attention
+sinks (gpt-oss) do not pass through the compiled op.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from cpcompose.distributed import apply_compile
 
 __all__ = ["COMPILED_FAMILIES", "apply_hf_compile", "compile_refusal"]
 
-COMPILED_FAMILIES = ("deepseek_v3", "gpt_neox", "llama", "olmo2", "phi3", "qwen3")
+COMPILED_FAMILIES = ("deepseek_v3", "gemma2", "gemma3_text", "gpt_neox", "llama", "mistral", "olmo2", "phi3", "qwen2",
+                     "qwen3")
 """The model types whose decoder layers compile whole (fullgraph) and equal eager under CP."""
 
 
@@ -37,10 +39,6 @@ def compile_refusal(model: nn.Module, hf_config: Any, *, ep: int = 1) -> str | N
     if model_type not in COMPILED_FAMILIES:
         return (f"model type {model_type!r} ({type(model).__name__}) is not one whose decoder layers compile "
                 f"under CP ({', '.join(COMPILED_FAMILIES)}): {_family_reason(model_type)}")
-    window = _sliding_window(hf_config)
-    if window is not None:
-        return (f"{model_type} with a sliding window ({window}): the compiled CP attention takes the region's "
-                "window, not a layer's")
     if ep > 1:
         return f"not with parallelism.ep = {ep}: the expert-parallel exchange is not compiled (set it to 1)"
     return None
@@ -56,17 +54,6 @@ def _family_reason(model_type: object) -> str:
     if model_type in INDEXED_FAMILIES:
         return "its sparse-attention indexer runs cpcompose's selection in Python, which dynamo cannot trace"
     return "its layers were not shown to compile whole and exactly under CP"
-
-
-def _sliding_window(hf_config: Any) -> int | None:
-    """The window some layer attends in, as transformers reads the config (layer_types, or sliding_window)."""
-    window = getattr(hf_config, "sliding_window", None)
-    layer_types = getattr(hf_config, "layer_types", None) or ()
-    if isinstance(layer_types, (list, tuple)) and layer_types:
-        return window if "sliding_attention" in layer_types else None
-    if not getattr(hf_config, "use_sliding_window", True):
-        return None
-    return window if isinstance(window, int) else None
 
 
 def apply_hf_compile(layers: list[nn.Module], *, checkpointed: bool, backend: str | Callable[..., Any] = "inductor") \

@@ -13,8 +13,8 @@ halves the sweep's CPU time). Dynamo's `eager` backend: a graph break, an untrac
 of a layer's window all fail there; the exactness of what compiles is shown with AOTAutograd and inductor at
 cp=2 in tests/integrations/test_transformers_compile.py and above. The families that
 fail are exactly those `compile_refusal` refuses before launch, and those that run are `COMPILED_FAMILIES`
-(a Qwen3 with sliding-window layers beside them: refused by the flag). The refusal's one line through the
-launcher is in test_preflight.py.
+(a Qwen3 with sliding-window layers among them: each layer's window reaches the op). The refusal's one line
+through the launcher is in test_preflight.py.
 """
 
 from __future__ import annotations

@@ -97,8 +97,6 @@ def _cases(llama: Path, tmp: Path) -> list[tuple[Path, list[str], str, str]]:
         (llama, ["--model.vocab_size=64"], "model.vocab_size", "does not apply"),
         (llama, ["--parallelism.tp=2"], "parallelism.tp", "tensor parallelism"),
         (llama, ["--parallelism.pp=2", "--data.pack=false"], "parallelism.pp", "pipeline"),
-        (tmp / "gemma3", ["--parallelism.cp=2", "--training.compile=true"], "training.compile",
-         "model type 'gemma3_text' (Gemma3ForCausalLM) is not one whose decoder layers compile"),
         (make_moe(tmp / "dsv3-moe", "deepseek_v3"), ["--parallelism.cp=2", "--parallelism.ep=2",
                                                      "--training.compile=true"], "training.compile",
          "not with parallelism.ep = 2"),
@@ -117,6 +115,8 @@ def _cases(llama: Path, tmp: Path) -> list[tuple[Path, list[str], str, str]]:
         (llama, ["--parallelism.cp=2", "--parallelism.ep=2"], "parallelism.ep", "declares no experts"),
         (make_model(tmp / "moe-ep", "qwen3_next"), ["--parallelism.cp=4", "--parallelism.ep=4"], "parallelism.ep",
          "does not divide the model's 2 experts"),
+        (tmp / "moe-ep", ["--parallelism.cp=2", "--training.compile=true"], "training.compile",
+         "model type 'qwen3_next' (Qwen3NextForCausalLM) is not one whose decoder layers compile"),
     ]
 
 
