@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.support import hf_cases as cases
-from tests.support.hf_compile_cases import OP, compiled_bad_positions, compiled_steps
+from tests.support.hf_compile_cases import OP, compiled_bad_positions, compiled_checkpoint_without_context, compiled_steps
 from tests.support.tolerance import assert_close
 
 # Derived (tests/support/tolerance.py), float64: a weight gradient sums over batch x tokens x width (<= 64).
@@ -56,3 +56,12 @@ def test_positions_checked_inside_the_compiled_op(pools) -> None:
     for got in pools.get(2).run(compiled_bad_positions, state):
         assert "rank 1" in got["error"] and "position_ids are not the positions" in got["error"], got["error"]
         _same(got["after"], want, "after the refusal")
+
+
+def test_compiled_recomputation_outside_the_region_is_refused(pools) -> None:
+    """Checkpointed layers whose compiled parts are recomputed outside the region (no `recompute_context`): every
+    rank raises, naming the fix, while dynamo traces the recomputation (whether a backward runs is read once per
+    trace, `_compat.in_backward`), as the eager attention does."""
+    _, state = cases.reference_plain("llama")
+    for error in pools.get(2).run(compiled_checkpoint_without_context, state):
+        assert "recomputed outside its CP region" in error and "recompute_context" in error, error

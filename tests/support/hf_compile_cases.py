@@ -135,3 +135,18 @@ def family_sweep(mesh, names: list[str]) -> dict[str, dict]:
             error = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200]}"
         out[name] = {"error": error, "refusal": refusal, "seconds": time.perf_counter() - start}
     return out
+
+
+def compiled_checkpoint_without_context(mesh, state: dict) -> str:
+    """Compiled parts of checkpointed layers whose recomputation runs outside the region (torch's checkpoint
+    without `recompute_context`): every rank refuses, as eagerly."""
+    torch._dynamo.reset()
+    model = cases.build("llama", "cpcompose", state)
+    layers = list(model.model.layers)
+    apply_activation_checkpointing(layers)
+    apply_hf_compile(layers, checkpointed=True, backend="aot_eager")
+    try:
+        _cp_step(mesh, model, "llama")
+    except Exception as e:  # noqa: BLE001 (raised while dynamo traces the recomputation: it may wrap the ValueError)
+        return str(e)
+    return "no error"

@@ -206,13 +206,13 @@ def cpcompose_attention_forward(
     indices = kwargs.pop("indices", None)  # DSA's top-k key positions per query (an indexer's choice), or None
     region = active_cp_region()
     compiling = torch.compiler.is_compiling()
-    if not compiling and region is None and _compat.in_backward() and getattr(module, _UNDER_CP_ATTR, False):
+    if region is None and _compat.in_backward() and getattr(module, _UNDER_CP_ATTR, False):
         raise ValueError(
             f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}): a checkpointed forward that ran "
             "under CP is being recomputed outside its CP region; enable checkpointing with activation_checkpointing_"
             "kwargs={'use_reentrant': False, 'context_fn': cpcompose.parallel.recompute_context}"
         )
-    if not compiling and not _compat.in_backward():
+    if not _compat.in_backward():
         setattr(module, _UNDER_CP_ATTR, region is not None)  # what a recomputation of this call must reproduce
     if region is None:
         if isinstance(indices, Tensor):
