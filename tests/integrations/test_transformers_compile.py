@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from tests.support import hf_cases as cases
-from tests.support.hf_compile_cases import OP, compiled_bad_positions, compiled_checkpoint_without_context, compiled_steps
+from tests.support.hf_compile_cases import (OP, compiled_bad_positions, compiled_checkpoint_without_context,
+                                            compiled_steps)
 from tests.support.tolerance import assert_close
 
 # Derived (tests/support/tolerance.py), float64: a weight gradient sums over batch x tokens x width (<= 64).

@@ -99,8 +99,9 @@ def trained_families() -> dict[str, Any]:
     common = dict(vocab_size=cases.VOCAB, pad_token_id=0, bos_token_id=1, eos_token_id=1)
     made |= {f"moe_{name}": (lambda name=name: _moe_config(name, common)) for name in MOE_FAMILIES}
     # a family of the list with sliding-window layers (its ARCHS config has none)
-    made["qwen3_window"] = lambda: hf.Qwen3Config(**dict(cases.ARCHS["qwen3"]().to_dict(), use_sliding_window=True, sliding_window=8,
-                                                        layer_types=["sliding_attention", "full_attention"]))
+    made["qwen3_window"] = lambda: hf.Qwen3Config(**dict(
+        cases.ARCHS["qwen3"]().to_dict(), use_sliding_window=True, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"]))
     return made
 
 
@@ -131,7 +132,7 @@ def family_sweep(mesh, names: list[str]) -> dict[str, dict]:
                 logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits
                 cp_cross_entropy(logits, targets, mesh=mesh).backward()
             error = None
-        except Exception as e:  # noqa: BLE001 (dynamo's Unsupported, the op's ValueError: what matters is that it fails)
+        except Exception as e:  # noqa: BLE001 (dynamo's Unsupported, the op's ValueError: any failure counts)
             error = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200]}"
         out[name] = {"error": error, "refusal": refusal, "seconds": time.perf_counter() - start}
     return out

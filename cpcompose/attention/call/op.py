@@ -282,7 +282,8 @@ def _attention_backward_fake(
 
 
 def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-    q, k, v, context, strategy, alltoall_size, is_causal, scale, softcap, return_lse, _error, _positions, window = inputs
+    q, k, v, context, strategy, alltoall_size, is_causal, scale, softcap, return_lse, _error, _positions, window = (
+        inputs)
     out, lse, residuals = output
     ctx.save_for_backward(q, k, v, out, lse, *residuals)
     ctx.args = (context, strategy, alltoall_size, is_causal, scale, softcap, return_lse, window)

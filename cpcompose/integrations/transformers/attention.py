@@ -25,6 +25,11 @@ Whatever a rank cannot honour (a padding mask not given as a buffer, a custom ma
 KV cache, positions that do not match the split, ...) becomes its complaint in the
 cross-rank agreement, so every rank raises it together before any K/V moves.
 
+Under torch.compile (each decoder layer compiled inside a region entered outside it: the trainer's
+`training.compile`), the same function is traced: what it reads from the region and the call is fixed
+while dynamo traces, a layer's window becomes a constant of the `cpcompose::attention` op call, and the
+positions check, which reads tensor values, runs inside the op at run time, joining the agreement.
+
 Outside a CP region "cpcompose" is transformers' "sdpa" (its mask and its attention;
 softcapped models get an explicit softmax), so the same model object also runs,
 evaluates and generates on one process.

@@ -2,16 +2,16 @@
 before launch exactly the families that do not compile.
 
 The trainer: a tiny `save_pretrained` Llama folder at cp=2 (FSDP2 over the CP ranks, each decoder layer compiled
-whole by inductor, fullgraph; and with activation checkpointing, each layer's parts) trains with the same per-step loss as the folder at cp=1 on one process, eager,
-to rtol 1e-4 (the issue's bound; the float32 sums run in another order under CP and in inductor's fused
-kernels, and AdamW lets the last bits move a tiny-gradient weight by up to lr a step: measured at most 9e-8,
-with and without checkpointing).
+whole by inductor, fullgraph; and with activation checkpointing, each layer's parts) trains with the same
+per-step loss as the folder at cp=1 on one process, eager, to rtol 1e-4 (the issue's bound; the float32 sums
+run in another order under CP and in inductor's fused kernels, and AdamW lets the last bits move a
+tiny-gradient weight by up to lr a step: measured at most 9e-8, with and without checkpointing).
 
 The families: every family the trainer trains (`hf_compile_cases.trained_families`) is compiled with
 fullgraph=True and run forward and backward in a CP region of one rank, as the trainer runs cp=1 packs (the
 code dynamo traces is the cp=2 code: the region, the attention function, the op with its agreement; one rank
 halves the sweep's CPU time). Dynamo's `eager` backend: a graph break, an untraceable call, or the op's refusal
-of a layer's window all fail there; the exactness of what compiles is shown with AOTAutograd and inductor at
+(attention sinks) all fail there; the exactness of what compiles is shown with AOTAutograd and inductor at
 cp=2 in tests/integrations/test_transformers_compile.py and above. The families that
 fail are exactly those `compile_refusal` refuses before launch, and those that run are `COMPILED_FAMILIES`
 (a Qwen3 with sliding-window layers among them: each layer's window reaches the op). The refusal's one line
