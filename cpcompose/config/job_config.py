@@ -92,9 +92,10 @@ class JobConfig:
                 raise ConfigError(str(e)) from None
         split_error = resolve_layout(p.cp_layout, p.cp).split_error(t.seq_len)
         require(split_error is None, "training.seq_len", str(split_error))
-        require(m.n_heads % p.tp == 0, "model.n_heads", f"{m.n_heads} must be divisible by parallelism.tp = {p.tp}")
-        require(m.n_kv_heads % p.tp == 0, "model.n_kv_heads",
-                f"{m.n_kv_heads} must be divisible by parallelism.tp = {p.tp}")
+        if m.path is None:  # the section's head counts are the own model's; a folder's are checked by its family
+            require(m.n_heads % p.tp == 0, "model.n_heads", f"{m.n_heads} must be divisible by parallelism.tp = {p.tp}")
+            require(m.n_kv_heads % p.tp == 0, "model.n_kv_heads",
+                    f"{m.n_kv_heads} must be divisible by parallelism.tp = {p.tp}")
         require(m.n_layers % p.pp == 0, "model.n_layers", f"{m.n_layers} must be divisible by parallelism.pp = {p.pp}")
         if p.pp > 1 and p.pp_schedule == "1F1B":
             require(p.pp_microbatches >= p.pp, "parallelism.pp_microbatches", f"1F1B needs >= pp = {p.pp}")
