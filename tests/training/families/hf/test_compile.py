@@ -47,11 +47,21 @@ def test_refused_families_are_exactly_those_that_do_not_compile(pools) -> None:
     got = pools.get(1).run(family_sweep, sorted(trained_families()))[0]
     failed = {name for name, r in got.items() if r["error"] is not None}
     refused = {name for name, r in got.items() if r["refusal"] is not None}
-    assert failed == refused, {name: got[name] for name in failed ^ refused}
-    compiled = set(got) - failed
+    assert failed <= refused and refused - failed <= _may_trace_but_refused(), \
+        {name: got[name] for name in failed ^ refused}
+    compiled = set(got) - refused
     assert {cases_type(name) for name in compiled} == set(COMPILED_FAMILIES), compiled
 
 
 def cases_type(name: str) -> str:
     """The model type of a family of the suite's lists (the MoE list's names carry a `moe_` prefix)."""
     return trained_families()[name]().model_type
+
+
+def _may_trace_but_refused() -> set[str]:
+    """Families refused although this torch may trace them. torch 2.14's dynamo can read the ContextVar through which
+    transformers records the MoE router logits (2.13's cannot): there Mixtral's layers traced, and Qwen3-MoE's in one
+    run of two, so the sweep holds them to "refused", not to "fails" (not shown exact: refused on every torch). On the
+    suite's torch (2.13) the assertion is exact."""
+    major, minor = (int(x) for x in torch.__version__.split(".")[:2])
+    return {"moe_mixtral", "moe_qwen3_moe"} if (major, minor) >= (2, 14) else set()
