@@ -78,7 +78,7 @@ class JobConfig:
         Raises:
             ConfigError: naming the key to change.
         """
-        p, m, t, d = self.parallelism, self.model, self.training, self.data
+        p, m, t = self.parallelism, self.model, self.training
         if (error := cp_options_error(p)) is not None:
             raise error
         require(self.job.dry_run or not self.job.rehearse, "job.rehearse", "rehearses the dry run's step: add "
@@ -112,6 +112,3 @@ class JobConfig:
             require(not t.offload_params or (dp or 1) * p.cp > 1,
                     "training.offload_params", "offloads FSDP2's shards, and one rank over dp x cp has no FSDP; "
                     "use more ranks or set training.offload_params = false")
-        require(not (d.pack and p.pp > 1), "data.pack",
-                "packed documents are one sequence per micro-batch, which pipeline microbatches cannot split; "
-                "set parallelism.pp = 1")
