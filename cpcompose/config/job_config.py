@@ -103,7 +103,7 @@ class JobConfig:
         require(t.batch_size % split == 0, "training.batch_size",
                 f"{t.batch_size} must be divisible by dp_replicate*dp_shard*grad_accum_steps = {split}")
         local = t.batch_size // split if dp is not None else None
-        if (problem := pipeline_problem(p, m.n_layers, local)) is not None:
+        if (problem := pipeline_problem(p, m.n_layers, local, compiled=t.compile)) is not None:
             raise ConfigError(f"{problem[0]}: {problem[1]}")
         require(not (t.offload_params and p.pp > 1), "training.offload_params",
                 "FSDP2's CPUOffloadPolicy keeps no unit gathered between pipeline microbatches here; set "

@@ -51,7 +51,7 @@ from torch.distributed.pipelining.schedules import PipelineScheduleMulti, Pipeli
 from cpcompose.distributed.parallel_dims import ParallelDims
 
 __all__ = [
-    "LOOP_SCHEDULES", "PIPELINE_SCHEDULES", "SINGLE_STAGE_SCHEDULES", "V_SCHEDULES", "build_pipeline_schedule",
+    "LOOP_SCHEDULES", "PIPELINE_SCHEDULES", "SINGLE_STAGE_SCHEDULES", "SPLIT_BACKWARD_SCHEDULES", "V_SCHEDULES", "build_pipeline_schedule",
     "build_pipeline_stage", "build_pipeline_stages", "pipeline_problem", "stage_ids", "stages_per_rank",
 ]
 
@@ -71,6 +71,9 @@ LOOP_SCHEDULES = ("Interleaved1F1B", "InterleavedZeroBubble", "LoopedBFS")
 """Several stages per rank, rank r owning r, r + pp, r + 2 pp, ..."""
 V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
 """Two stages per rank in a V: rank r owns r and 2 pp - 1 - r."""
+SPLIT_BACKWARD_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+"""The schedules that split each backward into an input and a weight part, which torch 2.13 does not run through
+torch.compile (it refuses compiled stage modules; blocks compiled in place hung the ranks here)."""
 _ROUNDS = ("Interleaved1F1B", "InterleavedZeroBubble")
 """The schedules that run their microbatches in rounds of max(1, microbatches // pp)."""
 
@@ -110,18 +113,23 @@ def stage_ids(schedule: str, pp: int, pp_rank: int, stages_per_rank: int) -> tup
     return tuple(pp_rank + i * pp for i in range(stages_per_rank))
 
 
-def pipeline_problem(config_parallelism: Any, n_layers: int, local_batch: int | None = None) -> tuple[str, str] | None:
+def pipeline_problem(config_parallelism: Any, n_layers: int, local_batch: int | None = None, *,
+                     compiled: bool = False) -> tuple[str, str] | None:
     """What of the pipeline settings the schedule cannot run, as ``(key, message)``; None when it can.
 
     Checked before launch (`JobConfig.validate`): the layers must cut evenly into ``pp`` x stages-per-rank
     stages, the schedule must be able to place that many stages per rank, and the microbatches must be as
     many as torch's schedule needs (see the module docstring) and divide ``local_batch`` (the sequences each
-    pipeline step gets; None: not known yet).
+    pipeline step gets; None: not known yet); a split-backward schedule does not take compiled blocks
+    (``compiled``: ``training.compile``).
     """
     p = config_parallelism
     pp, lps, name, micro = p.pp, p.pp_layers_per_stage, p.pp_schedule, p.pp_microbatches
     if pp == 1:
         return None
+    if compiled and name in SPLIT_BACKWARD_SCHEDULES:
+        return ("training.compile", f"{name} splits each backward into its input and weight parts, which torch does "
+                "not run through torch.compile; set training.compile = false, or use Interleaved1F1B or 1F1B")
     if lps is not None:
         if n_layers % lps != 0:
             return ("parallelism.pp_layers_per_stage",

@@ -344,6 +344,8 @@ PP = ["--parallelism.pp=2", "--model.n_layers=8", "--training.batch_size=8", "--
      r"^parallelism.pp_layers_per_stage: cuts pipeline stages, and parallelism.pp = 1 has none"),
     (["--parallelism.pp_layers_per_stage=0"], r"^parallelism.pp_layers_per_stage: must be >= 1"),
     (["--parallelism.pp_schedule=Zigzag"], r"^parallelism.pp_schedule: .*Zigzag"),
+    (["--parallelism.pp_schedule=ZBVZeroBubble", "--training.compile=true"],
+     r"^training.compile: ZBVZeroBubble splits each backward"),
 ])
 def test_pipeline_settings_a_schedule_cannot_run_are_refused_before_launch(argv: list[str], message: str) -> None:
     """Item 9 of issue 39: the layers into stages, the stages a schedule places, the microbatches it needs, named
