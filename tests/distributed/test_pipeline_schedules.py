@@ -28,6 +28,7 @@ import contextlib
 import functools
 from typing import Any
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
@@ -194,3 +195,18 @@ def test_pp_cp_dp_shard_on_eight_ranks_matches_one_process(pools) -> None:
     results = pools.get(8).run(pipeline_step, cases)
     for i, case in enumerate(cases):
         check(case, [rank[i] for rank in results])
+
+
+def test_doc_bounds_rows_give_back_each_microbatch_layout() -> None:
+    """One process: each microbatch's `doc_bounds` row rebuilds the very layout its pack was cut by (the same
+    identity, so the same split of the tokens), whatever the widths of the other rows; an unpadded row is refused."""
+    from cpcompose.distributed import layout_of_doc_bounds
+    from cpcompose.layouts import PackedLayout
+
+    layouts = [PackedLayout.build([0, 5, 17, 31], 2), PackedLayout.build([0, 32], 2), PackedLayout.build([0, 3, 9], 2)]
+    rows = microbatch_doc_bounds(layouts)
+    assert rows.shape == (3, 5) and rows.dtype == torch.int64 and rows[1, 2:].eq(-1).all()
+    for row, layout in zip(rows.chunk(3), layouts):
+        assert layout_of_doc_bounds(row, 2) == layout
+    with pytest.raises(ValueError, match="not padded to a multiple of cp = 2"):
+        layout_of_doc_bounds(torch.tensor([[0, 5, 17, 31]]), 2)
