@@ -33,20 +33,21 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
-from cpcompose import cp_cross_entropy
+from cpcompose import cp_cross_entropy, cp_position_ids, cp_shard
 from cpcompose.distributed import (
     PIPELINE_SCHEDULES,
     StageModule,
     build_pipeline_schedule,
     build_pipeline_stages,
     flat_mesh,
+    layout_of_doc_bounds,
     microbatch_doc_bounds,
     stage_ids,
 )
 from cpcompose.models import Llama, LlamaConfig, parallelize_llama, split_llama_for_stages
 from cpcompose.parallel import ContextParallel
+from cpcompose.layouts import PackedLayout
 from cpcompose.sharding.packed import pack_documents
-from cpcompose import cp_position_ids, cp_shard
 from tests.support.composition import full, parallel_dims, root_mesh
 from tests.support.tolerance import relative_bound
 
@@ -200,9 +201,6 @@ def test_pp_cp_dp_shard_on_eight_ranks_matches_one_process(pools) -> None:
 def test_doc_bounds_rows_give_back_each_microbatch_layout() -> None:
     """One process: each microbatch's `doc_bounds` row rebuilds the very layout its pack was cut by (the same
     identity, so the same split of the tokens), whatever the widths of the other rows; an unpadded row is refused."""
-    from cpcompose.distributed import layout_of_doc_bounds
-    from cpcompose.layouts import PackedLayout
-
     layouts = [PackedLayout.build([0, 5, 17, 31], 2), PackedLayout.build([0, 32], 2), PackedLayout.build([0, 3, 9], 2)]
     rows = microbatch_doc_bounds(layouts)
     assert rows.shape == (3, 5) and rows.dtype == torch.int64 and rows[1, 2:].eq(-1).all()
