@@ -22,7 +22,6 @@ from cpcompose.config.sections import (
 )
 from cpcompose.config.cp_options import cp_options_error
 from cpcompose.distributed.parallel_dims import ParallelDims
-from cpcompose.distributed.pipeline import pipeline_problem
 from cpcompose.layouts import resolve_layout
 
 __all__ = ["LOSS_CHUNK_BYTES", "JobConfig"]
@@ -96,15 +95,17 @@ class JobConfig:
         require(m.n_heads % p.tp == 0, "model.n_heads", f"{m.n_heads} must be divisible by parallelism.tp = {p.tp}")
         require(m.n_kv_heads % p.tp == 0, "model.n_kv_heads",
                 f"{m.n_kv_heads} must be divisible by parallelism.tp = {p.tp}")
-        require(m.n_layers % p.pp == 0, "model.n_layers", f"{m.n_layers} must be divisible by parallelism.pp = {p.pp}")
+        # The layers into stages, the stages a schedule places, the microbatches it needs: the resolution step
+        # (`cpcompose.training.resolve`), once the family has said how many layers the model has.
         require(p.pp > 1 or p.pp_layers_per_stage is None, "parallelism.pp_layers_per_stage",
                 "cuts pipeline stages, and parallelism.pp = 1 has none: unset it, or set parallelism.pp > 1")
         split = (dp if dp is not None else p.dp_replicate) * t.grad_accum_steps  # dp_shard=-1 counts 1 until known
         require(t.batch_size % split == 0, "training.batch_size",
                 f"{t.batch_size} must be divisible by dp_replicate*dp_shard*grad_accum_steps = {split}")
-        local = t.batch_size // split if dp is not None else None
-        if (problem := pipeline_problem(p, m.n_layers, local, compiled=t.compile)) is not None:
-            raise ConfigError(f"{problem[0]}: {problem[1]}")
+        if p.pp > 1 and dp is not None:
+            local = t.batch_size // split
+            require(local % p.pp_microbatches == 0, "parallelism.pp_microbatches",
+                    f"{p.pp_microbatches} must divide the local batch of {local} sequences")
         require(not (t.offload_params and p.pp > 1), "training.offload_params",
                 "FSDP2's CPUOffloadPolicy keeps no unit gathered between pipeline microbatches here; set "
                 "parallelism.pp = 1 or training.offload_params = false")

@@ -150,10 +150,12 @@ def pipeline_problem(config_parallelism: Any, n_layers: int, local_batch: int | 
     else:
         per_rank = 1 if name in SINGLE_STAGE_SCHEDULES else 2
         total = per_rank * pp
+        if n_layers % total != 0 and per_rank == 1:
+            return ("model.n_layers", f"{n_layers} must be divisible by parallelism.pp = {pp}")
         if n_layers % total != 0:
-            what = "one stage" if per_rank == 1 else "two stages"
             return ("model.n_layers", f"{n_layers} must be divisible by parallelism.pp x stages per rank = {total} "
-                    f"({name} runs {what} per rank; set parallelism.pp_layers_per_stage to choose another count)")
+                    f"({name} runs two stages per rank; set parallelism.pp_layers_per_stage to choose another "
+                    "count)")
     if name == "1F1B" and micro < pp:
         return ("parallelism.pp_microbatches", f"1F1B needs >= pp = {pp}, got {micro}")
     if name not in SINGLE_STAGE_SCHEDULES and micro < total:

@@ -336,7 +336,7 @@ PP = ["--parallelism.pp=2", "--model.n_layers=8", "--training.batch_size=8", "--
      r"^parallelism.pp_microbatches: Interleaved1F1B needs at least as many microbatches as stages \(8"),
     (["--parallelism.pp_schedule=InterleavedZeroBubble", "--parallelism.pp_microbatches=5", "--training.batch_size=10"],
      r"^parallelism.pp_microbatches: InterleavedZeroBubble runs microbatches in rounds of microbatches // pp = 2"),
-    (["--parallelism.pp_schedule=ZBVZeroBubble", "--parallelism.pp_microbatches=3"],
+    (["--parallelism.pp_schedule=ZBVZeroBubble", "--parallelism.pp_microbatches=3", "--training.batch_size=6"],
      r"^parallelism.pp_microbatches: ZBVZeroBubble needs at least as many microbatches as stages"),
     (["--parallelism.pp_schedule=GPipe", "--parallelism.pp_microbatches=3"],
      r"^parallelism.pp_microbatches: 3 must divide the local batch of 8 sequences"),
