@@ -92,9 +92,10 @@ class JobConfig:
                 raise ConfigError(str(e)) from None
         split_error = resolve_layout(p.cp_layout, p.cp).split_error(t.seq_len)
         require(split_error is None, "training.seq_len", str(split_error))
-        require(m.n_heads % p.tp == 0, "model.n_heads", f"{m.n_heads} must be divisible by parallelism.tp = {p.tp}")
-        require(m.n_kv_heads % p.tp == 0, "model.n_kv_heads",
-                f"{m.n_kv_heads} must be divisible by parallelism.tp = {p.tp}")
+        if m.path is None:  # the section's head counts are the own model's; a folder's are checked by its family
+            require(m.n_heads % p.tp == 0, "model.n_heads", f"{m.n_heads} must be divisible by parallelism.tp = {p.tp}")
+            require(m.n_kv_heads % p.tp == 0, "model.n_kv_heads",
+                    f"{m.n_kv_heads} must be divisible by parallelism.tp = {p.tp}")
         # The layers into stages, the stages a schedule places, the microbatches it needs: the resolution step
         # (`cpcompose.training.resolve`), once the family has said how many layers the model has.
         require(p.pp > 1 or p.pp_layers_per_stage is None, "parallelism.pp_layers_per_stage",

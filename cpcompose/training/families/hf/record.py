@@ -47,9 +47,6 @@ class HuggingFaceFamily:
         if config.model.path is None:
             return ConfigError(f"model.path: required with model.name = '{self.name}': a local folder with "
                                "config.json, *.safetensors and the tokenizer files (e.g. one written by save_pretrained)")
-        if p.tp != 1:
-            return ConfigError(f"parallelism.tp: {p.tp}: {who} takes no tensor parallelism here; use parallelism.cp "
-                               "and parallelism.dp_shard (FSDP) instead")
         if p.pp != 1:
             return ConfigError(f"parallelism.pp: {p.pp}: {who} is not cut into pipeline stages here; use "
                                "parallelism.cp and parallelism.dp_shard (FSDP) instead")
