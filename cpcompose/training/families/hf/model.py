@@ -150,7 +150,8 @@ def _prepare(config: JobConfig, *, weights: bool = True) -> _Prepared:
     if _uses_region(config) and (refused := cphf.refused_in(model)):
         raise ConfigError("model.path: cpcompose cannot make this model exact under CP (parallelism.cp > 1 or "
                           "data.pack): " + "; ".join(refused))
-    if t.compile and (why := compile_refusal(model, hf_config, ep=config.parallelism.ep)):
+    if t.compile and (why := compile_refusal(model, hf_config, ep=config.parallelism.ep,
+                                                           pp=config.parallelism.pp)):
         raise ConfigError(f"training.compile: {why}; set training.compile = false")
     if t.fused_loss:
         try:

@@ -65,3 +65,18 @@ def _may_trace_but_refused() -> set[str]:
     suite's torch (2.13) the assertion is exact."""
     major, minor = (int(x) for x in torch.__version__.split(".")[:2])
     return {"moe_mixtral", "moe_qwen3_moe"} if (major, minor) >= (2, 14) else set()
+
+
+def test_flags_refused_in_a_family_that_compiles() -> None:
+    """Expert parallelism and pipeline stages with compile: refused by name (the launcher's one line for ep is in
+    test_preflight.py)."""
+    import transformers as hf
+
+    from cpcompose.training.families.hf.compile import compile_refusal
+    from tests.support.hf_cases import ARCHS
+
+    with torch.device("meta"):
+        model = hf.AutoModelForCausalLM.from_config(ARCHS["llama"]())
+    assert compile_refusal(model, model.config) is None
+    assert "parallelism.ep = 2" in compile_refusal(model, model.config, ep=2)
+    assert "parallelism.pp = 2" in compile_refusal(model, model.config, pp=2)
