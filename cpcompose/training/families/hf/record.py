@@ -50,10 +50,6 @@ class HuggingFaceFamily:
         if p.pp != 1:
             return ConfigError(f"parallelism.pp: {p.pp}: {who} is not cut into pipeline stages here; use "
                                "parallelism.cp and parallelism.dp_shard (FSDP) instead")
-        if config.training.compile:
-            return ConfigError(f"training.compile: not with model.name = '{self.name}': its attention runs "
-                               "cpcompose's checks in Python, which torch.compile(fullgraph=True) cannot trace; set "
-                               "training.compile = false")
         return None
 
     def resolve(self, config: JobConfig) -> JobConfig:
@@ -86,14 +82,14 @@ class HuggingFaceFamily:
         return parallelize_hf_model(model, config, dims=dims, mesh=mesh, meter=meter)
 
     def build(self, config: JobConfig, *, dims: ParallelDims, mesh: DeviceMesh, device: torch.device,
-              meter: CommMeter, stage: int = 0) -> TrainedModel:
+              meter: CommMeter, stages: tuple[int, ...] = (0,), num_stages: int = 1) -> TrainedModel:
         try:
             return build_hf_model(config, dims=dims, mesh=mesh, device=device, meter=meter)
         except ConfigError as e:  # the pre-launch checks, reached in-rank (a folder changed, or no preflight)
             raise TrainingError(str(e), exit_code=2) from None
 
     def build_unfilled(self, config: JobConfig, *, dims: ParallelDims, mesh: DeviceMesh,
-                       stage: int = 0) -> TrainedModel:
+                       stages: tuple[int, ...] = (0,), num_stages: int = 1) -> TrainedModel:
         return build_unfilled_hf_model(config, dims=dims, mesh=mesh)
 
 

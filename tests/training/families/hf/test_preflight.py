@@ -24,7 +24,7 @@ from cpcompose.training.resolve import resolve_config
 from cpcompose.config import load_config
 from cpcompose.train import main
 from cpcompose.training.launcher.preflight import preflight
-from tests.support.hf_trainer import ROOT, hf_args, make_model, text_corpus, train
+from tests.support.hf_trainer import ROOT, hf_args, make_model, make_moe, text_corpus, train
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +99,9 @@ def _cases(llama: Path, tmp: Path) -> list[tuple[Path, list[str], str, str]]:
         (llama, ["--parallelism.tp=4"], "parallelism.tp", "4 does not divide the model's 2 kv heads"),
         (qwen3_next, ["--parallelism.tp=2"], "parallelism.tp", "Qwen3NextGatedDeltaNet (model.layers.0.linear_attn)"),
         (llama, ["--parallelism.pp=2", "--data.pack=false"], "parallelism.pp", "pipeline"),
-        (llama, ["--training.compile=true"], "training.compile", "fullgraph"),
+        (make_moe(tmp / "dsv3-moe", "deepseek_v3"), ["--parallelism.cp=2", "--parallelism.ep=2",
+                                                     "--training.compile=true"], "training.compile",
+         "not with parallelism.ep = 2"),
         (llama, [f"--checkpoint.export_hf={llama}"], "checkpoint.export_hf", "overwrite"),
         (llama, [f"--checkpoint.export_hf={_variant(llama, tmp / 'not-an-export')}"], "checkpoint.export_hf",
          "holds files no cpcompose export wrote"),
@@ -115,6 +117,8 @@ def _cases(llama: Path, tmp: Path) -> list[tuple[Path, list[str], str, str]]:
         (llama, ["--parallelism.cp=2", "--parallelism.ep=2"], "parallelism.ep", "declares no experts"),
         (qwen3_next, ["--parallelism.cp=4", "--parallelism.ep=4"], "parallelism.ep",
          "does not divide the model's 2 experts"),
+        (tmp / "moe-ep", ["--parallelism.cp=2", "--training.compile=true"], "training.compile",
+         "model type 'qwen3_next' (Qwen3NextForCausalLM) is not one whose decoder layers compile"),
     ]
 
 
