@@ -59,7 +59,8 @@ from cpcompose.training.families import family_of
 from cpcompose.training.resolve import resolve_config
 from cpcompose.training.memory.footprint import process_bytes
 from cpcompose.training.memory.plan_pipeline import PipelineRank, pipeline_phases
-from cpcompose.training.memory.schedule import SINGLE, V_SCHEDULES, occupancy, stage_ids, stages_per_rank
+from cpcompose.distributed.pipeline import stage_ids, stages_per_rank
+from cpcompose.training.memory.schedule import occupancy
 
 __all__ = ["MemoryPlan", "plan_memory"]
 
@@ -182,7 +183,7 @@ def _pipeline(c: JobConfig, dims: ParallelDims, prof: MemoryProfile, pp_rank: in
     fsdp = dims.dp_cp_size > 1
     bf16 = t.mixed_precision == "bfloat16"
     schedule = p.pp_schedule
-    per_rank = 1 if schedule in SINGLE else 2 if schedule in V_SCHEDULES else stages_per_rank(p, prof.layers)
+    per_rank = stages_per_rank(p, prof.layers)
     keep = prof.block_input if c.activation_checkpoint.mode == "full" else prof.body_saved / prof.layers
     rank = PipelineRank(schedule=schedule, pp=dims.pp, per_rank=per_rank, microbatches=p.pp_microbatches,
                         pp_rank=pp_rank, shards=dims.fsdp_size if fsdp else 1, c=2 if bf16 and fsdp else 4,

@@ -4,9 +4,9 @@ Under the fake process group no activation or gradient really travels between pi
 one rank's own work alone, in the order torch's schedule gives that rank (`schedule.schedule_order`, the same order
 the plan counts from), doing for each action what torch's `PipelineStage` does:
 
-- each of the rank's stages is built as the family builds one (the model cut with the family's
-  `split_for_pipeline` at `num_stages` = pp x stages per rank, then parallelized: CP, TP, checkpointing, FSDP2 with
-  each stage its own root, no unit resharded between microbatches);
+- the rank's stages are built as the trainer builds them (the family's `build_unfilled(stages=..., num_stages=...)`:
+  each stage module what a `PipelineStage` runs, CP, TP, checkpointing, FSDP2 with each stage its own root, no unit
+  resharded between microbatches);
 - a stage that is not the first receives its input into one buffer per microbatch, made at the step's start and
   kept (torch makes them once), fed here as fake hidden states of the stage's input shape; a stage that is not the
   last receives its output's gradient into one buffer per microbatch likewise;
@@ -34,10 +34,10 @@ from torch import nn
 from cpcompose import _compat
 from cpcompose.config import JobConfig
 from cpcompose.distributed import ParallelDims, flat_mesh
-from cpcompose.models import get_model_spec
+from cpcompose.distributed.pipeline import stage_ids, stages_per_rank
 from cpcompose.parallel import cp_cross_entropy
-from cpcompose.training.families import family_of
-from cpcompose.training.memory.schedule import SINGLE, V_SCHEDULES, schedule_order, stage_ids, stages_per_rank
+from cpcompose.training.families import TrainedModel, family_of
+from cpcompose.training.memory.schedule import schedule_order
 from cpcompose.training.mixed_precision import compute_dtype
 
 __all__ = ["pipeline_steps"]
@@ -45,33 +45,25 @@ __all__ = ["pipeline_steps"]
 _TRACE: list | None = None  # a list: each action's tracked parts after it ran, for the second step (diagnosis)
 
 
-def _stages(c: JobConfig, dims: ParallelDims, mesh, pp_rank: int) -> tuple[tuple[int, ...], int, dict[int, nn.Module]]:  # noqa: ANN001
-    """The rank's stage ids, the stage count, and each stage built (cut, then parallelized) as the family does."""
+def _stages(c: JobConfig, dims: ParallelDims, mesh, pp_rank: int) -> tuple[tuple[int, ...], int, TrainedModel]:  # noqa: ANN001
+    """The rank's stage ids, the stage count, and the rank's stages built as the trainer builds them (the family's
+    `build_unfilled`: each stage module what a `PipelineStage` runs, its own FSDP2 root)."""
     p = c.parallelism
     per_rank = stages_per_rank(p, c.model.n_layers)
-    num_stages = p.pp * (1 if p.pp_schedule in SINGLE else 2 if p.pp_schedule in V_SCHEDULES else per_rank)
-    ids = stage_ids(p.pp_schedule, p.pp, pp_rank, num_stages // p.pp)
-    family = family_of(c)
-    try:
-        spec = get_model_spec(c.model.name)
-    except ValueError:  # a family read from a folder: its stages are cut by its own pipeline build
-        raise ValueError(f"rehearse: model.name = {c.model.name!r} is not rehearsed under parallelism.pp > 1 yet; "
-                         "use parallelism.pp = 1") from None
-    modules = {}
-    for s in ids:
-        model = spec.split_for_pipeline(spec.build(c.model, max_seq_len=c.max_seq_len()), num_stages=num_stages,
-                                        stage_index=s)
-        modules[s] = family.parallelize(model, c, dims=dims, mesh=mesh, meter=None).module
-    return ids, num_stages, modules
+    ids = stage_ids(p.pp_schedule, p.pp, pp_rank, per_rank)
+    trained = family_of(c).build_unfilled(c, dims=dims, mesh=mesh, stages=ids, num_stages=p.pp * per_rank)
+    if len(trained.stages) != len(ids):
+        raise ValueError(f"rehearse: model.name = {c.model.name!r} builds no pipeline stages; use parallelism.pp = 1")
+    return ids, p.pp * per_rank, trained
 
 
 def pipeline_steps(c: JobConfig, dims: ParallelDims, mesh, tracker_cls, mod_stats, pp_rank: int  # noqa: ANN001, ARG001
                    ) -> tuple[int, dict[str, int]]:
     """Two steps of pipeline rank `pp_rank`'s stages in its schedule's order, the second tracked: (peak, parts)."""
     p, t = c.parallelism, c.training
-    ids, num_stages, modules = _stages(c, dims, mesh, pp_rank)
-    params = [q for m in modules.values() for q in m.parameters()]
-    optimizer = torch.optim.AdamW(params, lr=c.optimizer.lr, betas=c.optimizer.betas,
+    ids, num_stages, trained = _stages(c, dims, mesh, pp_rank)
+    modules = dict(zip(ids, trained.stages, strict=True))
+    optimizer = torch.optim.AdamW(trained.module.parameters(), lr=c.optimizer.lr, betas=c.optimizer.betas,
                                   weight_decay=c.optimizer.weight_decay, eps=c.optimizer.eps, fused=True)
     micro = p.pp_microbatches
     rows = t.batch_size // (dims.dp_size * t.grad_accum_steps) // micro  # sequences per microbatch

@@ -17,39 +17,11 @@ from dataclasses import dataclass
 from functools import cache
 from types import SimpleNamespace
 
-import torch.distributed.pipelining as pipelining
 from torch import nn
 
-__all__ = ["SCHEDULES", "Moment", "Occupancy", "occupancy", "schedule_order", "stage_ids", "stages_per_rank", "V_SCHEDULES"]
+from cpcompose.distributed.pipeline import PIPELINE_SCHEDULES, SINGLE_STAGE_SCHEDULES, stage_ids
 
-SCHEDULES = {"GPipe": "ScheduleGPipe", "1F1B": "Schedule1F1B", "Interleaved1F1B": "ScheduleInterleaved1F1B",
-             "InterleavedZeroBubble": "ScheduleInterleavedZeroBubble", "ZBVZeroBubble": "ScheduleZBVZeroBubble",
-             "DualPipeV": "ScheduleDualPipeV", "LoopedBFS": "ScheduleLoopedBFS"}
-"""`parallelism.pp_schedule` -> torch's schedule class in `torch.distributed.pipelining`."""
-SINGLE = ("GPipe", "1F1B")
-"""Schedules of one stage per rank."""
-V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
-"""Schedules whose two stages per rank make a V: rank r holds stages r and 2 pp - 1 - r."""
-
-
-def stage_ids(schedule: str, pp: int, pp_rank: int, per_rank: int) -> tuple[int, ...]:
-    """The stages pipeline rank `pp_rank` holds (the contract's placement): loop-style r, r + pp, r + 2 pp, ... or,
-    for the V-shaped schedules, r and 2 pp - 1 - r."""
-    if schedule in V_SCHEDULES:
-        return (pp_rank, 2 * pp - 1 - pp_rank)
-    return tuple(pp_rank + k * pp for k in range(per_rank))
-
-
-def stages_per_rank(parallelism: object, n_layers: int) -> int:
-    """Stages on each pipeline rank: one for GPipe and 1F1B; for the others `parallelism.pp_layers_per_stage` (layers
-    per virtual stage) where set, else two (the V-shaped schedules always two)."""
-    schedule, pp = parallelism.pp_schedule, parallelism.pp  # type: ignore[attr-defined]
-    if schedule in SINGLE:
-        return 1
-    per_stage = getattr(parallelism, "pp_layers_per_stage", None)
-    if schedule in V_SCHEDULES or per_stage is None:
-        return 2
-    return max(1, n_layers // per_stage // pp)
+__all__ = ["Moment", "Occupancy", "occupancy", "schedule_order"]
 
 
 @cache
@@ -61,20 +33,20 @@ def schedule_order(schedule: str, pp: int, per_rank: int, microbatches: int) -> 
     Raises:
         ValueError: an unknown schedule, or one torch refuses for these counts (its message).
     """
-    if schedule not in SCHEDULES:
-        raise ValueError(f"parallelism.pp_schedule: {schedule!r} is not one of {', '.join(SCHEDULES)}")
-    cls = getattr(pipelining, SCHEDULES[schedule])
-    n = pp * (1 if schedule in SINGLE else per_rank)
+    if schedule not in PIPELINE_SCHEDULES:
+        raise ValueError(f"parallelism.pp_schedule: {schedule!r} is not one of {', '.join(PIPELINE_SCHEDULES)}")
+    cls = PIPELINE_SCHEDULES[schedule]
+    n = pp * (1 if schedule in SINGLE_STAGE_SCHEDULES else per_rank)
     stages = [SimpleNamespace(stage_index=s, num_stages=n, group_size=pp, group_rank=0, is_first=s == 0,
                               is_last=s == n - 1, submod=nn.Module())
-              for s in stage_ids(schedule, pp, 0, 1 if schedule in SINGLE else per_rank)]
+              for s in stage_ids(schedule, pp, 0, 1 if schedule in SINGLE_STAGE_SCHEDULES else per_rank)]
     try:
-        made = cls(stages[0] if schedule in SINGLE else stages, microbatches, loss_fn=_no_loss)
+        made = cls(stages[0] if schedule in SINGLE_STAGE_SCHEDULES else stages, microbatches, loss_fn=_no_loss)
     except (ValueError, AssertionError, RuntimeError) as e:
         raise ValueError(f"parallelism.pp_schedule: torch's {cls.__name__} refuses pp = {pp}, {per_rank} stage(s) "
                          f"per rank, {microbatches} microbatches: {e}") from None
-    if schedule in SINGLE:  # its `pipeline_order` is a drawing (torch 2.13's 1F1B one is off by one on the last
-        # ranks); what runs is `_step_microbatches`: record each rank's calls to a stand-in stage
+    if schedule in SINGLE_STAGE_SCHEDULES:  # its `pipeline_order` is a drawing (torch 2.13's 1F1B one is off by
+        # one on the last ranks); what runs is `_step_microbatches`: record each rank's calls to a stand-in stage
         return {rank: _run_single(cls, pp, rank, microbatches) for rank in range(pp)}
     return {rank: tuple(_compute(actions)) for rank, actions in made.pipeline_order.items()}
 
