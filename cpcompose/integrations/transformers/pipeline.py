@@ -29,7 +29,6 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from cpcompose.integrations.transformers.head import HEADS, causal_lm_head
@@ -157,13 +156,13 @@ def pipeline_refusal(model: nn.Module, num_stages: int) -> str | None:
 
 
 class CausalLMStage(nn.Module):
-    """One pipeline stage of a transformers causal LM: `stage(x, position_ids, **microbatch)`.
+    """One pipeline stage of a transformers causal LM: `stage(x, position_ids)`.
 
     `x` is token ids on the first stage and the hidden states `[mb, seq, hidden]` otherwise; the last stage
     returns the logits `[mb, seq, vocab]`, the others the hidden states. Its submodules are the model's own
     (`embed`, `layers` keyed by their index in the model, `norm`, `lm_head`, as the stage holds them), so FSDP
     can make the stage a root of its own while the model keeps every parameter under its full name.
-    `scope(microbatch)` is entered around the forward (the trainer's CP region of the microbatch's layout).
+    The trainer runs it inside its microbatch's CP region (`cpcompose.distributed.pipeline_stage.StageModule`).
     """
 
     def __init__(self, model: nn.Module, *, index: int, num_stages: int) -> None:
@@ -190,7 +189,6 @@ class CausalLMStage(nn.Module):
         self._layers_name, self._norm_name = layers_name, norm_name
         self._factor = _EMBEDDING_FACTORS.get(model_type)
         self._float32_logits = model_type in _FLOAT32_LOGITS
-        self.scope: Callable[..., contextlib.AbstractContextManager] = lambda **meta: contextlib.nullcontext()
 
     @contextlib.contextmanager
     def _as_stage(self) -> Iterator[None]:
@@ -221,19 +219,20 @@ class CausalLMStage(nn.Module):
                 else:
                     base.__dict__[attr] = factor
 
-    def forward(self, x: Tensor, position_ids: Tensor | None = None, **microbatch: Any) -> Tensor:
+    def forward(self, x: Tensor, position_ids: Tensor | None = None) -> Tensor:
         inputs: dict[str, Any] = {"input_ids": x} if self.first else {"inputs_embeds": x}
         if position_ids is not None:
             inputs["position_ids"] = position_ids
-        with self.scope(**microbatch), self._as_stage():
+        with self._as_stage():
             hidden = self._base(**inputs, use_cache=False).last_hidden_state
         if not self.last:
             return hidden
         head = causal_lm_head(self._model)
-        x, weight, bias = head.linear_inputs(hidden)
-        logits = F.linear(x, weight, bias)
+        logits = self.lm_head(hidden)  # the module (FSDP gathers it on its call), then what the family does
         if self._float32_logits:  # before the softcap, as the family's forward
             logits = logits.float()
+        if head.scale is not None:
+            logits = logits * head.scale
         return logits if head.softcap is None else head.softcap * torch.tanh(logits / head.softcap)
 
 

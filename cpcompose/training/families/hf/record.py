@@ -50,9 +50,10 @@ class HuggingFaceFamily:
         if p.tp != 1:
             return ConfigError(f"parallelism.tp: {p.tp}: {who} takes no tensor parallelism here; use parallelism.cp "
                                "and parallelism.dp_shard (FSDP) instead")
-        if p.pp != 1:
-            return ConfigError(f"parallelism.pp: {p.pp}: {who} is not cut into pipeline stages here; use "
-                               "parallelism.cp and parallelism.dp_shard (FSDP) instead")
+        if p.pp != 1 and config.checkpoint.export_hf is not None:
+            return ConfigError(f"checkpoint.export_hf: not with parallelism.pp = {p.pp} yet: each pipeline rank holds "
+                               "only its stages' layers; unset checkpoint.export_hf and convert the DCP checkpoint "
+                               "(checkpoint.enable) instead, or set parallelism.pp = 1")
         if config.training.compile:
             return ConfigError(f"training.compile: not with model.name = '{self.name}': its attention runs "
                                "cpcompose's checks in Python, which torch.compile(fullgraph=True) cannot trace; set "
@@ -61,7 +62,7 @@ class HuggingFaceFamily:
 
     def resolve(self, config: JobConfig) -> JobConfig:
         """The vocabulary is the folder's (its config.json, read without transformers): what the data's ids are
-        checked against."""
+        checked against; with pipelining the layer count too (`model.n_layers`: what the stages are cut from)."""
         m, ep = config.model, config.parallelism.ep
         fields = _folder_config(Path(m.path))
         vocab = _text_field(fields, "vocab_size")
@@ -73,7 +74,10 @@ class HuggingFaceFamily:
         if m.vocab_size not in (default, vocab):
             raise ConfigError(f"model.vocab_size: does not apply to model.name = '{self.name}': the vocabulary is "
                               f"{m.path}/config.json's ({vocab}); remove it")
-        return replace(config, model=replace(m, vocab_size=vocab))
+        config = replace(config, model=replace(m, vocab_size=vocab))
+        if config.parallelism.pp > 1:
+            config = _with_layers(config, fields)
+        return config
 
     def check(self, config: JobConfig) -> None:
         check_hf_model(config)
@@ -89,15 +93,16 @@ class HuggingFaceFamily:
         return parallelize_hf_model(model, config, dims=dims, mesh=mesh, meter=meter)
 
     def build(self, config: JobConfig, *, dims: ParallelDims, mesh: DeviceMesh, device: torch.device,
-              meter: CommMeter, stage: int = 0) -> TrainedModel:
+              meter: CommMeter, stages: tuple[int, ...] = (0,), num_stages: int = 1) -> TrainedModel:
         try:
-            return build_hf_model(config, dims=dims, mesh=mesh, device=device, meter=meter)
+            return build_hf_model(config, dims=dims, mesh=mesh, device=device, meter=meter, stages=stages,
+                                  num_stages=num_stages)
         except ConfigError as e:  # the pre-launch checks, reached in-rank (a folder changed, or no preflight)
             raise TrainingError(str(e), exit_code=2) from None
 
     def build_unfilled(self, config: JobConfig, *, dims: ParallelDims, mesh: DeviceMesh,
-                       stage: int = 0) -> TrainedModel:
-        return build_unfilled_hf_model(config, dims=dims, mesh=mesh)
+                       stages: tuple[int, ...] = (0,), num_stages: int = 1) -> TrainedModel:
+        return build_unfilled_hf_model(config, dims=dims, mesh=mesh, stages=stages, num_stages=num_stages)
 
 
 EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
@@ -116,6 +121,29 @@ def _check_experts(fields: dict, ep: int, where: str) -> None:
     if experts % ep:
         raise ConfigError(f"parallelism.ep: {ep} does not divide the model's {experts} experts ({where}): each "
                           "expert-parallel rank holds an equal share; choose a divisor of the expert count")
+
+
+LAYER_COUNT_KEYS = ("num_hidden_layers", "n_layers", "num_layers", "num_blocks")
+"""Where the families' config.json keep their number of decoder layers (most: num_hidden_layers)."""
+
+
+def _with_layers(config: JobConfig, fields: dict) -> JobConfig:
+    """`model.n_layers` from the folder's config.json (the pipeline's stages are cut from it), refusing another
+    value set by hand, then the pipeline settings checked against it (`pipeline_problem`)."""
+    from cpcompose.distributed.pipeline import pipeline_problem
+
+    m, where = config.model, f"{config.model.path}/config.json"
+    layers = next((n for key in LAYER_COUNT_KEYS if isinstance(n := _text_field(fields, key), int) and n > 0), None)
+    if layers is None:
+        raise ConfigError(f"parallelism.pp: {config.parallelism.pp}: {where} declares no layer count "
+                          f"({', '.join(LAYER_COUNT_KEYS)}) to cut pipeline stages from; set parallelism.pp = 1")
+    default = Model.__dataclass_fields__["n_layers"].default
+    if m.n_layers not in (default, layers):
+        raise ConfigError(f"model.n_layers: does not apply to model.name = 'hf': the layers are {where}'s ({layers}); "
+                          "remove it")
+    if (problem := pipeline_problem(config.parallelism, layers)) is not None:
+        raise ConfigError(f"{problem[0]}: {problem[1]} (the {layers} decoder layers of {where})")
+    return replace(config, model=replace(m, n_layers=layers))
 
 
 def _text_field(fields: dict, key: str) -> object:
