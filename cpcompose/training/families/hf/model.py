@@ -348,7 +348,7 @@ def build_hf_model(config: JobConfig, *, dims: ParallelDims, mesh: DeviceMesh, d
     cphf.init_non_persistent_buffers(model)
     plan = prepared.plan
     if num_stages > 1:  # this rank's stages' tensors alone
-        plan = cphf.weight_plan(model, config.model.path)
+        plan = plan.of_names(set(model.state_dict()))
     if dims.ep_enabled:  # each rank reads its own block of experts
         from cpcompose.integrations.transformers.expert_parallel import expert_blocks
 
