@@ -141,8 +141,9 @@ def _with_layers(config: JobConfig, fields: dict) -> JobConfig:
     if m.n_layers not in (default, layers):
         raise ConfigError(f"model.n_layers: does not apply to model.name = 'hf': the layers are {where}'s ({layers}); "
                           "remove it")
-    if (problem := pipeline_problem(config.parallelism, layers)) is not None:
-        raise ConfigError(f"{problem[0]}: {problem[1]} (the {layers} decoder layers of {where})")
+    if (problem := pipeline_problem(config.parallelism, layers)) is not None:  # the folder's layers: not a key to set
+        key = "parallelism.pp" if problem[0] == "model.n_layers" else problem[0]
+        raise ConfigError(f"{key}: {problem[1]} (the {layers} decoder layers of {where})")
     return replace(config, model=replace(m, n_layers=layers))
 
 

@@ -24,7 +24,8 @@ from cpcompose.training.resolve import resolve_config
 from cpcompose.config import load_config
 from cpcompose.train import main
 from cpcompose.training.launcher.preflight import preflight
-from tests.support.hf_trainer import ROOT, hf_args, make_model, text_corpus, train
+from tests.support.hf_trainer import ROOT, hf_args, make_model, make_moe, text_corpus, train
+from tests.support.hybrid_families import HYBRIDS
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +70,15 @@ def _without_tensor(folder: Path, name: str) -> Path:
 TINY = dict(vocab_size=320, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
 
 
+PP = ["--parallelism.pp=2", "--data.pack=false", "--parallelism.pp_microbatches=2"]
+
+
+def _zamba() -> hf.PretrainedConfig:
+    config = HYBRIDS["zamba"].config()
+    config.vocab_size = 320
+    return config
+
+
 def _cases(llama: Path, tmp: Path) -> list[tuple[Path, list[str], str, str]]:
     """(model folder, extra options, the key the error starts with, a phrase it says)."""
     empty = tmp / "empty"
@@ -96,7 +106,17 @@ def _cases(llama: Path, tmp: Path) -> list[tuple[Path, list[str], str, str]]:
         (small, [f"--data.tokenizer={llama}"], "data.tokenizer", "more than the model's vocabulary of 100"),
         (llama, ["--model.vocab_size=64"], "model.vocab_size", "does not apply"),
         (llama, ["--parallelism.tp=2"], "parallelism.tp", "tensor parallelism"),
-        (llama, ["--parallelism.pp=2", "--data.pack=false"], "parallelism.pp", "pipeline"),
+        (llama, [*PP, f"--checkpoint.export_hf={tmp / 'pp-export'}"], "checkpoint.export_hf",
+         "not with parallelism.pp = 2"),
+        (llama, [*PP, "--parallelism.pp_schedule=Interleaved1F1B", "--training.batch_size=4",
+                 "--parallelism.pp_microbatches=4"], "parallelism.pp", "the 2 decoder layers of"),
+        (llama, [*PP, "--model.n_layers=8"], "model.n_layers", "does not apply"),
+        (make_model(tmp / "gemma3-tied", "gemma3"), PP, "parallelism.pp",
+         "ties its input and output embeddings (tie_word_embeddings)"),
+        (_other_model(llama, tmp / "zamba", _zamba()), PP, "parallelism.pp",
+         "ZambaForCausalLM (zamba) cannot be cut into pipeline stages"),
+        (make_moe(tmp / "moe-router", "qwen3_moe"), PP, "parallelism.pp",
+         "sets output_router_logits = true, and the router loss pools every MoE layer's statistics"),
         (llama, ["--training.compile=true"], "training.compile", "fullgraph"),
         (llama, [f"--checkpoint.export_hf={llama}"], "checkpoint.export_hf", "overwrite"),
         (llama, [f"--checkpoint.export_hf={_variant(llama, tmp / 'not-an-export')}"], "checkpoint.export_hf",
