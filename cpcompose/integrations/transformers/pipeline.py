@@ -145,6 +145,13 @@ def pipeline_refusal(model: nn.Module, num_stages: int) -> str | None:
         return (f"{name} ties its input and output embeddings (tie_word_embeddings), which the first and the last "
                 "pipeline stage would both hold; untie them (tie_word_embeddings = false in config.json, the output "
                 "layer a copy of the embedding) or set parallelism.pp = 1")
+    norm_name = _final_norm_name(base)
+    placed = {id(p) for m in (embedding, output, layers, getattr(base, norm_name) if norm_name else None)
+              if m is not None for p in m.parameters()}
+    outside = [n for n, p in model.named_parameters() if id(p) not in placed]
+    if outside:
+        return (f"{name}: parameters outside its embedding, decoder layers, final norm and output layer "
+                f"({', '.join(outside[:3])}), which no pipeline stage would hold; set parallelism.pp = 1")
     owner: dict[int, int] = {}
     for s in range(num_stages):
         for i in stage_layers(len(layers), num_stages, s):
