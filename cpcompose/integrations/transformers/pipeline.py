@@ -64,7 +64,8 @@ on a stage after the first: one, so the incoming hidden states pass unchanged)."
 
 _TUPLE_LAYERS = {"falcon_h1": 1, "bamba": 2, "xlstm": 2, "rwkv": 3}
 """Families whose layers return a tuple (Falcon-H1's loop reads `[0]`, Bamba's unpacks `(hidden, attention
-weights)`, xLSTM's `(hidden, state)`, RWKV's `(hidden, state, attentions)`): `config.model_type` -> its length (a pass-through fills it with the hidden states, then None)."""
+weights)`, xLSTM's `(hidden, state)`, RWKV's `(hidden, state, attentions)`): `config.model_type` -> its length
+(a pass-through fills it with the hidden states, then None)."""
 
 
 _FLOAT32_LOGITS = frozenset({"mamba", "mamba2", "falcon_mamba", "nemotron_h", "xlstm"})

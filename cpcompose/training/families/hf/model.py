@@ -451,7 +451,8 @@ def _stage_units(bodies: tuple[nn.Module, ...]) -> tuple[nn.Module | None, list[
     """The FSDP units around a rank's stages' layers: the first stage's embedding alone, the last stage's final norm
     with the output layer (`_outer_units`' units, where this rank holds them)."""
     embedding = next((body.embed for body in bodies if body.embed is not None), None)
-    head = [m for body in bodies for m in (body.norm, body.lm_head) if m is not None and any(True for _ in m.parameters())]
+    head = [m for body in bodies for m in (body.norm, body.lm_head)
+            if m is not None and any(True for _ in m.parameters())]
     return embedding, head
 
 

@@ -4,8 +4,8 @@ Tiny `save_pretrained` folders with 4 decoder layers (`make_deep_model`; Qwen3-N
 and gated attention) train 2 steps at pp = 2 x cp = 2 (FSDP2 over the cp ranks, each stage its own root; two
 stages per rank under the interleaved schedules, 4 microbatches) with the same per-step loss as the same folder
 at cp = 1 on one process, to rtol 1e-4 (the issue's bound; float32 sums in another order under CP and the
-schedule's microbatches move the 7th digit, measured at most 1.6e-7 relative). Qwen3-MoE and Qwen3-Next with their
-experts split (ep = 2) train alike under 1F1B. A checkpoint saved at pp = 2 resumes on one process to the same
+schedule's microbatches move the 7th digit, measured at most 1.6e-7 relative). Qwen3-MoE with its experts split
+(ep = 2) trains alike under 1F1B. A checkpoint saved at pp = 2 resumes on one process to the same
 next loss. What cannot be cut is refused before launch:
 tests/training/families/hf/test_preflight.py.
 """
