@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 import transformers as hf
 
-from cpcompose.integrations.transformers.pipeline import pipeline_refusal, split_causal_lm
+from cpcompose.integrations.transformers.pipeline import pipeline_refusal, split_causal_lm, stages_without_token_mixing
 from tests.support import hf_cases
 from tests.support.hf_trainer import MOE_FAMILIES, _moe_config
 from tests.support.hybrid_families import HYBRIDS
@@ -135,3 +135,12 @@ def test_refusals(stages: int, message: str) -> None:
     model = _build("gemma3", untie=stages != 2)
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         split_causal_lm(model, num_stages=stages, stages=(0,))
+
+
+def test_a_stage_of_feed_forward_layers_alone_is_named() -> None:
+    """Nemotron-H's layer types ("mamba", "attention", "mlp") cut in 3: the last stage mixes no token (the trainer
+    refuses it under CP, whose region would route nothing); cut in 1, every stage does."""
+    model = _build("hybrid:nemotron_h")
+    assert stages_without_token_mixing(model, 3) == [2]
+    assert stages_without_token_mixing(model, 1) == []
+    assert stages_without_token_mixing(_build("llama"), 2) == []

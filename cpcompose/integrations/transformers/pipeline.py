@@ -33,7 +33,8 @@ from torch import Tensor, nn
 
 from cpcompose.integrations.transformers.head import HEADS, causal_lm_head
 
-__all__ = ["CUT_REFUSED", "CausalLMStage", "FINAL_NORMS", "pipeline_refusal", "split_causal_lm", "stage_layers"]
+__all__ = ["CUT_REFUSED", "CausalLMStage", "FINAL_NORMS", "held_layers_only", "pipeline_refusal", "split_causal_lm",
+           "stage_layers", "stages_without_token_mixing"]
 
 FINAL_NORMS = ("norm", "norm_f", "final_layernorm", "final_norm", "ln_f", "ln_out", "out_norm")
 """The names families give the base model's last norm, which runs right before `lm_head`."""
@@ -163,6 +164,22 @@ def pipeline_refusal(model: nn.Module, num_stages: int) -> str | None:
     return None
 
 
+_FEED_FORWARD_TYPES = frozenset({"mlp", "moe"})
+"""Layer types (Nemotron-H's `layers_block_type`) whose layers mix no tokens: a feed-forward block alone."""
+
+
+def stages_without_token_mixing(model: nn.Module, num_stages: int) -> list[int]:
+    """The stages of `num_stages` whose layers are all feed-forward blocks (by the config's per-layer types), in
+    which no token mixes: a CP region around such a stage routes no attention and no mixer, which the region
+    refuses as attention run on a shard alone."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    types = getattr(config, "layers_block_type", None) or getattr(config, "layer_types", None)
+    if not isinstance(types, (list, tuple)) or num_stages < 1 or len(types) % num_stages:
+        return []
+    return [s for s in range(num_stages)
+            if all(types[i] in _FEED_FORWARD_TYPES for i in stage_layers(len(types), num_stages, s))]
+
+
 class CausalLMStage(nn.Module):
     """One pipeline stage of a transformers causal LM: `stage(x, position_ids)`.
 
@@ -280,3 +297,18 @@ class _Dropped(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Tensor:
         raise RuntimeError("a module another pipeline rank holds was called on this rank")
+
+
+@contextlib.contextmanager
+def held_layers_only(model: nn.Module) -> Iterator[None]:
+    """Within: the cut model's layer list holds its own layers alone, without the pass-throughs of the others'
+    (for code that walks every layer's submodules, as Falcon-H1's `_init_weights` walks `layer.mamba`)."""
+    base = _base(model)
+    name = _layers_name(base)
+    assert name is not None
+    saved = base._modules[name]
+    base._modules[name] = nn.ModuleList([layer for layer in saved if not isinstance(layer, _PassThrough)])
+    try:
+        yield
+    finally:
+        base._modules[name] = saved

@@ -180,12 +180,17 @@ def _check_pipeline(model: nn.Module, config: JobConfig, n_layers: int) -> None:
     Raises:
         ConfigError: naming the key to change.
     """
-    from cpcompose.integrations.transformers.pipeline import pipeline_refusal
+    from cpcompose.integrations.transformers.pipeline import pipeline_refusal, stages_without_token_mixing
 
     p = config.parallelism
     stages = num_pipeline_stages(config, n_layers)
     if (refusal := pipeline_refusal(model, stages)) is not None:
         raise ConfigError(f"parallelism.pp: {p.pp} ({stages} stages under {p.pp_schedule}): {refusal}")
+    if _uses_region(config) and (idle := stages_without_token_mixing(model, stages)):
+        raise ConfigError(f"parallelism.pp: {p.pp} ({stages} stages under {p.pp_schedule}): stage {idle[0]} holds "
+                          "feed-forward layers alone, whose CP region would route no attention or mixer (which CP "
+                          "refuses as attention run on a shard); choose parallelism.pp or "
+                          "parallelism.pp_layers_per_stage so that every stage holds a token-mixing layer")
     if router_loss_of(model) is not None:
         raise ConfigError(f"parallelism.pp: {p.pp}: {config.model.path}/config.json sets output_router_logits = true, "
                           "and the router loss pools every MoE layer's statistics, which the pipeline stages hold "
@@ -345,10 +350,15 @@ def build_hf_model(config: JobConfig, *, dims: ParallelDims, mesh: DeviceMesh, d
                                    num_stages=num_stages)
     model = trained.module
     model.to_empty(device=device)
-    cphf.init_non_persistent_buffers(model)
     plan = prepared.plan
-    if num_stages > 1:  # this rank's stages' tensors alone
+    if num_stages > 1:  # this rank's stages' tensors alone; buffers set walking its own layers only
+        from cpcompose.integrations.transformers.pipeline import held_layers_only
+
+        with held_layers_only(model):
+            cphf.init_non_persistent_buffers(model)
         plan = plan.of_names(set(model.state_dict()))
+    else:
+        cphf.init_non_persistent_buffers(model)
     if dims.ep_enabled:  # each rank reads its own block of experts
         from cpcompose.integrations.transformers.expert_parallel import expert_blocks
 

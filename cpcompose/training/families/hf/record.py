@@ -125,6 +125,9 @@ def _check_experts(fields: dict, ep: int, where: str) -> None:
 
 LAYER_COUNT_KEYS = ("num_hidden_layers", "n_layers", "num_layers", "num_blocks")
 """Where the families' config.json keep their number of decoder layers (most: num_hidden_layers)."""
+LAYER_TYPE_KEYS = ("layers_block_type", "layer_types", "block_types")
+"""Lists of one entry per layer, for a config.json without a count (Nemotron-H derives num_hidden_layers from its
+layers_block_type)."""
 
 
 def _with_layers(config: JobConfig, fields: dict) -> JobConfig:
@@ -134,9 +137,12 @@ def _with_layers(config: JobConfig, fields: dict) -> JobConfig:
 
     m, where = config.model, f"{config.model.path}/config.json"
     layers = next((n for key in LAYER_COUNT_KEYS if isinstance(n := _text_field(fields, key), int) and n > 0), None)
+    if layers is None:  # a family whose count is its list of layer types (Nemotron-H's layers_block_type)
+        layers = next((len(t) for key in LAYER_TYPE_KEYS if isinstance(t := _text_field(fields, key), list) and t),
+                      None)
     if layers is None:
         raise ConfigError(f"parallelism.pp: {config.parallelism.pp}: {where} declares no layer count "
-                          f"({', '.join(LAYER_COUNT_KEYS)}) to cut pipeline stages from; set parallelism.pp = 1")
+                          f"({', '.join(LAYER_COUNT_KEYS + LAYER_TYPE_KEYS)}) to cut pipeline stages from; set parallelism.pp = 1")
     default = Model.__dataclass_fields__["n_layers"].default
     if m.n_layers not in (default, layers):
         raise ConfigError(f"model.n_layers: does not apply to model.name = 'hf': the layers are {where}'s ({layers}); "
