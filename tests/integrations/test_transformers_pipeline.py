@@ -18,7 +18,12 @@ import torch
 import torch.nn.functional as F
 import transformers as hf
 
-from cpcompose.integrations.transformers.pipeline import pipeline_refusal, split_causal_lm, stages_without_token_mixing
+from cpcompose.integrations.transformers.pipeline import (
+    held_layers_only,
+    pipeline_refusal,
+    split_causal_lm,
+    stages_without_token_mixing,
+)
 from tests.support import hf_cases
 from tests.support.hf_trainer import MOE_FAMILIES, _moe_config
 from tests.support.hybrid_families import HYBRIDS
@@ -144,3 +149,19 @@ def test_a_stage_of_feed_forward_layers_alone_is_named() -> None:
     assert stages_without_token_mixing(model, 3) == [2]
     assert stages_without_token_mixing(model, 1) == []
     assert stages_without_token_mixing(_build("llama"), 2) == []
+
+
+def test_a_cut_model_sets_its_buffers_walking_its_own_layers() -> None:
+    """Falcon-H1's `_init_weights` walks every layer's `mamba` for its muP vector: on a rank holding stage 1 of 2
+    it does so within `held_layers_only` (the pass-through of layer 0 has none), and sets the held layer's."""
+    from cpcompose.integrations.transformers import init_non_persistent_buffers
+
+    model = _build("hybrid:falcon_h1")
+    want = model.model.layers[1].mamba.mup_vector.clone()
+    split_causal_lm(model, num_stages=2, stages=(1,))
+    model.model.layers[1].mamba.mup_vector.zero_()
+    with pytest.raises(AttributeError, match="mamba"):
+        init_non_persistent_buffers(model)
+    with held_layers_only(model):
+        init_non_persistent_buffers(model)
+    assert torch.equal(model.model.layers[1].mamba.mup_vector, want)
