@@ -18,13 +18,15 @@ import torch
 import torch.nn.functional as F
 import transformers as hf
 
+from cpcompose.integrations.transformers.head import HEADS
 from cpcompose.integrations.transformers.pipeline import (
+    CUT_REFUSED,
     held_layers_only,
     pipeline_refusal,
     split_causal_lm,
     stages_without_token_mixing,
 )
-from tests.support import hf_cases
+from tests.support import dsa_cases, hf_cases
 from tests.support.hf_trainer import MOE_FAMILIES, _moe_config
 from tests.support.hybrid_families import HYBRIDS
 
@@ -44,7 +46,28 @@ def _families() -> dict[str, tuple]:
     for name in MOE_FAMILIES:
         out[f"moe:{name}"] = (lambda name=name: _moe_config(name, _MOE_COMMON), hf.AutoModelForCausalLM,
                               "eager" if name in _EAGER else "sdpa")
+    for name, make in dsa_cases.CONFIGS.items():
+        if name not in dsa_cases.REFERENCE_IMPL:  # HunYuan V4: eager attention only, and no known head
+            out[f"dsa:{name}"] = (make, hf.AutoModelForCausalLM, "sdpa")
+    for name, make in _MORE.items():
+        out[name] = (make, hf.AutoModelForCausalLM, "sdpa")
     return out
+
+
+_SMALL = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              intermediate_size=64, pad_token_id=0, bos_token_id=1, eos_token_id=1)
+_MORE = {  # the families of head.HEADS no other list builds; factors away from 1 where the family has them
+    "gemma": lambda: hf.GemmaConfig(**_SMALL, head_dim=8),
+    "cohere": lambda: hf.CohereConfig(**_SMALL, logit_scale=0.5),
+    "cohere2": lambda: hf.Cohere2Config(**_SMALL, logit_scale=0.5, sliding_window=8,
+                                        layer_types=["sliding_attention", "full_attention"]),
+    "granite": lambda: hf.GraniteConfig(**_SMALL, embedding_multiplier=3.0, logits_scaling=2.0,
+                                        residual_multiplier=0.5),
+    "granitemoe": lambda: hf.GraniteMoeConfig(**_SMALL, embedding_multiplier=3.0, logits_scaling=2.0,
+                                              num_local_experts=2, num_experts_per_tok=1),
+    "qwen2_moe": lambda: hf.Qwen2MoeConfig(**_SMALL, num_experts=2, num_experts_per_tok=1, moe_intermediate_size=16,
+                                           shared_expert_intermediate_size=16),
+}
 
 
 FAMILIES = _families()
@@ -54,6 +77,8 @@ REFUSED = {  # the families (keys of FAMILIES) that cannot be cut, and what thei
     "hybrid:zamba2": "cannot be cut into pipeline stages: its hybrid layers share attention blocks",
     "hybrid:qwen4_exp": "cannot be cut into pipeline stages: its layers pass hyper-connection streams",
     "hybrid:glm5_next": "its layers pass hyper-connection streams",
+    "dsa:glm_moe_dsa": "its layers pass their indexer's top-k choice to the next",
+    "dsa:glm_moe_dsa_ties": "its layers pass their indexer's top-k choice to the next",
 }
 
 
@@ -78,6 +103,13 @@ def _layers(model: torch.nn.Module) -> int:
 def _has_layers(model: torch.nn.Module) -> bool:
     base = getattr(model, model.base_model_prefix or "", None)
     return any(isinstance(getattr(base, n, None), torch.nn.ModuleList) for n in ("layers", "blocks"))
+
+
+def test_every_family_with_a_known_head_is_cut_here_or_refused() -> None:
+    """`pipeline_refusal` lets through every family of `head.HEADS` not in `CUT_REFUSED`: each of them is among
+    the families this file checks against the whole model."""
+    checked = {_build(name).config.get_text_config().model_type for name in FAMILIES if name not in REFUSED}
+    assert set(HEADS) - set(CUT_REFUSED) <= checked, set(HEADS) - set(CUT_REFUSED) - checked
 
 
 def test_refused_families_are_exactly_these() -> None:

@@ -16,10 +16,11 @@ stage applies the output layer and what the family's forward does to the logits 
 
 What this cannot cut exactly is refused by name (`pipeline_refusal`): a family whose forward carries more
 than the hidden states from layer to layer (hyper-connection streams, per-layer embeddings of the token ids,
-a state or a second stream between layers), parameters shared by layers of two stages (Zamba's shared
+GLM-5's shared indexers' top-k choice), parameters shared by layers of two stages (Zamba's shared
 attention block), tied input and output embeddings (the first and the last stage would both hold them), a
-family whose logits transform `head.HEADS` does not know. Each supported family is checked against the
-whole model in float64, forward and every gradient (tests/integrations/test_transformers_pipeline.py).
+family whose logits transform `head.HEADS` does not know. Every family of `head.HEADS` that is not refused is
+checked against the whole model in float64, forward and every gradient, bitwise
+(tests/integrations/test_transformers_pipeline.py, which also holds that no family of `HEADS` is left out).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ CUT_REFUSED: dict[str, str] = {
     "qwen4_exp_text": "its layers pass hyper-connection streams and per-layer n-gram embeddings of the token ids, not "
                  "one hidden state",
     "glm5_next": "its layers pass hyper-connection streams, not one hidden state",
+    "glm_moe_dsa": "its layers pass their indexer's top-k choice to the next (shared indexers), not one hidden state",
 }
 """`config.model_type` -> why its layers cannot be cut into pipeline stages (what they pass besides one hidden
 state, or what the base forward does between them)."""
