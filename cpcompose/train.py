@@ -37,6 +37,7 @@ from cpcompose.data.store import uses_store  # noqa: E402
 from cpcompose.training.errors import ErrorKind, TrainingError  # noqa: E402
 from cpcompose.training.loop.faults import is_comm_failure  # noqa: E402
 from cpcompose.training.launcher.local import Report, launch_local, planned_world_size  # noqa: E402
+from cpcompose.training.loop.nodes import agree_on_nodes  # noqa: E402
 from cpcompose.training.loop.lr_schedule import warmup_note  # noqa: E402
 from cpcompose.training.memory.budget import run_plan  # noqa: E402
 from cpcompose.training.memory.oom import (  # noqa: E402
@@ -86,6 +87,7 @@ def train(config: JobConfig, *, guard: MemoryGuard | None = None) -> list[float]
         # Then every collective is bounded by comm.timeout_s: a dead rank ends the job, never hangs it.
         # (build_mesh hands the world's timeout to every mesh group, and ring waits read it from there.)
         dist.group.WORLD.set_timeout(timedelta(seconds=config.comm.timeout_s))
+        agree_on_nodes(config)  # every node the same size, one dump folder for all: refused alike on every rank
     apply_cuda_budget(config)
     trainer: Trainer | None = None
     try:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from cpcompose.attention.call.options import CPOptions
-from cpcompose.attention.cost.calibration import Calibration
+from cpcompose.attention.cost.calibration import Calibration, Topology
 from cpcompose.comm import CommMeter
 from cpcompose.config.sections import ConfigError, Parallelism
 
@@ -30,7 +30,15 @@ def cp_options(p: Parallelism, *, meter: CommMeter | None = None) -> CPOptions:
     """
     calibration = None if p.cp_calibration is None else Calibration.load(p.cp_calibration)
     return CPOptions(strategy=p.cp_strategy, layout=p.cp_layout, meter=meter, alltoall_size=p.cp_alltoall_size,
-                     validate=p.cp_validate, calibration=calibration, verify=p.cp_verify)
+                     validate=p.cp_validate, calibration=calibration, verify=p.cp_verify, topology=_cp_topology(p))
+
+
+def _cp_topology(p: Parallelism) -> Topology | None:
+    """Which CP ranks share a node, for `auto`'s cost model: a node's `LOCAL_WORLD_SIZE` ranks (torchrun) hold
+    LOCAL_WORLD_SIZE / tp CP ranks, tp being innermost in the mesh (`distributed.nodes`); None when unset, and for
+    any other strategy (which takes no topology)."""
+    local = Topology.from_env().ranks_per_node
+    return None if local is None or p.cp_strategy != "auto" else Topology(max(1, local // p.tp))
 
 
 def cp_options_error(p: Parallelism) -> ConfigError | None:

@@ -77,7 +77,7 @@ class JobConfig:
         Raises:
             ConfigError: naming the key to change.
         """
-        p, m, t, d = self.parallelism, self.model, self.training, self.data
+        p, m, t = self.parallelism, self.model, self.training
         if (error := cp_options_error(p)) is not None:
             raise error
         require(self.job.dry_run or not self.job.rehearse, "job.rehearse", "rehearses the dry run's step: add "
@@ -92,12 +92,14 @@ class JobConfig:
                 raise ConfigError(str(e)) from None
         split_error = resolve_layout(p.cp_layout, p.cp).split_error(t.seq_len)
         require(split_error is None, "training.seq_len", str(split_error))
-        require(m.n_heads % p.tp == 0, "model.n_heads", f"{m.n_heads} must be divisible by parallelism.tp = {p.tp}")
-        require(m.n_kv_heads % p.tp == 0, "model.n_kv_heads",
-                f"{m.n_kv_heads} must be divisible by parallelism.tp = {p.tp}")
-        require(m.n_layers % p.pp == 0, "model.n_layers", f"{m.n_layers} must be divisible by parallelism.pp = {p.pp}")
-        if p.pp > 1 and p.pp_schedule == "1F1B":
-            require(p.pp_microbatches >= p.pp, "parallelism.pp_microbatches", f"1F1B needs >= pp = {p.pp}")
+        if m.path is None:  # the section's head counts are the own model's; a folder's are checked by its family
+            require(m.n_heads % p.tp == 0, "model.n_heads", f"{m.n_heads} must be divisible by parallelism.tp = {p.tp}")
+            require(m.n_kv_heads % p.tp == 0, "model.n_kv_heads",
+                    f"{m.n_kv_heads} must be divisible by parallelism.tp = {p.tp}")
+        # The layers into stages, the stages a schedule places, the microbatches it needs: the resolution step
+        # (`cpcompose.training.resolve`), once the family has said how many layers the model has.
+        require(p.pp > 1 or p.pp_layers_per_stage is None, "parallelism.pp_layers_per_stage",
+                "cuts pipeline stages, and parallelism.pp = 1 has none: unset it, or set parallelism.pp > 1")
         split = (dp if dp is not None else p.dp_replicate) * t.grad_accum_steps  # dp_shard=-1 counts 1 until known
         require(t.batch_size % split == 0, "training.batch_size",
                 f"{t.batch_size} must be divisible by dp_replicate*dp_shard*grad_accum_steps = {split}")
@@ -112,6 +114,3 @@ class JobConfig:
             require(not t.offload_params or (dp or 1) * p.cp > 1,
                     "training.offload_params", "offloads FSDP2's shards, and one rank over dp x cp has no FSDP; "
                     "use more ranks or set training.offload_params = false")
-        require(not (d.pack and p.pp > 1), "data.pack",
-                "packed documents are one sequence per micro-batch, which pipeline microbatches cannot split; "
-                "set parallelism.pp = 1")

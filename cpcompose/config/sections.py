@@ -15,12 +15,16 @@ from typing import Literal
 
 __all__ = [
     "ActivationCheckpoint", "Checkpoint", "Comm", "ConfigError", "Data", "Job", "LRScheduler",
-    "Metrics", "Model", "Optimizer", "Parallelism", "StrategyName", "Training", "ValidateWhen", "require",
+    "Metrics", "Model", "Optimizer", "Parallelism", "PipelineScheduleName", "StrategyName", "Training", "ValidateWhen", "require",
 ]
 
 StrategyName = Literal["ring", "allgather", "alltoall", "alltoall_ring", "auto"]
 """`parallelism.cp_strategy`'s choices: `cpcompose.attention`'s `StrategyChoice`, spelled here so that the
 sections import nothing but the standard library (tests/config/test_config.py holds the two equal)."""
+PipelineScheduleName = Literal["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble",
+                               "DualPipeV", "LoopedBFS"]
+"""`parallelism.pp_schedule`'s choices: `cpcompose.distributed.pipeline.PIPELINE_SCHEDULES`' names (held equal by
+tests/config/test_config.py)."""
 ValidateWhen = Literal["first_call", "every_call"]
 """`parallelism.cp_validate`'s choices: `cpcompose.attention`'s `Validate` (held equal by the same test)."""
 
@@ -133,10 +137,23 @@ class Parallelism:
     FSDP-sharded over the other dp_shard x cp / ep), and tokens travel to their experts' ranks. Folded out of the
     ranks that share a model replica, as torchtitan does: ep must divide dp_shard x cp, and needs no extra ranks.
     1 = off (every rank gathers every expert, one FSDP unit at a time)."""
-    pp_schedule: Literal["GPipe", "1F1B"] = "1F1B"
-    """Pipeline schedule; 1F1B holds fewer microbatches' activations at once than GPipe."""
+    pp_schedule: PipelineScheduleName = "1F1B"
+    """Pipeline schedule, torch's by name. One stage per rank: GPipe (every microbatch forward, then every
+    backward: holds all microbatches' activations), 1F1B (one forward, one backward: holds at most pp).
+    Several (virtual) stages per rank, which shrink the bubble: Interleaved1F1B (torchtitan's default),
+    InterleavedZeroBubble (backward split into input and weight parts, the weight parts filling the bubble),
+    LoopedBFS (breadth-first: each local stage runs all its microbatches in turn), all placing rank r's stages
+    at r, r + pp, r + 2pp, ...; and in a V, two stages per rank, rank r owning stages r and 2pp - 1 - r:
+    ZBVZeroBubble and DualPipeV (DeepSeek's). Multi-stage schedules need at least as many microbatches as
+    stages."""
+    pp_layers_per_stage: int | None = None
+    """Transformer layers in each (virtual) pipeline stage, as torchtitan's pipeline_parallel_layers_per_stage:
+    model.n_layers / pp_layers_per_stage stages in all, dealt pp_schedule's way, the same number to each rank.
+    Unset: one stage per rank for GPipe and 1F1B, two for the multi-stage schedules (a V's two for ZBVZeroBubble
+    and DualPipeV)."""
     pp_microbatches: int = 4
-    """Microbatches per local batch when pp > 1; must divide it (and be >= pp for 1F1B)."""
+    """Microbatches per local batch when pp > 1; must divide it, be >= pp for 1F1B, and >= the stages
+    (pp x stages per rank) for the multi-stage schedules."""
     cp_strategy: StrategyName = "ring"
     """ring: K/V blocks circulate, overlapped with compute; allgather: gather all K/V once
     (simple, more memory); alltoall: Ulysses head/sequence transpose (any head count);
@@ -166,6 +183,8 @@ class Parallelism:
         _positive(self, "parallelism", "dp_replicate", "cp", "tp", "pp", "ep", "pp_microbatches")
         require(self.dp_shard == -1 or self.dp_shard >= 1, "parallelism.dp_shard",
                 f"must be >= 1 or -1, got {self.dp_shard}")
+        require(self.pp_layers_per_stage is None or self.pp_layers_per_stage >= 1, "parallelism.pp_layers_per_stage",
+                f"must be >= 1 (or unset), got {self.pp_layers_per_stage}")
 
 
 @dataclass

@@ -11,12 +11,23 @@ from cpcompose.distributed.compile import apply_compile
 from cpcompose.distributed.expert_state import ExpertShards
 from cpcompose.distributed.fsdp import apply_fsdp, fsdp_applied
 from cpcompose.distributed.parallel_dims import MESH_DIM_NAMES, ParallelDims, flat_mesh
-from cpcompose.distributed.pipeline import build_pipeline_schedule, build_pipeline_stage
+from cpcompose.distributed.pipeline import (
+    PIPELINE_SCHEDULES,
+    build_pipeline_schedule,
+    build_pipeline_stage,
+    build_pipeline_stages,
+    pipeline_problem,
+    stage_ids,
+    stages_per_rank,
+)
+from cpcompose.distributed.pipeline_stage import StageModule, layout_of_doc_bounds, microbatch_doc_bounds
 from cpcompose.distributed.tiled import apply_tiled_mlp, tiled_mlp
 
 __all__ = [
     "ExpertShards",
     "MESH_DIM_NAMES",
+    "PIPELINE_SCHEDULES",
+    "StageModule",
     "ParallelDims",
     "apply_activation_checkpointing",
     "apply_compile",
@@ -26,5 +37,11 @@ __all__ = [
     "apply_tiled_mlp",
     "build_pipeline_schedule",
     "build_pipeline_stage",
+    "build_pipeline_stages",
+    "layout_of_doc_bounds",
+    "microbatch_doc_bounds",
+    "pipeline_problem",
+    "stage_ids",
+    "stages_per_rank",
     "tiled_mlp",
 ]

@@ -37,6 +37,7 @@ def apply_fsdp(
     offload_params: bool = False,
     experts: Sequence[nn.Module] = (),
     expert_mesh: DeviceMesh | None = None,
+    roots: Sequence[nn.Module] = (),
 ) -> None:
     """Shard ``model`` with ``fully_shard``: the embedding, each block, the head, then the root.
 
@@ -64,6 +65,10 @@ def apply_fsdp(
             the blocks that hold them: so their gradients are summed over the ranks holding the same experts
             only (dispatch's backward already brought every EP rank's tokens to them), as torchtitan does.
         expert_mesh: the experts' mesh from ``parallel_dims.build_expert_mesh``; required with ``experts``.
+        roots: with several pipeline stages per rank, each stage's module (sharing ``model``'s modules, as
+            `cpcompose.distributed.pipeline_stage.StageModule` does): each is made an FSDP root of its own
+            instead of ``model``, since a ``PipelineStage`` reduces a stage's gradients through its module's
+            root state. ``model`` then must have no parameter outside the units.
     """
     shared = {id(p) for p in embedding.parameters()} if embedding is not None else set()
     if shared & {id(p) for m in head for p in m.parameters()}:
@@ -98,8 +103,9 @@ def apply_fsdp(
         fully_shard(block, reshard_after_forward=reshard, **options)
     if head:
         fully_shard(list(head), reshard_after_forward=False, **options)
-    fully_shard(model, reshard_after_forward=False, **options)
-    for module in model.modules():
+    for root in roots or (model,):
+        fully_shard(root, reshard_after_forward=False, **options)
+    for module in [m for root in (model, *roots) for m in root.modules()]:
         if isinstance(module, FSDPModule):
             # The loss is already a share of the global mean: sum, don't average. Plain SUM
             # also avoids PREMUL_SUM, which gloo lacks (FSDP would pick it for fp32/bf16).
@@ -108,5 +114,6 @@ def apply_fsdp(
 
 
 def fsdp_applied(model: nn.Module) -> bool:
-    """Whether ``model`` is sharded by :func:`apply_fsdp` (then FSDP2 owns its mixed precision)."""
-    return isinstance(model, FSDPModule)
+    """Whether ``model`` is sharded by :func:`apply_fsdp` (then FSDP2 owns its mixed precision): it, or with
+    pipeline stages as roots (``roots``), one of its modules is an FSDP unit."""
+    return any(isinstance(m, FSDPModule) for m in model.modules())

@@ -12,6 +12,7 @@ from cpcompose.models.llama import (
     parallelize_llama,
     rope_cos_sin,
     split_llama_for_pipeline,
+    split_llama_for_stages,
 )
 from cpcompose.models.registry import get_model_spec, model_names
 from cpcompose.models.spec import ModelSpec
@@ -30,4 +31,5 @@ __all__ = [
     "parallelize_llama",
     "rope_cos_sin",
     "split_llama_for_pipeline",
+    "split_llama_for_stages",
 ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -42,13 +43,17 @@ class ParallelizeFn(Protocol):
         mlp_tiles: int,
         param_dtype: torch.dtype | None,
         offload_params: bool,
+        stages: Sequence[nn.Module] = (),
     ) -> nn.Module: ...
 
 
 class SplitForPipelineFn(Protocol):
-    """Cut a full model down, in place, to the modules of pipeline stage ``stage_index``."""
+    """Cut a full model down, in place, to the union of pipeline stages ``stage_ids`` (of ``num_stages``), keeping
+    the full model's FQNs; return it and one module per stage, in the order of ``stage_ids``, sharing its modules
+    (see `cpcompose.models.llama.pipeline`)."""
 
-    def __call__(self, model: nn.Module, *, num_stages: int, stage_index: int) -> nn.Module: ...
+    def __call__(self, model: nn.Module, *, num_stages: int,
+                 stage_ids: Sequence[int]) -> tuple[nn.Module, tuple[nn.Module, ...]]: ...
 
 
 @dataclass(frozen=True)

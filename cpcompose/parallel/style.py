@@ -57,6 +57,14 @@ class ContextParallel(ParallelStyle):
         finally:
             self._layout_override = previous
 
+    def recompute_context(self) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+        """`torch.utils.checkpoint`'s `context_fn` for blocks holding this style's attention: nothing around the
+        forward, and around the recomputation the `layout_for` layout the forward ran under. A pipeline schedule
+        runs a microbatch's backward (so its recomputation) outside the scope its forward ran in. The recompute
+        context may be entered more than once: a zero-bubble schedule's split backward recomputes in its input
+        part and again in its weight part."""
+        return contextlib.nullcontext(), _Reentrant(self, self._layout_override)
+
     def current_options(self) -> CPOptions:
         """The options a forward entered now uses (with any `layout_for` override)."""
         if self._layout_override is None:
@@ -110,3 +118,19 @@ class ContextParallel(ParallelStyle):
         if error:
             raise ValueError(error)
         return x.to_local()
+
+
+class _Reentrant:
+    """`style.layout_for(layout)` as a context manager that can be entered again after it exits."""
+
+    def __init__(self, style: ContextParallel, layout: LayoutSpec) -> None:
+        self._style, self._layout = style, layout
+        self._open: list[contextlib.AbstractContextManager] = []
+
+    def __enter__(self) -> None:
+        scope = self._style.layout_for(self._layout)
+        scope.__enter__()
+        self._open.append(scope)
+
+    def __exit__(self, *exc: object) -> None:
+        self._open.pop().__exit__(*exc)

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 from torch.distributed.device_mesh import DeviceMesh
 
 from cpcompose.attention.call.options import CPOptions
@@ -70,7 +71,10 @@ class _Recorder:
 
     @staticmethod
     def _kept(value: Any, prefix: str) -> list[tuple[str, Tensor]]:
-        return [(path, t.detach().clone()) for path, t in _tensors(value, prefix) if t.is_floating_point()]
+        # a DTensor (what a tensor-parallel style hands its module) as this rank's part: both runs are on the same
+        # tp rank, and only CP differs between them
+        return [(path, (t.to_local() if isinstance(t, DTensor) else t).detach().clone())
+                for path, t in _tensors(value, prefix) if t.is_floating_point()]
 
     def _enter(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         self._inputs.setdefault(id(module), []).append(self._kept(args, "input") + self._kept(kwargs, "input"))

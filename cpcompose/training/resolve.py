@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from cpcompose.config import ConfigError, JobConfig
 from cpcompose.data.loader import data_config_error
+from cpcompose.distributed.pipeline import pipeline_problem
 from cpcompose.training.families import families, family_of
 
 __all__ = ["resolve_config"]
@@ -33,6 +34,10 @@ def resolve_config(config: JobConfig, world_size: int | None = None) -> JobConfi
         raise ConfigError("checkpoint.export_hf: writes a Hugging Face model: only with model.name = "
                           + " or ".join(f"'{n}'" for n in exporting))
     config = family.resolve(config)
+    # After the family's files: model.n_layers is the model's (a family read from a folder fills it in).
+    if (problem := pipeline_problem(config.parallelism, config.model.n_layers,
+                                    compiled=config.training.compile)) is not None:
+        raise ConfigError(f"{problem[0]}: {problem[1]}")
     if (error := data_config_error(config)) is not None:
         raise error
     return config

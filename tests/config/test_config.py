@@ -309,6 +309,64 @@ def test_the_sections_spell_the_attention_librarys_choices() -> None:
     assert get_args(StrategyName) == get_args(StrategyChoice)
     assert get_args(ValidateWhen) == get_args(Validate)
     assert Parallelism().cp_layout == DEFAULT_LAYOUT
+    from cpcompose.config.sections import PipelineScheduleName
+    from cpcompose.distributed import PIPELINE_SCHEDULES
+
+    assert get_args(PipelineScheduleName) == tuple(PIPELINE_SCHEDULES)
+
+
+PP = ["--parallelism.pp=2", "--model.n_layers=8", "--training.batch_size=8", "--parallelism.pp_microbatches=4"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--parallelism.pp_schedule=Interleaved1F1B", "--model.n_layers=6"],
+     r"^model.n_layers: 6 must be divisible by parallelism.pp x stages per rank = 4 \(Interleaved1F1B runs two"),
+    (["--parallelism.pp_schedule=Interleaved1F1B", "--parallelism.pp_layers_per_stage=3"],
+     r"^parallelism.pp_layers_per_stage: 3 does not divide model.n_layers = 8"),
+    (["--parallelism.pp_schedule=LoopedBFS", "--parallelism.pp_layers_per_stage=8"],
+     r"^parallelism.pp_layers_per_stage: 8 layers a stage make 1 stages, not a multiple of parallelism.pp = 2"),
+    (["--parallelism.pp_schedule=1F1B", "--parallelism.pp_layers_per_stage=2"],
+     r"^parallelism.pp_layers_per_stage: 2 layers a stage make 2 stages per rank, but 1F1B runs one"),
+    (["--parallelism.pp_schedule=ZBVZeroBubble", "--parallelism.pp_layers_per_stage=1"],
+     r"^parallelism.pp_layers_per_stage: 1 layers a stage make 4 stages per rank, but ZBVZeroBubble places exactly two"),
+    (["--parallelism.pp_schedule=DualPipeV", "--parallelism.pp_microbatches=2"],
+     r"^parallelism.pp_microbatches: DualPipeV needs at least as many microbatches as stages \(4 = pp 2 x 2"),
+    (["--parallelism.pp_schedule=Interleaved1F1B", "--parallelism.pp_layers_per_stage=1",
+      "--parallelism.pp_microbatches=4"],  # 8 stages: fewer microbatches than stages (torch would idle or hang)
+     r"^parallelism.pp_microbatches: Interleaved1F1B needs at least as many microbatches as stages \(8"),
+    (["--parallelism.pp_schedule=InterleavedZeroBubble", "--parallelism.pp_microbatches=5", "--training.batch_size=10"],
+     r"^parallelism.pp_microbatches: InterleavedZeroBubble runs microbatches in rounds of microbatches // pp = 2"),
+    (["--parallelism.pp_schedule=ZBVZeroBubble", "--parallelism.pp_microbatches=3", "--training.batch_size=6"],
+     r"^parallelism.pp_microbatches: ZBVZeroBubble needs at least as many microbatches as stages"),
+    (["--parallelism.pp_schedule=GPipe", "--parallelism.pp_microbatches=3"],
+     r"^parallelism.pp_microbatches: 3 must divide the local batch of 8 sequences"),
+    (["--parallelism.pp=1", "--parallelism.pp_layers_per_stage=2"],
+     r"^parallelism.pp_layers_per_stage: cuts pipeline stages, and parallelism.pp = 1 has none"),
+    (["--parallelism.pp_layers_per_stage=0"], r"^parallelism.pp_layers_per_stage: must be >= 1"),
+    (["--parallelism.pp_schedule=Zigzag"], r"^parallelism.pp_schedule: .*Zigzag"),
+    (["--parallelism.pp_schedule=ZBVZeroBubble", "--training.compile=true"],
+     r"^training.compile: ZBVZeroBubble splits each backward"),
+])
+def test_pipeline_settings_a_schedule_cannot_run_are_refused_before_launch(argv: list[str], message: str) -> None:
+    """Item 9 of issue 39: the layers into stages, the stages a schedule places, the microbatches it needs, named
+    by key from the config's own checks (what `python -m cpcompose.train` and the dry run call before launch)."""
+    with pytest.raises(ConfigError, match=message):
+        resolve_config(load_config(PP + argv), 2)
+
+
+@pytest.mark.parametrize("schedule, layers_per_stage, expected", [
+    ("1F1B", None, [(0,), (1,)]), ("GPipe", 4, [(0,), (1,)]),
+    ("Interleaved1F1B", None, [(0, 2), (1, 3)]), ("InterleavedZeroBubble", 1, [(0, 2, 4, 6), (1, 3, 5, 7)]),
+    ("LoopedBFS", 2, [(0, 2), (1, 3)]), ("ZBVZeroBubble", None, [(0, 3), (1, 2)]), ("DualPipeV", 2, [(0, 3), (1, 2)]),
+])
+def test_stage_placement_per_schedule(schedule: str, layers_per_stage: int | None, expected: list) -> None:
+    """Loop placement (rank r: r, r + pp, ...) or a V (rank r: r and 2pp - 1 - r), pp_layers_per_stage's count."""
+    from cpcompose.distributed import stage_ids, stages_per_rank
+
+    p = load_config(PP + ["--parallelism.pp_microbatches=8", f"--parallelism.pp_schedule={schedule}"] + (
+        [] if layers_per_stage is None else [f"--parallelism.pp_layers_per_stage={layers_per_stage}"])).parallelism
+    per_rank = stages_per_rank(p, 8)
+    assert [stage_ids(schedule, 2, r, per_rank) for r in range(2)] == expected
 
 
 def test_the_sections_are_pure() -> None:

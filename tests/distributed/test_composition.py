@@ -204,7 +204,7 @@ CASES = [
     pytest.param(2, {"dp_replicate": 2}, id="hsdp2-shard1-nocp"),  # replicate only: HSDP with 1-rank shards
     pytest.param(4, {"tp": 2, "cp": 2, "strategy": "ring"}, id="tp2xcp2-ring"),
     pytest.param(4, {"tp": 2, "cp": 2, "strategy": "alltoall", "fsdp": False}, id="tp2xcp2-alltoall-nofsdp"),
-    pytest.param(4, {"pp": 2, "cp": 2, "strategy": "ring", "schedule": "gpipe"}, id="pp2xcp2-gpipe-ring"),
+    # GPipe and every other schedule, with FSDP2 over cp: tests/distributed/test_pipeline_schedules.py
     pytest.param(
         4, {"pp": 2, "cp": 2, "strategy": "allgather", "schedule": "1f1b", "fsdp": False, "ac": True},
         id="pp2xcp2-1f1b-allgather-nofsdp-ac",

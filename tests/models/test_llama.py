@@ -8,7 +8,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cpcompose.models import Llama, LlamaConfig, apply_rope, rope_cos_sin, split_llama_for_pipeline
+from cpcompose.models import (
+    Llama,
+    LlamaConfig,
+    apply_rope,
+    rope_cos_sin,
+    split_llama_for_pipeline,
+    split_llama_for_stages,
+)
 
 # float32 on CPU. Where two runs take different op orders (shifted positions round
 # cos/sin differently, a prefix changes matmul shapes) the observed error is ~1e-7;
@@ -151,6 +158,27 @@ def test_pipeline_stage_initialised_alone_matches_full_model() -> None:
     assert "layers.3.attention.wq.weight" in names and "output.weight" in names
     for name, param in stage.named_parameters():
         torch.testing.assert_close(param, full_params[name], atol=0, rtol=0, msg=name)
+
+
+def test_a_rank_of_a_v_schedule_keeps_one_model_with_full_names_and_a_view_per_stage() -> None:
+    """Stages 0 and 3 of 4 (rank 0 of a V at pp = 2): one model holding both stages' modules under the full
+    model's FQNs, and two views sharing those modules; the four views of both ranks run the full model."""
+    full = _model()
+    rank0, views0 = split_llama_for_stages(copy.deepcopy(full), num_stages=4, stage_ids=(0, 3))
+    rank1, views1 = split_llama_for_stages(copy.deepcopy(full), num_stages=4, stage_ids=(1, 2))
+    assert list(rank0.layers) == ["0", "3"] and rank0.tok_embeddings is not None and rank0.output is not None
+    assert list(rank1.layers) == ["1", "2"] and rank1.tok_embeddings is None and rank1.output is None
+    assert {n for n, _ in rank0.named_parameters()} | {n for n, _ in rank1.named_parameters()} == \
+        {n for n, _ in full.named_parameters()}
+    assert views0[0].layers["0"] is rank0.layers["0"] and views0[1].output is rank0.output
+    assert views0[0].output is None and views0[1].tok_embeddings is None and list(views0[1].layers) == ["3"]
+    tokens, positions = _tokens(), torch.arange(16)
+    hidden = tokens
+    for view in (views0[0], views1[0], views1[1], views0[1]):
+        hidden = view(hidden, positions)
+    torch.testing.assert_close(hidden, full(tokens, positions), atol=0, rtol=0)
+    with pytest.raises(ValueError, match="distinct stage indices"):
+        split_llama_for_stages(_model(), num_stages=4, stage_ids=(0, 0))
 
 
 def test_pipeline_split_errors() -> None:

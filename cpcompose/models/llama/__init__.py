@@ -17,12 +17,13 @@ from cpcompose.models.llama.model import (
 )
 from cpcompose.models.llama.memory import llama_memory
 from cpcompose.models.llama.parallelize import parallelize_llama
-from cpcompose.models.llama.pipeline import split_llama_for_pipeline
+from cpcompose.models.llama.pipeline import split_llama_for_pipeline, split_llama_for_stages
 from cpcompose.models.spec import ModelSpec
 
 __all__ = [
     "SPEC", "Attention", "FeedForward", "Llama", "LlamaConfig", "LlamaSettings", "RMSNorm", "TransformerBlock",
     "apply_rope", "build_llama", "llama_config", "llama_memory", "parallelize_llama", "rope_cos_sin", "split_llama_for_pipeline",
+    "split_llama_for_stages",
 ]
 
 
@@ -54,6 +55,6 @@ def build_llama(model: LlamaSettings, *, max_seq_len: int) -> Llama:
 
 
 SPEC = ModelSpec(
-    name="llama", build=build_llama, parallelize=parallelize_llama, split_for_pipeline=split_llama_for_pipeline,
+    name="llama", build=build_llama, parallelize=parallelize_llama, split_for_pipeline=split_llama_for_stages,
     memory=llama_memory,
 )

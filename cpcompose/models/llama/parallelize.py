@@ -42,7 +42,10 @@ rank owns its shard and the replicated norms get identical gradients.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
@@ -84,6 +87,7 @@ def parallelize_llama(
     mlp_tiles: int = 1,
     param_dtype: torch.dtype | None = None,
     offload_params: bool = False,
+    stages: Sequence[nn.Module] = (),
 ) -> Llama:
     """Make ``model`` (a full model or one pipeline stage) parallel, in place.
 
@@ -105,6 +109,10 @@ def parallelize_llama(
         fsdp: shard parameters with FSDP2 over dp_shard x cp (HSDP when
             dp_replicate > 1) when more than one rank shares the loss. With
             ``False`` the caller reduces gradients (see the module docstring).
+        stages: with pipelining, the modules the rank's ``PipelineStage``s run (views sharing
+            ``model``'s modules: `split_llama_for_stages`, each wrapped in a ``StageModule``); with
+            FSDP each is an FSDP root instead of ``model`` (a stage reduces its gradients through
+            its root).
 
     Returns:
         ``model`` itself. Parameters are DTensors where TP or FSDP applies; FQNs
@@ -132,7 +140,10 @@ def parallelize_llama(
             parallelize_module(block, mesh["tp"], {name: style() for name, style in _TP_PLAN.items()})
     apply_tiled_mlp([block.feed_forward for block in blocks], tiles=mlp_tiles)
     if activation_checkpoint:
-        apply_activation_checkpointing(blocks, offload=offload_activations)
+        # The recompute re-enters the packed layout its forward ran under: a pipeline schedule runs a
+        # microbatch's backward outside the scope of its forward.
+        apply_activation_checkpointing(blocks, offload=offload_activations,
+                                       context_fn=cp.recompute_context if cp is not None else None)
     if torch_compile:
         # Dynamo traces AC's checkpoint as a higher-order op, inside which the CP hooks may not
         # enter their TorchFunctionMode: with AC, compile each block's parts, inside the checkpoint.
@@ -140,5 +151,5 @@ def parallelize_llama(
     if fsdp and parallel_dims.dp_cp_size > 1:
         apply_fsdp(model, blocks, mesh=mesh, parallel_dims=parallel_dims, embedding=model.tok_embeddings,
                    head=[m for m in (model.norm, model.output) if m is not None], param_dtype=param_dtype,
-                   offload_params=offload_params)
+                   offload_params=offload_params, roots=stages)
     return model

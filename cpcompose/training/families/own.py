@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from cpcompose.comm import CommMeter
 from cpcompose.config import ConfigError, JobConfig, cp_options
 from cpcompose.distributed import ParallelDims
+from cpcompose.distributed.pipeline_stage import StageModule
 from cpcompose.layouts import PackedLayout
 from cpcompose.models import get_model_spec
 from cpcompose.models.spec import MemoryProfile
@@ -75,41 +76,48 @@ class OwnFamily:
         return spec.memory(config.model, tp=tp, precision=precision, mlp_tiles=mlp_tiles)
 
     def build(self, config: JobConfig, *, dims: ParallelDims, mesh: DeviceMesh, device: torch.device,
-              meter: CommMeter, stage: int = 0) -> TrainedModel:
+              meter: CommMeter, stages: tuple[int, ...] = (0,), num_stages: int = 1) -> TrainedModel:
         spec = get_model_spec(self.name)
         model = spec.build(config.model, max_seq_len=config.max_seq_len())
         model.init_weights(seed=config.job.seed)
+        bodies: tuple[nn.Module, ...] = ()
         if dims.pp_enabled:
-            model = spec.split_for_pipeline(model, num_stages=dims.pp, stage_index=stage)
+            model, bodies = spec.split_for_pipeline(model, num_stages=num_stages, stage_ids=stages)
         model.to(device)
         if dims.cp_enabled and config.parallelism.cp_verify and not dims.pp_enabled:
             _verify(model, config, dims=dims, mesh=mesh, device=device)
-        return self.parallelize(model, config, dims=dims, mesh=mesh, meter=meter)
+        return self.parallelize(model, config, dims=dims, mesh=mesh, meter=meter, stage_bodies=bodies)
 
     def build_unfilled(self, config: JobConfig, *, dims: ParallelDims, mesh: DeviceMesh,
-                       stage: int = 0) -> TrainedModel:
+                       stages: tuple[int, ...] = (0,), num_stages: int = 1) -> TrainedModel:
         spec = get_model_spec(self.name)
         model = spec.build(config.model, max_seq_len=config.max_seq_len())
+        bodies: tuple[nn.Module, ...] = ()
         if dims.pp_enabled:
-            model = spec.split_for_pipeline(model, num_stages=dims.pp, stage_index=stage)
-        return self.parallelize(model, config, dims=dims, mesh=mesh, meter=None)
+            model, bodies = spec.split_for_pipeline(model, num_stages=num_stages, stage_ids=stages)
+        return self.parallelize(model, config, dims=dims, mesh=mesh, meter=None, stage_bodies=bodies)
 
     def parallelize(self, model: nn.Module, config: JobConfig, *, dims: ParallelDims, mesh: DeviceMesh,
-                    meter: CommMeter | None) -> TrainedModel:
+                    meter: CommMeter | None, stage_bodies: tuple[nn.Module, ...] = ()) -> TrainedModel:
+        """As `ModelFamily.parallelize`; with pipelining, `stage_bodies` are the views of the rank's stages
+        (`split_for_pipeline`), each wrapped in a `StageModule` whose CP scope is this style's (so a packed
+        microbatch's `doc_bounds` set the layout of its forward, and its recompute's through the checkpoint's
+        `ContextParallel.recompute_context`)."""
         c = config
         style = ContextParallel(cp_options(c.parallelism, meter=meter), seq_dim=1) \
             if dims.cp_enabled or c.data.pack else None
-        model = get_model_spec(self.name).parallelize(
-            model, parallel_dims=dims, mesh=mesh, cp=style,
-            activation_checkpoint=c.activation_checkpoint.mode == "full", torch_compile=c.training.compile,
-            offload_activations=c.activation_checkpoint.offload, mlp_tiles=c.training.tiled_mlp,
-            param_dtype=compute_dtype(c), offload_params=c.training.offload_params,
-        )
 
         def cp_scope(packed: PackedLayout | None) -> contextlib.AbstractContextManager:
             return style.layout_for(packed) if packed is not None and style is not None else contextlib.nullcontext()
 
-        return TrainedModel(module=model, cp_scope=cp_scope)
+        stages = tuple(StageModule(body, cp_scope, dims.cp) for body in stage_bodies)
+        model = get_model_spec(self.name).parallelize(
+            model, parallel_dims=dims, mesh=mesh, cp=style,
+            activation_checkpoint=c.activation_checkpoint.mode == "full", torch_compile=c.training.compile,
+            offload_activations=c.activation_checkpoint.offload, mlp_tiles=c.training.tiled_mlp,
+            param_dtype=compute_dtype(c), offload_params=c.training.offload_params, stages=stages,
+        )
+        return TrainedModel(module=model, cp_scope=cp_scope, stages=stages)
 
 
 def _verify(model: nn.Module, config: JobConfig, *, dims: ParallelDims, mesh: DeviceMesh, device: torch.device) -> None:

@@ -55,6 +55,14 @@ class TrainedModel:
     (families with a `router_loss`) -> (that, every MoE layer's router logits `(local tokens, experts)`)."""
     cp_scope: Callable[[PackedLayout | None], contextlib.AbstractContextManager]
     """Around each micro-batch's forward and backward, given the batch's pack (None: the run's layout)."""
+    stages: tuple[nn.Module, ...] = ()
+    """With pipelining (empty without): this rank's stage modules, in the order of `build`'s `stages`, each what a
+    `PipelineStage` runs and, with FSDP, an FSDP root of its own; called `stage(x, position_ids, **microbatch_meta)`
+    (x: token ids on stage 0, hidden states otherwise; the last stage returns logits `[mb, local_seq, vocab]`;
+    `cpcompose.distributed.pipeline_stage.StageModule` says how the per-microbatch `doc_bounds` of packed
+    documents become the CP scope of its forward and of its recomputation). They share `module`'s submodules:
+    `module` holds all of this rank's parameters under the FULL model's FQNs (the optimizer, clipping and DCP
+    checkpoints use it, so a checkpoint reshards between pipeline layouts)."""
     export: Callable[[Path], None] | None = None
     """Write the model in its family's own format to a folder (a collective), for families that export
     (`checkpoint.export_hf`)."""
@@ -116,17 +124,20 @@ class ModelFamily(Protocol):
         takes them."""
 
     def build(self, config: JobConfig, *, dims: ParallelDims, mesh: DeviceMesh, device: torch.device,
-              meter: CommMeter, stage: int = 0) -> TrainedModel:
+              meter: CommMeter, stages: tuple[int, ...] = (0,), num_stages: int = 1) -> TrainedModel:
         """Build, initialise or load, and parallelize the model on this rank (a collective).
 
         Args:
-            stage: this rank's pipeline stage.
+            stages: this rank's pipeline stages (`cpcompose.distributed.pipeline.stage_ids`), in the order it runs
+                them; each gets a module in `TrainedModel.stages` when `num_stages` > 1.
+            num_stages: the stages the layers are cut into: contiguously and evenly, stage s holding layers
+                [s * n, (s + 1) * n); stage 0 the embedding; the last stage the final norm and the output head.
         Raises:
             TrainingError: (exit code 2) a configuration the model cannot take, or a module the exactness probe
                 (`parallelism.cp_verify`) finds different under CP; the same on every rank.
         """
 
     def build_unfilled(self, config: JobConfig, *, dims: ParallelDims, mesh: DeviceMesh,
-                       stage: int = 0) -> TrainedModel:
+                       stages: tuple[int, ...] = (0,), num_stages: int = 1) -> TrainedModel:
         """The model parallelized as `build` makes it, its weights never set: for the rehearsal under
         FakeTensorMode (`cpcompose.training.memory.rehearsal`), where values do not exist."""

@@ -8,6 +8,7 @@ from pathlib import Path
 from cpcompose.config import JobConfig
 from cpcompose.distributed import ParallelDims
 from cpcompose.training.launcher.data_summary import data_lines
+from cpcompose.training.launcher.nodes import node_warnings, placement
 from cpcompose.training.families import family_of
 from cpcompose.training.resolve import resolve_config
 from cpcompose.training.memory.budget import describe_memory
@@ -17,13 +18,15 @@ __all__ = ["describe_plan"]
 
 def describe_plan(config: JobConfig, world: int, lengths_png: Path | None = None,
                   data_notes: Sequence[str] = ()) -> str:
-    """A readable summary: degrees, model size, per-rank tokens, the data, and the memory plan against the budget.
+    """A readable summary: degrees, where they sit on the nodes (several), model size, per-rank tokens, the data,
+    and the memory plan against the budget.
 
     ``lengths_png``: where token stores draw their documents' length histogram (the banner: beside the loss plot).
     ``data_notes``: what the pre-launch data check did (the banner: each token store reused, built or rebuilt).
 
     Raises:
         ValueError: the degrees do not fit ``world`` (``config.validate(world_size=world)`` reports it first).
+        ConfigError: the mesh does not fit the nodes (``LOCAL_WORLD_SIZE`` ranks each; `launcher.nodes`).
     """
     config = resolve_config(config, world)  # resolved by the launcher already: the same config (idempotent)
     p, t = config.parallelism, config.training
@@ -37,6 +40,8 @@ def describe_plan(config: JobConfig, world: int, lengths_png: Path | None = None
         f"  mesh: pp={dims.pp} dp_replicate={dims.dp_replicate} dp_shard={dims.dp_shard} cp={dims.cp} tp={dims.tp}"
         + (f" ep={dims.ep} (experts: efsdp={dims.efsdp_size} x ep={dims.ep}, folded out of dp_shard x cp)"
            if dims.ep_enabled else ""),
+        *([f"  {placed.line()}"] if (placed := placement(config, world)) is not None else []),
+        *(f"  {warning}" for warning in node_warnings(config, placed)),
         f"  context parallel: strategy={p.cp_strategy}{_blocks(p.cp, p.cp_alltoall_size)} layout={p.cp_layout}; "
         f"{t.seq_len:,} tokens per sequence, {local_seq:,} per CP rank",
         f"  model: {model}",

@@ -16,8 +16,10 @@ import torch
 from cpcompose.config import ConfigError, JobConfig
 from cpcompose.data.loader import build_token_stores
 from cpcompose.training.memory.budget import check_memory
+from cpcompose.training.memory.resources import run_device_type
 from cpcompose.training.loop.checkpoint import CheckpointManager, earlier_run_message, saved_step, verify
 from cpcompose.training.families import family_of
+from cpcompose.training.launcher.nodes import placement, ranks_per_node
 from cpcompose.training.resolve import resolve_config
 from cpcompose.training.loop.run_lock import LOCK_NAME, holder
 
@@ -38,19 +40,25 @@ def preflight(config: JobConfig, world: int, *, data_notes: Callable[[str], None
         ConfigError: naming the key to change.
     """
     config = resolve_config(config, world)  # resolved by the launcher already: the same config (idempotent)
-    _check_device(config)
+    _check_device(config, world)
+    placement(config, world)  # a mesh that does not fit the nodes (torchrun's LOCAL_WORLD_SIZE ranks each)
     family_of(config).check(config)
     for note in _build_token_stores(config, world):
         if data_notes is not None:
             data_notes(note)
     check_memory(config, world)
-    return _check_dump_folder(config)
+    return _check_dump_folder(config, world)
 
 
-def _check_device(config: JobConfig) -> None:
+def _check_device(config: JobConfig, world: int) -> None:
     if config.training.device == "cuda" and not torch.cuda.is_available():
         why = "this torch build has no CUDA" if torch.version.cuda is None else "no GPU is visible"
         raise ConfigError(f"training.device: 'cuda' requested but {why}; set --training.device=cpu (or auto)")
+    local = ranks_per_node(world)  # each rank takes GPU LOCAL_RANK: a node needs one per rank
+    if run_device_type(config) == "cuda" and local > (gpus := torch.cuda.device_count()):
+        raise ConfigError(f"torchrun --nproc-per-node: {local} ranks on this node but {gpus} GPU(s) visible (each "
+                          f"rank takes GPU LOCAL_RANK); run at most {gpus} ranks a node (torchrun --nproc-per-node, "
+                          "or smaller degrees), or --training.device=cpu")
 
 
 def _build_token_stores(config: JobConfig, world: int) -> list[str]:
@@ -60,7 +68,7 @@ def _build_token_stores(config: JobConfig, world: int) -> list[str]:
     return build_token_stores(config)
 
 
-def _check_dump_folder(config: JobConfig) -> str | None:
+def _check_dump_folder(config: JobConfig, world: int) -> str | None:
     dump = Path(config.job.dump_folder)
     try:
         dump.mkdir(parents=True, exist_ok=True)
@@ -68,7 +76,9 @@ def _check_dump_folder(config: JobConfig) -> str | None:
             pass
     except OSError as e:
         raise ConfigError(f"job.dump_folder: cannot write to {dump} ({e.strerror}); choose another folder") from None
-    if (info := holder(dump)) is not None:
+    # With several nodes only rank 0's host can tell a crashed job's lock from a live one, and a refusal on some
+    # nodes only would leave the others waiting to meet: rank 0 takes the lock and tells every rank (the trainer).
+    if ranks_per_node(world) >= world and (info := holder(dump)) is not None:
         raise ConfigError(
             f"job.dump_folder: {dump} is in use by another job (pid {info.get('pid')} on {info.get('host')}); "
             f"choose another folder, or delete {dump / LOCK_NAME} if that job is gone"

@@ -2,8 +2,14 @@
 
     python -m cpcompose.training.launcher.torchrun --nproc_per_node 2 cpcompose/train.py --config train_configs/debug_cpu.toml
 
-Takes torchrun's arguments. On Ctrl-C torchrun's agent forwards the signal to the ranks and waits for
-them (up to 30 s): the trainer finishes its step, saves, and says how to resume. Then the agent raises
+Takes torchrun's arguments, the multi-node ones included, unchanged: on each node,
+
+    cpcompose-torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:PORT \\
+        -m cpcompose.train --config ...
+
+(`scripts/multinode_train.slurm` runs it under SLURM; docs/trainer/multi-node.md). On Ctrl-C torchrun's agent
+forwards the signal to the ranks and waits for them (up to 30 s): the trainer finishes its step, saves, and
+says how to resume. Then the agent raises
 `SignalException` out of its own signal handler, which plain torchrun prints as a 25-line traceback
 ending in exit 1, although the run stopped cleanly. Here it ends in one line and the conventional
 exit code, 128 + the signal (130 for Ctrl-C, 143 for SIGTERM); a rank's failure ends in torchrun's

@@ -26,7 +26,16 @@ from cpcompose import _compat
 from cpcompose.comm import CommMeter, all_gather_tensors, all_reduce, broadcast_object
 from cpcompose.config import ConfigError, JobConfig
 from cpcompose.data import IGNORE_INDEX, Batch, build_data_source
-from cpcompose.distributed import ParallelDims, build_pipeline_schedule, build_pipeline_stage, flat_mesh, fsdp_applied
+from cpcompose.distributed import (
+    ParallelDims,
+    build_pipeline_schedule,
+    build_pipeline_stages,
+    flat_mesh,
+    fsdp_applied,
+    microbatch_doc_bounds,
+    stage_ids,
+    stages_per_rank,
+)
 from cpcompose.layouts import PackedLayout, resolve_layout
 from cpcompose.sharding.packed import pack_documents
 from cpcompose.parallel import cp_cross_entropy, cp_linear_cross_entropy, cp_load_balancing_loss
@@ -84,11 +93,16 @@ class Trainer:
         self.cp_rank = self.mesh["cp"].get_local_rank()
         self.layout = resolve_layout(p.cp_layout, p.cp)
         self.meter = CommMeter()
+        # This rank's pipeline stages: one per rank for GPipe/1F1B, several (looped or in a V) otherwise.
+        per_rank = stages_per_rank(p, c.model.n_layers) if self.dims.pp_enabled else 1
+        self.num_stages = self.dims.pp * per_rank
+        self.stage_ids = stage_ids(p.pp_schedule, self.dims.pp, self.mesh["pp"].get_local_rank(), per_rank) \
+            if self.dims.pp_enabled else (0,)
         # One options object from the config to every attention call; the family says how CP
         # reaches its attention (a style on the modules, or a region around each micro-batch).
         self.trained = family_of(c).build(
-            c, dims=self.dims, mesh=self.mesh, device=self.device, meter=self.meter,
-            stage=self.mesh["pp"].get_local_rank() if self.dims.pp_enabled else 0,
+            c, dims=self.dims, mesh=self.mesh, device=self.device, meter=self.meter, stages=self.stage_ids,
+            num_stages=self.num_stages,
         )
         self.model = self.trained.module
         # Fused (torchtitan's default): one kernel updates each parameter in place, with no per-parameter
@@ -133,10 +147,12 @@ class Trainer:
     # --- construction ---
 
     def _build_schedule(self):  # -> a torch.distributed.pipelining schedule
+        """One `PipelineStage` per stage module of this rank (`TrainedModel.stages`), and the schedule over them."""
         p = self.config.parallelism
-        stage = build_pipeline_stage(self.model, parallel_dims=self.dims, mesh=self.mesh, device=self.device)
+        stages = build_pipeline_stages(self.trained.stages, self.stage_ids, num_stages=self.num_stages,
+                                       parallel_dims=self.dims, mesh=self.mesh, device=self.device)
         return build_pipeline_schedule(
-            stage, schedule=p.pp_schedule, microbatches=p.pp_microbatches, loss_fn=self._pipeline_loss
+            stages, schedule=p.pp_schedule, microbatches=p.pp_microbatches, loss_fn=self._pipeline_loss
         )
 
     # --- one step ---
@@ -220,16 +236,17 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         local = torch.zeros(2, device=self.device, dtype=torch.float64)  # (the loss, its router loss) shares
         for batch in batches:
+            if self.schedule is not None:  # each pipeline microbatch carries its own layout (doc_bounds)
+                with self._autocast():
+                    local[0] += self._pipeline_step(*self._shard_microbatches(batch))
+                continue
             tokens, labels, positions, packed, valid = self._shard(batch)
             with self.trained.cp_scope(packed), self._autocast():  # backward inside too (recompute sees the layout)
-                if self.schedule is not None:
-                    local[0] += self._pipeline_step(tokens, labels, positions)
-                else:
-                    loss, router = self._loss(tokens, labels, positions, valid)
-                    loss.backward()
-                    local[0] += loss.detach()
-                    if router is not None:
-                        local[1] += router
+                loss, router = self._loss(tokens, labels, positions, valid)
+                loss.backward()
+                local[0] += loss.detach()
+                if router is not None:
+                    local[1] += router
         self.grad_norm = clip_grad_norm(
             self.model.parameters(), c.training.max_norm,
             pp_group=self.mesh["pp"].get_group() if self.dims.pp_enabled else None,
@@ -240,12 +257,29 @@ class Trainer:
         self.scheduler.step()
         return self._global_loss(local)
 
-    def _pipeline_step(self, tokens: Tensor, labels: Tensor, positions: Tensor) -> Tensor:
-        stage = self.mesh["pp"].get_local_rank()
-        last = stage == self.dims.pp - 1
+    def _shard_microbatches(self, batch: Batch) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+        """This CP rank's tokens, labels and positions `[microbatches x rows, local_seq]` for the pipeline, and with
+        packed data each microbatch's `doc_bounds` row (`cpcompose.distributed.pipeline_stage`): a pipeline
+        microbatch is one pack of its rows' documents, cut by its own layout, so the schedule's split on dim 0
+        gives each microbatch its rows and its layout."""
+        if batch.cu_seqlens is None:
+            return (*self._shard(batch)[:3], None)
+        micro = self.config.parallelism.pp_microbatches
+        rows = batch.input_ids.shape[0] // micro
+        packs = [self._shard_packed(Batch(batch.input_ids[i * rows:(i + 1) * rows],
+                                          batch.labels[i * rows:(i + 1) * rows], batch.cu_seqlens[i * rows:(i + 1) * rows]))
+                 for i in range(micro)]
+        tokens, labels, positions = (torch.cat([pack[k] for pack in packs]) for k in range(3))
+        return tokens, labels, positions, microbatch_doc_bounds([pack[3] for pack in packs])
+
+    def _pipeline_step(self, tokens: Tensor, labels: Tensor, positions: Tensor, doc_bounds: Tensor | None) -> Tensor:
+        """One schedule step over this rank's stages; returns the sum of the microbatch losses of the last stage
+        (0 on ranks without it)."""
         losses: list[Tensor] = []
-        args = (tokens,) if stage == 0 else ()
-        self.schedule.step(*args, target=labels if last else None, losses=losses, position_ids=positions)
+        args = (tokens,) if 0 in self.stage_ids else ()
+        meta = {} if doc_bounds is None else {"doc_bounds": doc_bounds}
+        last = self.num_stages - 1 in self.stage_ids
+        self.schedule.step(*args, target=labels if last else None, losses=losses, position_ids=positions, **meta)
         return sum((x.detach().double() for x in losses), torch.zeros((), dtype=torch.float64, device=self.device))
 
     def _global_loss(self, local: Tensor) -> float:

@@ -40,7 +40,7 @@ def memory_budget(config: JobConfig, world: int) -> Budget:
             return Budget(None, "no CUDA device visible here; set training.memory_budget_gib")
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
         return Budget(props.total_memory, f"{props.name}, {props.total_memory / GiB:.1f} GiB")
-    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or world
+    ranks = _ranks_on_host(world)
     ram = host_memory()[0]
     return Budget(ram // ranks, f"host RAM {ram / GiB:.1f} GiB / {ranks} rank{'s' if ranks > 1 else ''}")
 
@@ -122,8 +122,15 @@ def describe_memory(config: JobConfig, world: int) -> list[str]:
     parts = [(name, b) for name, b in plan.parts if b]
     lines += [f"    {name:<26} {b / GiB:8.3f} GiB" for name, b in parts]
     if plan.host_bytes:
-        lines.append(f"    (offloaded to host memory: {plan.host_bytes / GiB:.3f} GiB)")
+        ranks = _ranks_on_host(world)
+        lines.append(f"    (offloaded to host memory: {plan.host_bytes / GiB:.3f} GiB per rank, "
+                     f"{plan.host_bytes * ranks / GiB:.3f} GiB for the {ranks} rank{'s' if ranks > 1 else ''} of a node)")
     return lines
+
+
+def _ranks_on_host(world: int) -> int:
+    """The ranks sharing this host's RAM: torchrun's `LOCAL_WORLD_SIZE` (the dry run reads it too), else all."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or world
 
 
 def check_memory(config: JobConfig, world: int) -> None:
@@ -143,4 +150,12 @@ def check_memory(config: JobConfig, world: int) -> None:
         raise ConfigError(
             f"memory: predicted {plan.total / GiB:.1f} GiB per rank > budget {budget.bytes / GiB:.1f} GiB "
             f"({budget.source}); {suggestions(config, world)} (the parts: --job.dry_run)"
+        )
+    ranks, ram = _ranks_on_host(world), host_memory()[0]  # on CUDA what the node's ranks offload shares its RAM
+    if run_device_type(config) == "cuda" and plan.host_bytes * ranks > ram:
+        raise ConfigError(
+            f"activation_checkpoint.offload: the {ranks} rank{'s' if ranks > 1 else ''} of this node would keep "
+            f"{plan.host_bytes * ranks / GiB:.1f} GiB in host memory ({plan.host_bytes / GiB:.1f} GiB each) but it has "
+            f"{ram / GiB:.1f} GiB; set --activation_checkpoint.offload=false, raise parallelism.cp, or use fewer "
+            "ranks a node"
         )

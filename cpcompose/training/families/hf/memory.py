@@ -47,19 +47,23 @@ _ATTENTION = (Attention, LatentAttention)
 
 
 def _attention(c: Any, *, qk_norm: bool, gated: bool = False, float_scale: bool = False,
-               qkv_bias: bool | None = None) -> Attention:
-    """`attention_bias` puts a bias on all four projections; `qkv_bias` (Qwen2's) on q, k and v alone."""
+               qkv_bias: bool | None = None, tp: int = 1) -> Attention:
+    """`attention_bias` puts a bias on all four projections; `qkv_bias` (Qwen2's) on q, k and v alone. On one
+    tensor-parallel rank of `tp`: its share of the heads and kv heads (o_proj's bias and the per-head norms
+    replicated, as `Attention` counts them)."""
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     bias = bool(getattr(c, "attention_bias", False))
-    return Attention(dim=c.hidden_size, heads=c.num_attention_heads, kv_heads=c.num_key_value_heads,
+    return Attention(dim=c.hidden_size, heads=c.num_attention_heads // tp, kv_heads=c.num_key_value_heads // tp,
                      head_dim=head_dim, qk_norm=qk_norm, gated=gated, qkv_bias=bias if qkv_bias is None else qkv_bias,
                      o_bias=bias, float_scale=float_scale)
 
 
-def _dense(c: Any, *, qk_norm: bool, qkv_bias: bool | None = None) -> list[Layer]:
-    """Llama's layer and its kin: attention (with Qwen3's per-head q/k norms) and a SwiGLU."""
-    attention = _attention(c, qk_norm=qk_norm, qkv_bias=qkv_bias)
-    return [Layer(attention, SwiGlu(c.hidden_size, c.intermediate_size))] * c.num_hidden_layers
+def _dense(c: Any, *, qk_norm: bool, qkv_bias: bool | None = None, tp: int = 1) -> list[Layer]:
+    """Llama's layer and its kin: attention (with Qwen3's per-head q/k norms) and a SwiGLU; on one tensor-parallel
+    rank of `tp`, its share of the heads and of the feed-forward's columns (the residual stream and the layer's
+    norms are whole on every rank)."""
+    attention = _attention(c, qk_norm=qk_norm, qkv_bias=qkv_bias, tp=tp)
+    return [Layer(attention, SwiGlu(c.hidden_size, c.intermediate_size // tp))] * c.num_hidden_layers
 
 
 def _qwen3_moe(c: Any) -> list[Layer]:
@@ -114,18 +118,22 @@ def _deepseek_v3(c: Any) -> list[Layer]:
     return [Layer(attention, moe if i >= c.first_k_dense_replace else dense) for i in range(c.num_hidden_layers)]
 
 
-_FAMILIES: dict[str, Callable[[Any], list[Layer]]] = {
-    "llama": lambda c: _dense(c, qk_norm=False),
-    "mistral": lambda c: _dense(c, qk_norm=False),
-    "qwen2": lambda c: _dense(c, qk_norm=False, qkv_bias=True),
-    "qwen3": lambda c: _dense(c, qk_norm=True),
+_FAMILIES: dict[str, Callable[..., list[Layer]]] = {
+    "llama": lambda c, tp=1: _dense(c, qk_norm=False, tp=tp),
+    "mistral": lambda c, tp=1: _dense(c, qk_norm=False, tp=tp),
+    "qwen2": lambda c, tp=1: _dense(c, qk_norm=False, qkv_bias=True, tp=tp),
+    "qwen3": lambda c, tp=1: _dense(c, qk_norm=True, tp=tp),
     "qwen3_moe": _qwen3_moe,
     "mixtral": _mixtral,
     "qwen3_next": _qwen3_next,
     "deepseek_v3": _deepseek_v3,
 }
 """model_type -> its layers. Families of the same pieces join with one line; a new kind of piece goes in
-`hf_pieces` with its own count."""
+`hf_pieces` with its own count. The dense families take `tp` (their layers on one tensor-parallel rank)."""
+
+_TENSOR_PARALLEL = ("llama", "mistral", "qwen2", "qwen3")
+"""The families whose profile counts a tensor-parallel rank's share (the others' layers the trainer does not split:
+experts, Gated DeltaNet, latent attention)."""
 
 
 def profiled_families() -> tuple[str, ...]:
@@ -138,12 +146,14 @@ def hf_memory_profile(hf_config: Any, *, tp: int, precision: str, mlp_tiles: int
 
     Args:
         hf_config: the model's transformers config.
-        tp: tensor-parallel degree (1: the trainer refuses TP for Hugging Face models).
+        tp: tensor-parallel degree: the profile is one tp rank's, its share of the heads, kv heads and
+            feed-forward columns (the embedding, the output layer and the norms whole, as the trainer keeps them).
         precision: "float32", "bfloat16" (autocast) or "bfloat16-params" (FSDP2's mixed precision).
         mlp_tiles: sequence tiles of each layer's feed-forward (1: untiled).
 
     Raises:
-        ValueError: a family the plan cannot count (named, with the ones it can), tied word embeddings, or TP.
+        ValueError: a family the plan cannot count (named, with the ones it can), tied word embeddings, or TP of a
+            family whose layers the trainer does not split.
     """
     model_type = getattr(hf_config, "model_type", None)
     if model_type not in _FAMILIES:
@@ -152,10 +162,11 @@ def hf_memory_profile(hf_config: Any, *, tp: int, precision: str, mlp_tiles: int
     if getattr(hf_config, "tie_word_embeddings", False):
         raise ValueError("tied word embeddings (one weight in the input embedding and the output layer, kept in "
                          "FSDP's root unit): the plan does not count that unit")
-    if tp != 1:
-        raise ValueError("tensor parallelism with a Hugging Face model")
+    if tp != 1 and model_type not in _TENSOR_PARALLEL:
+        raise ValueError(f"no memory profile for Hugging Face model_type {model_type!r} at parallelism.tp = {tp} (the "
+                         f"plan counts tensor parallelism for {', '.join(_TENSOR_PARALLEL)})")
     c = 4 if precision == "float32" else 2
-    layers = _FAMILIES[model_type](hf_config)
+    layers = _FAMILIES[model_type](hf_config, tp=tp) if tp != 1 else _FAMILIES[model_type](hf_config)
     D, V = hf_config.hidden_size, hf_config.vocab_size
     saved = [layer.saved(c, mlp_tiles) for layer in layers]
     kinds = list(dict.fromkeys(layers))  # each kind of layer once, in order

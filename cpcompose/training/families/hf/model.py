@@ -3,12 +3,13 @@
 Built on the meta device with `attn_implementation="cpcompose"`, then made parallel in the
 trainer's order: CP (a `context_parallel` region around each micro-batch's forward and backward,
 driven by the trainer's own split of the batch: `cp_scope`), expert parallelism (`parallelism.ep`: each
-experts module swapped for its EP form, this rank's block of experts), sequence-tiled MLPs, activation
+experts module swapped for its EP form, this rank's block of experts), tensor parallelism (`parallelism.tp`:
+the layers split as the family's plan says, `tensor_parallel.py`), sequence-tiled MLPs, activation
 checkpointing whose recomputation re-enters the region (`recompute_context`), FSDP2 over
 dp_shard x cp (the experts over the experts' mesh `efsdp` axis, dp_shard x cp / ep). Only then is memory allocated (`to_empty`): the buffers no checkpoint holds are
 recomputed, and each rank reads its own slices of the weights from `model.path`
-(`load_pretrained_weights`), so no rank ever holds the whole model. Tensor and pipeline
-parallelism and `torch.compile` are refused by the family's record (`record.py`).
+(`load_pretrained_weights`), so no rank ever holds the whole model. Pipeline parallelism and
+`torch.compile` are refused by the family's record (`record.py`).
 
 Everything that can be checked without ranks is checked by `check_hf_model` before launch (the
 folder, the family, the overrides, the length, the weights' names and shapes, the loss head,
@@ -40,6 +41,7 @@ from cpcompose.parallel import context_parallel, recompute_context
 from cpcompose.training.errors import TrainingError
 from cpcompose.training.families.export import check_export_folder, export_folder
 from cpcompose.training.families.hf.router_loss import router_loss_of
+from cpcompose.training.families.hf.tensor_parallel import apply_hf_tensor_parallel, check_hf_tensor_parallel
 from cpcompose.training.families.record import TrainedModel
 from cpcompose.training.units import human_count
 from cpcompose.training.mixed_precision import compute_dtype
@@ -143,6 +145,8 @@ def _prepare(config: JobConfig, *, weights: bool = True) -> _Prepared:
                           "training.tiled_mlp = 1")
     if config.parallelism.ep > 1:
         _check_expert_parallel(model, config)
+    if config.parallelism.tp > 1:
+        check_hf_tensor_parallel(model, layers, config)
     if _uses_region(config) and (refused := cphf.refused_in(model)):
         raise ConfigError("model.path: cpcompose cannot make this model exact under CP (parallelism.cp > 1 or "
                           "data.pack): " + "; ".join(refused))
@@ -436,6 +440,8 @@ def parallelize_hf_model(model: nn.Module, config: JobConfig, *, dims: ParallelD
         swapped = apply_expert_parallel(model, expert_mesh["ep"], meter=meter)
         experts = [model.get_submodule(name) for name in swapped]
         shards = ExpertShards(expert_mesh, frozenset(expert_parameter_names(model)))  # checkpoints, the export
+    if dims.tp_enabled:  # before FSDP, which shards the split tensors over dp_shard x cp on top
+        apply_hf_tensor_parallel(model, layers, config, mesh)
     apply_tiled_mlp([_mlp(layer) for layer in layers], tiles=t.tiled_mlp)
     if config.activation_checkpoint.mode == "full":
         # CP lives in a region (a TorchFunctionMode), not in hooks: the recomputation must re-enter it.
@@ -447,7 +453,8 @@ def parallelize_hf_model(model: nn.Module, config: JobConfig, *, dims: ParallelD
         from cpcompose.distributed.pipeline_stage import StageModule
 
         roots = tuple(StageModule(body, cp_scope, dims.cp) for body in bodies)
-    if dims.dp_cp_size > 1:
+    if dims.dp_cp_size > 1 or dims.tp_enabled:  # tp alone: FSDP over one rank, so every parameter is a DTensor
+        # (the fused AdamW step takes no mix of DTensors and plain tensors)
         embedding, head = _stage_units(bodies) if bodies else _outer_units(model)
         apply_fsdp(model, _unshared(layers), mesh=mesh, parallel_dims=dims, embedding=embedding, head=head,
                    param_dtype=compute_dtype(config), offload_params=t.offload_params, experts=experts,

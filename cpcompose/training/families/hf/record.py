@@ -47,9 +47,6 @@ class HuggingFaceFamily:
         if config.model.path is None:
             return ConfigError(f"model.path: required with model.name = '{self.name}': a local folder with "
                                "config.json, *.safetensors and the tokenizer files (e.g. one written by save_pretrained)")
-        if p.tp != 1:
-            return ConfigError(f"parallelism.tp: {p.tp}: {who} takes no tensor parallelism here; use parallelism.cp "
-                               "and parallelism.dp_shard (FSDP) instead")
         if p.pp != 1 and config.checkpoint.export_hf is not None:
             return ConfigError(f"checkpoint.export_hf: not with parallelism.pp = {p.pp} yet: each pipeline rank holds "
                                "only its stages' layers; unset checkpoint.export_hf and convert the DCP checkpoint "

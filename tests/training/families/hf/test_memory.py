@@ -2,7 +2,8 @@
 
 Its parameter counts are exact: they must equal the model transformers builds (on the meta device) for each
 profiled family, the hybrid's layers of two kinds included. A family it cannot count is said in one line
-by the dry run's memory line, never a number. (What the counted tensors add up to is checked against torch's
+by the dry run's memory line, never a number. At tp = 2 the dense families count one tp rank's share, its
+parameters against the family's plan and a split Qwen3 layer's saved bytes against `saved_tensors_hooks`. (What the counted tensors add up to is checked against torch's
 tracker by tests/training/memory/test_rehearsal.py.)
 """
 
@@ -70,3 +71,41 @@ def test_tied_word_embeddings_are_refused_by_name() -> None:
     with pytest.raises(ValueError, match="tied word embeddings"):
         hf_memory_profile(hf.Qwen3Config(**{**SMALL, "tie_word_embeddings": True}), tp=1, precision="float32",
                           mlp_tiles=1)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_at_tp_the_profile_counts_one_rank_share(family: str) -> None:
+    """At tp = 2 a layer's parameters are one tp rank's: the family's plan splits each colwise weight and bias and
+    each rowwise weight in two (a rowwise bias, the norms and the per-head q/k norms whole); its attention is that
+    rank's heads. A family whose layers are not split has no profile at tp > 1."""
+    from cpcompose.integrations.transformers.tensor_parallel import tensor_parallel_plan
+
+    tp, config = 2, CONFIGS[family]()
+    with torch.device("meta"):
+        model = hf.AutoModelForCausalLM.from_config(config)
+    layer = model.model.layers[0]
+    styles = tensor_parallel_plan(model, list(model.model.layers), tp).styles
+    share = sum(p.numel() // (tp if styles.get(owner) == "colwise" or (styles.get(owner) == "rowwise"
+                                                                      and leaf == "weight") else 1)
+                for name, p in layer.named_parameters() for owner, _, leaf in [name.rpartition(".")])
+    profile = hf_memory_profile(config, tp=tp, precision="bfloat16-params", mlp_tiles=1)
+    assert profile.block_params == share and profile.body_params == share * len(model.model.layers)
+    assert profile.attention == (SMALL["num_attention_heads"] // tp, SMALL["num_key_value_heads"] // tp,
+                                 SMALL["head_dim"])
+    whole = hf_memory_profile(config, tp=1, precision="bfloat16-params", mlp_tiles=1)
+    assert profile.root_params == whole.root_params and profile.block_saved < whole.block_saved
+    with pytest.raises(ValueError, match="'qwen3_moe' at parallelism.tp = 2"):
+        hf_memory_profile(CONFIGS["qwen3_moe"](), tp=2, precision="float32", mlp_tiles=1)
+
+
+def test_at_tp_a_layer_saves_what_the_profile_counts(pools) -> None:
+    """A Qwen3 layer split over 2 tp ranks (its per-head norms, q, k, v and the feed-forward's columns halved) saves
+    per token, counted by `saved_tensors_hooks` on transformers' modules in a CP region, exactly the profile's
+    `block_saved` at tp = 2 (float32)."""
+    from tests.support.tp_cases import saved_bytes_case
+
+    config = hf.Qwen3Config(vocab_size=64, hidden_size=128, num_hidden_layers=1, num_attention_heads=8,
+                            num_key_value_heads=4, head_dim=32, intermediate_size=256)
+    measured = pools.get(2).run(saved_bytes_case, config, 64)
+    profile = hf_memory_profile(config, tp=2, precision="float32", mlp_tiles=1)
+    assert measured == [profile.block_saved] * 2, (measured, profile.block_saved)

@@ -87,6 +87,7 @@ def _cases(llama: Path, tmp: Path) -> list[tuple[Path, list[str], str, str]]:
     (no_weights / "model.safetensors").unlink()
     small = _other_model(llama, tmp / "small-vocab", hf.LlamaConfig(**{**TINY, "vocab_size": 100}))
     yarn = '--model.rope_scaling={"rope_type": "yarn"}'
+    qwen3_next = make_model(tmp / "moe-ep", "qwen3_next")
     return [
         (tmp / "missing", [], "model.path", "is not a folder"),
         (empty, [], "model.path", "has no config.json"),
@@ -105,7 +106,8 @@ def _cases(llama: Path, tmp: Path) -> list[tuple[Path, list[str], str, str]]:
         (llama, ["--training.seq_len=8192"], "training.seq_len", "max_position_embeddings"),
         (small, [f"--data.tokenizer={llama}"], "data.tokenizer", "more than the model's vocabulary of 100"),
         (llama, ["--model.vocab_size=64"], "model.vocab_size", "does not apply"),
-        (llama, ["--parallelism.tp=2"], "parallelism.tp", "tensor parallelism"),
+        (llama, ["--parallelism.tp=4"], "parallelism.tp", "4 does not divide the model's 2 kv heads"),
+        (qwen3_next, ["--parallelism.tp=2"], "parallelism.tp", "Qwen3NextGatedDeltaNet (model.layers.0.linear_attn)"),
         (llama, [*PP, f"--checkpoint.export_hf={tmp / 'pp-export'}"], "checkpoint.export_hf",
          "not with parallelism.pp = 2"),
         (llama, [*PP, "--parallelism.pp_schedule=Interleaved1F1B", "--training.batch_size=4",
@@ -131,7 +133,7 @@ def _cases(llama: Path, tmp: Path) -> list[tuple[Path, list[str], str, str]]:
         (_other_model(llama, tmp / "mixtral", hf.MixtralConfig(**TINY, num_local_experts=2, router_jitter_noise=0.01)),
          [], "model.path", "router_jitter_noise = 0.01"),
         (llama, ["--parallelism.cp=2", "--parallelism.ep=2"], "parallelism.ep", "declares no experts"),
-        (make_model(tmp / "moe-ep", "qwen3_next"), ["--parallelism.cp=4", "--parallelism.ep=4"], "parallelism.ep",
+        (qwen3_next, ["--parallelism.cp=4", "--parallelism.ep=4"], "parallelism.ep",
          "does not divide the model's 2 experts"),
     ]
 
