@@ -1,16 +1,16 @@
 """The trainer on Hugging Face models cut into pipeline stages (`model.name = "hf"`, `parallelism.pp` > 1).
 
 Tiny `save_pretrained` folders with 4 decoder layers (`make_deep_model`; Qwen3-Next alternating Gated DeltaNet
-and gated attention) train 2 steps at pp = 2 x cp = 2 (FSDP2 over the cp ranks, each stage its own root; two
-stages per rank under the interleaved schedules, 4 microbatches; activation checkpointing recomputing each layer
-in its microbatch's CP region, under InterleavedZeroBubble in its split backward) with the same per-step loss as the same folder
-at cp = 1 on one process, to rtol 1e-4 (the issue's bound; float32 sums in another order under CP and the
-schedule's microbatches move the 7th digit, measured at most 1.6e-7 relative). Qwen3-MoE with its experts split
-(ep = 2) trains alike under 1F1B. A checkpoint saved at pp = 2 resumes on one process to the same
-next loss. What cannot be cut is refused before launch:
+and gated attention) train 2 steps on packed documents at pp = 2 x cp = 2 (FSDP2 over the cp ranks, each stage
+its own root; two stages per rank under the interleaved schedules, 4 microbatches, each one pack with its own
+layout; activation checkpointing recomputing each layer in its microbatch's CP region, under
+InterleavedZeroBubble in its split backward) with the same per-step loss as the same folder at cp = 1 on one
+process, to rtol 1e-4 (the issue's bound; float32 sums in another order under CP and the schedule's
+microbatches move the 7th digit, measured at most 1.6e-7 relative). Qwen3-MoE with its experts split (ep = 2)
+trains alike under 1F1B, and the Llama at pp = 2 x tp = 2 under Interleaved1F1B. A checkpoint saved at pp = 2
+resumes on one process to the same next loss. What cannot be cut is refused before launch:
 tests/training/families/hf/test_preflight.py.
 """
-
 from __future__ import annotations
 
 from pathlib import Path
@@ -78,3 +78,11 @@ def test_experts_split_at_pp2_cp2_ep2_train_as_on_one_process(pools, corpus, tmp
     got = _losses(pools, 4, folder, corpus, tmp_path / "pp", *PIPELINE, "--parallelism.ep=2",
                   "--parallelism.pp_schedule=1F1B", "--parallelism.pp_microbatches=2")
     torch.testing.assert_close(torch.tensor(got), torch.tensor(one), rtol=RTOL, atol=0)
+
+
+def test_llama_at_pp2_tp2_trains_as_on_one_process(pools, llama, corpus, tmp_path) -> None:
+    """Each stage's layers split by the family's tensor-parallel plan as well (tp = 2 inside each pipeline rank)."""
+    folder, one = llama
+    got = _losses(pools, 4, folder, corpus, tmp_path, "--parallelism.pp=2", "--parallelism.tp=2",
+                  "--parallelism.pp_schedule=Interleaved1F1B")
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(one[:2]), rtol=RTOL, atol=0)
