@@ -7,7 +7,8 @@ layout; activation checkpointing recomputing each layer in its microbatch's CP r
 InterleavedZeroBubble in its split backward) with the same per-step loss as the same folder at cp = 1 on one
 process, to rtol 1e-4 (the issue's bound; float32 sums in another order under CP and the schedule's
 microbatches move the 7th digit, measured at most 1.6e-7 relative). Qwen3-MoE with its experts split (ep = 2)
-trains alike under 1F1B, and the Llama at pp = 2 x tp = 2 under Interleaved1F1B. A checkpoint saved at pp = 2
+trains alike under 1F1B, the Llama at pp = 2 x tp = 2 under Interleaved1F1B, and Qwen3-Next on 8 ranks at
+pp = 2 x cp = 2 x dp_shard = 2 under ZBVZeroBubble. A checkpoint saved at pp = 2
 resumes on one process to the same next loss. What cannot be cut is refused before launch:
 tests/training/families/hf/test_preflight.py.
 """
@@ -86,3 +87,14 @@ def test_llama_at_pp2_tp2_trains_as_on_one_process(pools, llama, corpus, tmp_pat
     got = _losses(pools, 4, folder, corpus, tmp_path, "--parallelism.pp=2", "--parallelism.tp=2",
                   "--parallelism.pp_schedule=Interleaved1F1B")
     torch.testing.assert_close(torch.tensor(got), torch.tensor(one[:2]), rtol=RTOL, atol=0)
+
+
+def test_qwen3_next_at_pp2_cp2_dp_shard2_under_zbv_trains_as_on_one_process(pools, corpus, tmp_path) -> None:
+    """8 ranks: FSDP over dp_shard x cp inside each pipeline rank, each rank the V of ZBVZeroBubble (stages r and
+    3 - r: rank 0 holds the embedding and the head)."""
+    folder = make_deep_model(tmp_path / "model", "qwen3_next")
+    batch = ("--training.batch_size=8",)
+    one = _losses(pools, 1, folder, corpus, tmp_path / "one", *batch)
+    got = _losses(pools, 8, folder, corpus, tmp_path / "pp", *batch, *PIPELINE, "--parallelism.dp_shard=2",
+                  "--parallelism.pp_schedule=ZBVZeroBubble")
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(one), rtol=RTOL, atol=0)
