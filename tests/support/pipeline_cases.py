@@ -17,33 +17,19 @@ import torch.nn.functional as F
 import transformers as hf
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.pipelining import (
-    PipelineStage,
-    Schedule1F1B,
-    ScheduleDualPipeV,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleInterleavedZeroBubble,
-    ScheduleLoopedBFS,
-    ScheduleZBVZeroBubble,
-)
+from torch.distributed.pipelining import PipelineStage
 
 import cpcompose.integrations.transformers  # noqa: F401  (registers attn_implementation="cpcompose")
 from cpcompose import context_parallel, cp_cross_entropy
 from cpcompose.comm import all_reduce
 from cpcompose.distributed import apply_activation_checkpointing
+from cpcompose.distributed.pipeline import PIPELINE_SCHEDULES, SINGLE_STAGE_SCHEDULES, stage_ids
 from cpcompose.integrations.transformers.pipeline import split_causal_lm
 from cpcompose.layouts import ZigzagLayout
 from cpcompose.parallel import allreduce_gradients, recompute_context
 
 PP, CP, ROWS, SEQ, VOCAB, LAYERS, MICROBATCHES = 2, 2, 4, 32, 64, 4, 4
-SCHEDULES: dict[str, Any] = {
-    "GPipe": ScheduleGPipe, "1F1B": Schedule1F1B, "Interleaved1F1B": ScheduleInterleaved1F1B,
-    "InterleavedZeroBubble": ScheduleInterleavedZeroBubble, "LoopedBFS": ScheduleLoopedBFS,
-    "ZBVZeroBubble": ScheduleZBVZeroBubble, "DualPipeV": ScheduleDualPipeV,
-}
-SINGLE = ("GPipe", "1F1B")
-V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
+SCHEDULES = PIPELINE_SCHEDULES  # every schedule by its name, torch's classes
 _COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=LAYERS, num_attention_heads=4,
                num_key_value_heads=2, intermediate_size=64, pad_token_id=0, bos_token_id=1, eos_token_id=1)
 CONFIGS = {
@@ -86,14 +72,6 @@ def reference(family: str) -> tuple[dict, dict]:
     return {"loss": loss.detach(), "grads": {n: p.grad.clone() for n, p in model.named_parameters()}}, state
 
 
-def stage_ids(schedule: str, rank: int) -> tuple[int, ...]:
-    if schedule in SINGLE:
-        return (rank,)
-    if schedule in V_SHAPED:
-        return (rank, 2 * PP - 1 - rank)
-    return (rank, rank + PP)
-
-
 class _InRegion(nn.Module):
     """A stage run inside a CP region of its own, as the trainer's `StageModule` runs it."""
 
@@ -116,7 +94,8 @@ def pipeline_case(mesh: Any, cases: list[tuple[str, str]], states: dict[str, dic
     out = {}
     for family, schedule in cases:
         model = build(family, "cpcompose", states[family])
-        ids = stage_ids(schedule, pp_rank)
+        single = schedule in SINGLE_STAGE_SCHEDULES
+        ids = stage_ids(schedule, PP, pp_rank, 1 if single else 2)
         num_stages = PP * len(ids)
         bodies = split_causal_lm(model, num_stages=num_stages, stages=ids)
         apply_activation_checkpointing([layer for body in bodies for layer in body.layers.values()],
@@ -132,7 +111,7 @@ def pipeline_case(mesh: Any, cases: list[tuple[str, str]], states: dict[str, dic
         def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
             return cp_cross_entropy(logits, labels, mesh=grid["cp"], num_tokens=count)
 
-        run = SCHEDULES[schedule](stages[0] if schedule in SINGLE else stages, MICROBATCHES, loss_fn=loss_fn,
+        run = SCHEDULES[schedule](stages[0] if single else stages, MICROBATCHES, loss_fn=loss_fn,
                                   scale_grads=False)
         losses: list[torch.Tensor] = []
         run.step(*((tokens,) if 0 in ids else ()), target=labels if num_stages - 1 in ids else None, losses=losses,
