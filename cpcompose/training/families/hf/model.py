@@ -1,15 +1,16 @@
 """A Hugging Face causal LM under the trainer (`model.name = "hf"`): checked before launch, built sharded.
 
 Built on the meta device with `attn_implementation="cpcompose"`, then made parallel in the
-trainer's order: CP (a `context_parallel` region around each micro-batch's forward and backward,
+trainer's order: pipeline stages (`parallelism.pp`: the model cut to this rank's stages at its decoder layers,
+`integrations.transformers.pipeline`, each stage entering its microbatch's CP region), CP (a `context_parallel` region around each micro-batch's forward and backward,
 driven by the trainer's own split of the batch: `cp_scope`), expert parallelism (`parallelism.ep`: each
 experts module swapped for its EP form, this rank's block of experts), tensor parallelism (`parallelism.tp`:
 the layers split as the family's plan says, `tensor_parallel.py`), sequence-tiled MLPs, activation
 checkpointing whose recomputation re-enters the region (`recompute_context`), FSDP2 over
 dp_shard x cp (the experts over the experts' mesh `efsdp` axis, dp_shard x cp / ep). Only then is memory allocated (`to_empty`): the buffers no checkpoint holds are
 recomputed, and each rank reads its own slices of the weights from `model.path`
-(`load_pretrained_weights`), so no rank ever holds the whole model. Pipeline parallelism and
-`torch.compile` are refused by the family's record (`record.py`).
+(`load_pretrained_weights`), so no rank ever holds the whole model. `torch.compile` is refused by the
+family's record (`record.py`).
 
 Everything that can be checked without ranks is checked by `check_hf_model` before launch (the
 folder, the family, the overrides, the length, the weights' names and shapes, the loss head,

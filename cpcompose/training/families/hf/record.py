@@ -43,7 +43,7 @@ class HuggingFaceFamily:
     rank_imports: tuple[str, ...] = ("cpcompose.integrations.transformers",)
 
     def refusal(self, config: JobConfig) -> ConfigError | None:
-        p, who = config.parallelism, f"a Hugging Face model (model.name = '{self.name}')"
+        p = config.parallelism
         if config.model.path is None:
             return ConfigError(f"model.path: required with model.name = '{self.name}': a local folder with "
                                "config.json, *.safetensors and the tokenizer files (e.g. one written by save_pretrained)")
