@@ -379,8 +379,9 @@ def build_hf_model(config: JobConfig, *, dims: ParallelDims, mesh: DeviceMesh, d
         state = model.state_dict()
         if trained.expert_shards is not None:  # each expert written from its rank, under the whole tensor's name
             state = trained.expert_shards.view(state)["model"]
+        held = prepared.plan.of_names(set(state)) if num_stages > 1 else None  # a pipeline rank: its stages'
         cphf.export_pretrained(model, folder, source=config.model.path, config=prepared.config, plan=prepared.plan,
-                               state=state)
+                               state=state, held=held)
 
     return dataclasses.replace(trained, export=export)
 

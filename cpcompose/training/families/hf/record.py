@@ -43,14 +43,9 @@ class HuggingFaceFamily:
     rank_imports: tuple[str, ...] = ("cpcompose.integrations.transformers",)
 
     def refusal(self, config: JobConfig) -> ConfigError | None:
-        p = config.parallelism
         if config.model.path is None:
             return ConfigError(f"model.path: required with model.name = '{self.name}': a local folder with "
                                "config.json, *.safetensors and the tokenizer files (e.g. one written by save_pretrained)")
-        if p.pp != 1 and config.checkpoint.export_hf is not None:
-            return ConfigError(f"checkpoint.export_hf: not with parallelism.pp = {p.pp} yet: each pipeline rank holds "
-                               "only its stages' layers; unset checkpoint.export_hf and convert the DCP checkpoint "
-                               "(checkpoint.enable) instead, or set parallelism.pp = 1")
         if config.training.compile:
             return ConfigError(f"training.compile: not with model.name = '{self.name}': its attention runs "
                                "cpcompose's checks in Python, which torch.compile(fullgraph=True) cannot trace; set "

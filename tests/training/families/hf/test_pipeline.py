@@ -9,8 +9,8 @@ process, to rtol 1e-4 (the issue's bound; float32 sums in another order under CP
 microbatches move the 7th digit, measured at most 1.6e-7 relative). Qwen3-MoE with its experts split (ep = 2)
 trains alike under 1F1B, the Llama at pp = 2 x tp = 2 under Interleaved1F1B, and Qwen3-Next on 8 ranks at
 pp = 2 x cp = 2 x dp_shard = 2 under ZBVZeroBubble. A checkpoint saved at pp = 2
-resumes on one process to the same next loss. What cannot be cut is refused before launch:
-tests/training/families/hf/test_preflight.py.
+resumes on one process to the same next loss, and its export reloads with `from_pretrained` as trained. What
+cannot be cut is refused before launch: tests/training/families/hf/test_preflight.py.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support.hf_trainer import hf_args, make_deep_model, make_moe, text_corpus, train
+from tests.support.hf_trainer import hf_args, make_deep_model, make_moe, run_hf, same_logits, text_corpus, train
 
 RTOL = 1e-4
 COMMON = ("--training.batch_size=4", "--parallelism.pp_microbatches=4")
@@ -98,3 +98,16 @@ def test_qwen3_next_at_pp2_cp2_dp_shard2_under_zbv_trains_as_on_one_process(pool
     got = _losses(pools, 8, folder, corpus, tmp_path / "pp", *batch, *PIPELINE, "--parallelism.dp_shard=2",
                   "--parallelism.pp_schedule=ZBVZeroBubble")
     torch.testing.assert_close(torch.tensor(got), torch.tensor(one), rtol=RTOL, atol=0)
+
+
+def test_llama_at_pp2_cp2_exports_every_stage(pools, llama, corpus, tmp_path) -> None:
+    """`checkpoint.export_hf` at pp = 2 x cp = 2: each pipeline rank writes its stages' tensors, and the folder
+    reloads with `from_pretrained` equal to the trained weights gathered from every rank."""
+    folder, _ = llama
+    out = tmp_path / "hf"
+    args = hf_args(folder, corpus, tmp_path / "run", *COMMON, *PIPELINE, "--parallelism.pp_schedule=Interleaved1F1B",
+                   f"--checkpoint.export_hf={out}", steps=1)
+    per_rank = pools.get(4).run(run_hf, args, True)
+    assert all(r["error"] is None for r in per_rank), per_rank[0]["error"]
+    trained = {name: tensor for r in per_rank for name, tensor in r["weights"].items()}
+    same_logits(trained, folder, out)

@@ -108,8 +108,6 @@ def _cases(llama: Path, tmp: Path) -> list[tuple[Path, list[str], str, str]]:
         (llama, ["--model.vocab_size=64"], "model.vocab_size", "does not apply"),
         (llama, ["--parallelism.tp=4"], "parallelism.tp", "4 does not divide the model's 2 kv heads"),
         (qwen3_next, ["--parallelism.tp=2"], "parallelism.tp", "Qwen3NextGatedDeltaNet (model.layers.0.linear_attn)"),
-        (llama, [*PP, f"--checkpoint.export_hf={tmp / 'pp-export'}"], "checkpoint.export_hf",
-         "not with parallelism.pp = 2"),
         (llama, [*PP, "--parallelism.pp_schedule=Interleaved1F1B", "--training.batch_size=4",
                  "--parallelism.pp_microbatches=4"], "parallelism.pp", "the 2 decoder layers of"),
         (llama, [*PP, "--model.n_layers=8"], "model.n_layers", "does not apply"),
