@@ -73,8 +73,8 @@ TINY = dict(vocab_size=320, hidden_size=16, num_hidden_layers=1, num_attention_h
 PP = ["--parallelism.pp=2", "--data.pack=false", "--parallelism.pp_microbatches=2"]
 
 
-def _zamba() -> hf.PretrainedConfig:
-    config = HYBRIDS["zamba"].config()
+def _hybrid(family: str) -> hf.PretrainedConfig:
+    config = HYBRIDS[family].config()
     config.vocab_size = 320
     return config
 
@@ -113,8 +113,11 @@ def _cases(llama: Path, tmp: Path) -> list[tuple[Path, list[str], str, str]]:
         (llama, [*PP, "--model.n_layers=8"], "model.n_layers", "does not apply"),
         (make_model(tmp / "gemma3-tied", "gemma3"), PP, "parallelism.pp",
          "ties its input and output embeddings (tie_word_embeddings)"),
-        (_other_model(llama, tmp / "zamba", _zamba()), PP, "parallelism.pp",
+        (_other_model(llama, tmp / "zamba", _hybrid("zamba")), PP, "parallelism.pp",
          "ZambaForCausalLM (zamba) cannot be cut into pipeline stages"),
+        (_other_model(llama, tmp / "nemotron", _hybrid("nemotron_h")),  # packed: its last stage, "mlp", in a region
+         ["--parallelism.pp=3", "--training.batch_size=3", "--parallelism.pp_microbatches=3"], "parallelism.pp",
+         "stage 2 holds feed-forward layers alone"),
         (make_moe(tmp / "moe-router", "qwen3_moe"), PP, "parallelism.pp",
          "sets output_router_logits = true, and the router loss pools every MoE layer's statistics"),
         (llama, ["--training.compile=true"], "training.compile", "fullgraph"),
