@@ -247,8 +247,14 @@ def function_modes_suspended() -> Iterator[None]:
             torch._C._push_on_torch_function_stack(mode)
 
 
+@torch.compiler.assume_constant_result
 def in_backward() -> bool:
-    """Whether this thread is running an autograd backward (torch.utils.checkpoint reads the same private id)."""
+    """Whether this thread is running an autograd backward (torch.utils.checkpoint reads the same private id).
+
+    Dynamo cannot trace the private call: while it traces, the answer is read once and baked in, unguarded. A
+    graph traced in a forward runs only in forwards (its inputs require grad there); one traced during a
+    checkpoint's recomputation knows it is one.
+    """
     return torch._C._current_graph_task_id() != -1
 
 

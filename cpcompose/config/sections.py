@@ -208,7 +208,8 @@ class Training:
     compile: bool = False
     """torch.compile each transformer block whole (fullgraph; CP attention is one custom op in it).
 
-    With activation checkpointing, each block's parts, inside the checkpoint."""
+    With activation checkpointing, each block's parts, inside the checkpoint. model.name = "hf": each decoder
+    layer, for the families that compile (others are refused by name before launch)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """auto picks cuda when available, else cpu (gloo)."""
     fused_loss: bool = True

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from torch import nn
 
 __all__ = ["apply_compile"]
 
 
-def apply_compile(modules: Iterable[nn.Module]) -> None:
+def apply_compile(modules: Iterable[nn.Module], *, backend: str | Callable[..., Any] = "inductor") -> None:
     """Compile each module in place (``nn.Module.compile``), keeping its FQNs and type.
 
     Compilation happens lazily at the first forward. ``fullgraph=True``: a graph break
@@ -18,6 +19,7 @@ def apply_compile(modules: Iterable[nn.Module]) -> None:
 
     Args:
         modules: the modules to compile, e.g. each transformer block.
+        backend: torch.compile's backend (tests use "aot_eager": AOTAutograd without inductor's code generation).
     """
     for module in modules:
-        module.compile(fullgraph=True)
+        module.compile(fullgraph=True, backend=backend)

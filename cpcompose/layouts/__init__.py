@@ -4,6 +4,7 @@ from cpcompose.layouts.base import Layout, Run
 from cpcompose.layouts.chunked import ChunkedLayout
 from cpcompose.layouts.contiguous import ContiguousLayout
 from cpcompose.layouts.packed import BALANCES, PackedLayout, cu_seqlens_error
+from cpcompose.layouts.positions import position_ids_error
 from cpcompose.layouts.registry import DEFAULT_LAYOUT, LAYOUTS, LayoutSpec, layout_error, resolve_layout
 from cpcompose.layouts.zigzag import ZigzagLayout
 
@@ -20,5 +21,6 @@ __all__ = [
     "ZigzagLayout",
     "cu_seqlens_error",
     "layout_error",
+    "position_ids_error",
     "resolve_layout",
 ]

@@ -11,6 +11,7 @@ context-parallel, and the buffers are restored on exit unless listed in
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Any, Iterator, Sequence
 
 import torch
@@ -84,19 +85,17 @@ def context_parallel(
     with torch.no_grad():
         for buf, shard in zip(buffers, shards):
             buf.resize_(shard.shape).copy_(shard)
-    mode = CPAttentionMode(mesh, opts, full_buffers={id(b): (f, d) for b, f, d in zip(buffers, full, dims)})
+    mode = CPAttentionMode(mesh, opts, full_buffers={id(b): (f, d) for b, f, d in zip(buffers, full, dims)},
+                           count_in_op=True)
     modules = [0]  # module calls inside the region: did a model run?
-
-    def count(module: torch.nn.Module, args: Any) -> None:
-        modules[0] += 1
-
+    _install_module_counter()
+    _COUNTERS.stack.append(modules)
     try:
-        handle = torch.nn.modules.module.register_module_forward_pre_hook(count)
         try:
             with mode:
                 yield
         finally:
-            handle.remove()
+            _COUNTERS.stack.pop()
         if modules[0] or mode.local_only:
             mode.check_routed("context_parallel")
     finally:
@@ -104,6 +103,34 @@ def context_parallel(
             for buf, original in zip(buffers, originals):
                 if original is not None:
                     buf.resize_(original.shape).copy_(original)
+
+
+class _Counters(threading.local):
+    """This thread's open regions' module counters, innermost last (a region is a mode: per thread)."""
+
+    def __init__(self) -> None:
+        self.stack: list[list[int]] = []
+
+
+_COUNTERS = _Counters()
+_COUNTER_HOOK: list[Any] = []  # the one global hook's handle, once installed
+
+
+def _count_module(module: torch.nn.Module, args: Any) -> None:
+    # A module compiled inside a region traces this hook: compiling is read first, so the traced hook reads
+    # nothing dynamo would guard on (the modules outside the compiled blocks still count, eagerly).
+    if not torch.compiler.is_compiling() and _COUNTERS.stack:
+        _COUNTERS.stack[-1][0] += 1
+
+
+def _install_module_counter() -> None:
+    """Register `_count_module` as a global forward pre-hook, once per process.
+
+    Once, not per region: dynamo guards on the keys of the global hook dict, so a hook added and removed by
+    each region would recompile every compiled module at every region. Outside a region it returns at once.
+    """
+    if not _COUNTER_HOOK:
+        _COUNTER_HOOK.append(torch.nn.modules.module.register_module_forward_pre_hook(_count_module))
 
 
 def context_parallel_unshard(

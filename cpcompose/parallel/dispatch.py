@@ -63,13 +63,18 @@ class CPAttentionMode(TorchFunctionMode):
     """
 
     def __init__(self, mesh: DeviceMesh, options: CPOptions, context: CPContext | None = None,
-                 full_buffers: dict[int, tuple[Tensor, int]] | None = None) -> None:
+                 full_buffers: dict[int, tuple[Tensor, int]] | None = None, count_in_op: bool = False) -> None:
         super().__init__()
         self.mesh, self.options = mesh, options
         self._full_buffers = full_buffers or {}  # id(buffer) -> (full-sequence contents, seq dim): context_parallel's
         self.context = context if context is not None else CPContext(mesh, options)
         self.world = self.context.world
         self.routed = 0
+        # A region entered outside compiled code (context_parallel) lives across compiled calls: a count kept on
+        # it would be a value dynamo guards on, recompiling at every call. Its compiled calls are counted by the
+        # custom op instead, on the region's own CPContext, at run time.
+        self._count_in_op = count_in_op
+        self._op_calls_before = self.context.calls if count_in_op else 0
         self.local_only = 0  # flex_attention calls, which ran on this rank's tokens only
 
     def __torch_function__(self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
@@ -93,7 +98,8 @@ class CPAttentionMode(TorchFunctionMode):
                 "this rank's tokens only. Use F.scaled_dot_product_attention (is_causal=True, or a PackedLayout "
                 "for document masks) or cpcompose.cp_attention"
             )
-        if self.routed == 0:
+        routed = self.routed + (self.context.calls - self._op_calls_before if self._count_in_op else 0)
+        if routed == 0:
             raise ValueError(f"{where}: {NO_ATTENTION_ROUTED}")
 
     def full_buffer(self, shard: object) -> Tensor | None:
@@ -154,21 +160,26 @@ class CPAttentionMode(TorchFunctionMode):
     def attend(
         self, q: Tensor, k: Tensor, v: Tensor, *, is_causal: bool, scale: float | None = None,
         softcap: float | None = None, caller_error: str | None = None, sinks: Tensor | None = None,
-        key_padding: Tensor | None = None, **overrides: Any,
+        key_padding: Tensor | None = None, position_ids: Tensor | None = None, **overrides: Any,
     ) -> Tensor:
         """CP attention of local shards under this region's options (with per-call `overrides`,
         e.g. a layer's `window_size`); counts the call for `check_routed`.
 
         The one way attention code other than SDPA (nn.MultiheadAttention, a Hugging Face
         attention function) enters the region. `caller_error` joins the cross-rank agreement;
-        `key_padding` is `cp_attention`'s per-row key mask of this rank's keys.
+        `key_padding` is `cp_attention`'s per-row key mask of this rank's keys. `position_ids` (compiled calls
+        only; eager callers check them themselves): this rank's positions, checked against the region's split
+        inside the custom op (`cpcompose.layouts.position_ids_error`), their complaint joining the agreement.
         """
-        self.routed += 1
-        if torch.compiler.is_compiling():  # dynamo cannot trace the agreement: hide it in the op
+        compiling = torch.compiler.is_compiling()
+        if not (compiling and self._count_in_op):
+            self.routed += 1
+        if compiling:  # dynamo cannot trace the agreement: hide it in the op
+            window = overrides.pop("window_size", self.options.window_size)  # a layer's window: an op argument
             changed = sorted(k for k, value in overrides.items() if getattr(self.options, k) != value)
             if changed and caller_error is None:
                 caller_error = (
-                    f"per-call CP options {changed} (e.g. a Hugging Face layer's window) are not supported "
+                    f"per-call CP options {changed} (beyond a layer's window_size) are not supported "
                     "under torch.compile yet; run this model eagerly"
                 )
             if sinks is not None and caller_error is None:
@@ -178,7 +189,8 @@ class CPAttentionMode(TorchFunctionMode):
                                 "bidirectional model) is not supported under torch.compile yet; run this model "
                                 "eagerly, or build the batch with pack_batch")
             out = compiled_attention(q, k, v, context=self.context, is_causal=is_causal, scale=scale,
-                                     softcap=softcap, caller_error=caller_error)
+                                     softcap=softcap, caller_error=caller_error, position_ids=position_ids,
+                                     window_size=window)
         else:
             out = attend(q, k, v, mesh=self.mesh, is_causal=is_causal, scale=scale, softcap=softcap,
                          options=self.options.replace(**overrides), caller_error=caller_error, sinks=sinks,

@@ -9,7 +9,8 @@ agreement, strategy) and whose fake implementation gives only shapes; its backwa
 is `cpcompose::attention_backward`, wired with `register_autograd`.
 
 What dynamo sees: `(out, lse, residuals) = cpcompose::attention(q, k, v, context, strategy, alltoall_size, ...)`
-with tensor inputs, a `CPContext` and a few constants; in backward,
+with tensor inputs (the caller's `position_ids` too, checked inside), a `CPContext` and a few constants (a
+layer's own window among them); in backward,
 `(dq, dk, dv) = cpcompose::attention_backward(dout, q, k, v, out, lse, residuals, context, ...)`.
 
 Non-tensor arguments cross the boundary in a `CPContext`, a torch opaque object
@@ -41,7 +42,8 @@ from cpcompose.attention.local.heads import head_plan, kv_head_ranges, query_hea
 from cpcompose.attention.call.options import AUTO, CPOptions
 from cpcompose.attention.strategies.registry import STRATEGIES
 from cpcompose.attention.strategies.strategy import Strategy
-from cpcompose.comm import CPGroup
+from cpcompose.comm import CPGroup, rehearsing
+from cpcompose.layouts import position_ids_error, resolve_layout
 from cpcompose.precision import accumulation_dtype
 
 __all__ = ["CPContext", "compiled_attention"]
@@ -74,6 +76,7 @@ class CPContext(CustomClassBase):
             self.options = lambda: fixed
         self.mesh = mesh
         self.world, self.rank = cp.world, cp.rank
+        self.calls = 0  # attention calls the op ran with this context (at run time, unseen by dynamo)
 
     @property
     def strategy(self) -> str:
@@ -109,14 +112,29 @@ def _head_sharded(strategy: str) -> bool:
     return strategy in STRATEGIES and STRATEGIES[strategy].saves == "head_shards"
 
 
-def _options(context: CPContext, strategy: str, alltoall_size: int | None) -> Any:
+def _options(context: CPContext, strategy: str, alltoall_size: int | None, window_size: list[int] | None) -> Any:
+    """The context's options now, with the call's own window (a layer's: a constant of the traced call)."""
     options = context.options()
+    if window_size is not None:
+        options = options.replace(window_size=window_size[0] if len(window_size) == 1 else tuple(window_size))
     if options.strategy != strategy or _size_code(options.alltoall_size) != alltoall_size:  # traced with others
         raise ValueError(
             f"cp_attention was compiled for strategy={strategy!r}, alltoall_size={alltoall_size!r}; "
             "recompile to change them"
         )
     return options
+
+
+def _window_code(window_size: object) -> list[int] | None:
+    """A window as the op's `int[]?` argument: `W` as `[W]`, `(left, right)` as a pair; a value of another type as
+    `[-1]` (the options' checks name it: every rank raises)."""
+    if window_size is None:
+        return None
+    if isinstance(window_size, int) and not isinstance(window_size, bool):
+        return [window_size]
+    if isinstance(window_size, tuple) and all(isinstance(w, int) and not isinstance(w, bool) for w in window_size):
+        return list(window_size)
+    return [-1]
 
 
 def _size_code(alltoall_size: object) -> int | None:
@@ -167,7 +185,10 @@ def _unaliased(outputs: list[Tensor], inputs: tuple[Tensor, ...]) -> list[Tensor
 def _attention(
     q: Tensor, k: Tensor, v: Tensor, context: CPContext, strategy: str, alltoall_size: int | None, is_causal: bool,
     scale: float | None, softcap: float | None, return_lse: bool, caller_error: str | None,
+    position_ids: Tensor | None, window_size: list[int] | None,
 ) -> tuple[Tensor, Tensor, list[Tensor]]:
+    context.calls += 1  # a CP region entered outside compiled code counts its routed calls here (no guard)
+
     def forward(setup: AttentionSetup) -> tuple[Tensor, Tensor, list[Tensor]]:
         saved = _SavedContext()
         out, lse = _strategy(strategy).function.forward(saved, q, k, v, setup)
@@ -175,17 +196,31 @@ def _attention(
         fresh = _unaliased([out.contiguous(), lse.contiguous(), *residuals], (q, k, v))  # contiguous: as the fake
         return fresh[0], fresh[1], fresh[2:]
 
+    options = _options(context, strategy, alltoall_size, window_size)
+    if caller_error is None and position_ids is not None:
+        caller_error = _position_error(position_ids, options, context, q.shape[2])
     return checked_call(
-        q, k, v, mesh=context.mesh, is_causal=is_causal, scale=scale,
-        options=_options(context, strategy, alltoall_size), softcap=softcap, return_lse=return_lse,
-        caller_error=caller_error, run=forward,
+        q, k, v, mesh=context.mesh, is_causal=is_causal, scale=scale, options=options, softcap=softcap,
+        return_lse=return_lse, caller_error=caller_error, run=forward,
     )
+
+
+def _position_error(position_ids: Tensor, options: CPOptions, context: CPContext, local_len: int) -> str | None:
+    """The caller's positions against the region's split (read now: a packed layout changes per batch), or None.
+
+    Not in a rehearsal (fake tensors have no values), nor with options whose split is not known (their own
+    error is named by the checks)."""
+    if rehearsing() or options.error(context.world):
+        return None
+    layout = resolve_layout(options.layout, context.world)
+    return position_ids_error(position_ids, layout, context.rank, local_len)
 
 
 @_attention.register_fake
 def _attention_fake(
     q: Tensor, k: Tensor, v: Tensor, context: Any, strategy: str, alltoall_size: int | None, is_causal: bool,
     scale: float | None, softcap: float | None, return_lse: bool, caller_error: str | None,
+    position_ids: Tensor | None, window_size: list[int] | None,
 ) -> tuple[Tensor, Tensor, list[Tensor]]:
     if tensor_error(q, k, v) is not None:  # the real op raises on every rank; any shape will do
         return q.new_empty(q.shape), q.new_empty(0), []
@@ -218,11 +253,11 @@ def _head_residuals(q: Tensor, k: Tensor, v: Tensor, size: int, index: int) -> l
 def _attention_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, residuals: list[Tensor],
     context: CPContext, strategy: str, alltoall_size: int | None, is_causal: bool, scale: float | None,
-    softcap: float | None, return_lse: bool,
+    softcap: float | None, return_lse: bool, window_size: list[int] | None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     # The forward agreed on this call: the backward only rebuilds its setup (no communication).
     setup = setup_for(q, mesh=context.mesh, is_causal=is_causal, scale=scale, softcap=softcap,
-                      options=_options(context, strategy, alltoall_size), return_lse=return_lse)
+                      options=_options(context, strategy, alltoall_size, window_size), return_lse=return_lse)
     ctx = _SavedContext()
     ctx.setup = setup  # type: ignore[attr-defined]
     if _head_sharded(strategy):
@@ -241,22 +276,23 @@ def _attention_backward(
 def _attention_backward_fake(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, residuals: list[Tensor],
     context: Any, strategy: str, alltoall_size: int | None, is_causal: bool, scale: float | None,
-    softcap: float | None, return_lse: bool,
+    softcap: float | None, return_lse: bool, window_size: list[int] | None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-    q, k, v, context, strategy, alltoall_size, is_causal, scale, softcap, return_lse, _error = inputs
+    q, k, v, context, strategy, alltoall_size, is_causal, scale, softcap, return_lse, _error, _positions, window = (
+        inputs)
     out, lse, residuals = output
     ctx.save_for_backward(q, k, v, out, lse, *residuals)
-    ctx.args = (context, strategy, alltoall_size, is_causal, scale, softcap, return_lse)
+    ctx.args = (context, strategy, alltoall_size, is_causal, scale, softcap, return_lse, window)
 
 
 def _backward(ctx: Any, dout: Tensor, _dlse: Tensor, _dresiduals: list[Tensor]) -> tuple:
     q, k, v, out, lse, *residuals = ctx.saved_tensors
     dq, dk, dv = _attention_backward(dout.contiguous(), q, k, v, out, lse, residuals, *ctx.args)
-    return dq, dk, dv, None, None, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
 
 
 _attention.register_autograd(_backward, setup_context=_setup_context)
@@ -265,12 +301,17 @@ _attention.register_autograd(_backward, setup_context=_setup_context)
 def compiled_attention(
     q: Tensor, k: Tensor, v: Tensor, *, context: CPContext, is_causal: bool, scale: float | None,
     softcap: float | None = None, return_lse: bool = False, caller_error: str | None = None,
+    position_ids: Tensor | None = None, window_size: int | tuple[int, int] | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """`attend` through the custom op: what `cp_attention` and the SDPA route call while dynamo traces.
 
     Args:
         context: the `CPContext` (made outside the traced code: dynamo cannot build one).
         caller_error: the route's own complaint, joined to the agreement inside the op.
+        position_ids: the caller's positions of this rank's tokens, checked inside the op against the
+            options' split (`position_ids_error`; a data-dependent check dynamo cannot trace), or None.
+        window_size: this call's sliding window (a Hugging Face layer's), in place of the context's; None: the
+            context's.
     """
     strategy, alltoall_size = context.strategy, _size_code(context.alltoall_size)  # trace time: residual shapes
     if strategy == AUTO:  # the same options on every rank, so every rank raises this while tracing
@@ -279,6 +320,7 @@ def compiled_attention(
             "code): run a step eagerly, read the 'cp strategy auto ->' log line, and compile with that strategy"
         )
     out, lse, _ = _attention(
-        q, k, v, context, strategy, alltoall_size, is_causal, scale, softcap, return_lse, caller_error
+        q, k, v, context, strategy, alltoall_size, is_causal, scale, softcap, return_lse, caller_error, position_ids,
+        _window_code(window_size),
     )
     return (out, lse) if return_lse else out

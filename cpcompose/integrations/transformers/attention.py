@@ -25,6 +25,11 @@ Whatever a rank cannot honour (a padding mask not given as a buffer, a custom ma
 KV cache, positions that do not match the split, ...) becomes its complaint in the
 cross-rank agreement, so every rank raises it together before any K/V moves.
 
+Under torch.compile (each decoder layer compiled inside a region entered outside it: the trainer's
+`training.compile`), the same function is traced: what it reads from the region and the call is fixed
+while dynamo traces, a layer's window becomes a constant of the `cpcompose::attention` op call, and the
+positions check, which reads tensor values, runs inside the op at run time, joining the agreement.
+
 Outside a CP region "cpcompose" is transformers' "sdpa" (its mask and its attention;
 softcapped models get an explicit softmax), so the same model object also runs,
 evaluates and generates on one process.
@@ -51,7 +56,7 @@ from cpcompose.attention.sparse.call import attend_selected
 from cpcompose.comm import CPGroup, rehearsing
 from cpcompose.integrations.transformers.implementation import ATTN_IMPLEMENTATION
 from cpcompose.integrations.transformers.indexer import INDEXED_FAMILIES
-from cpcompose.layouts import Layout, PackedLayout
+from cpcompose.layouts import position_ids_error
 from cpcompose.parallel.dispatch import CPAttentionMode, active_cp_region
 
 __all__ = ["ATTN_IMPLEMENTATION", "OWN_ATTENTION", "cpcompose_attention_forward", "cpcompose_mask", "hf_window"]
@@ -205,6 +210,7 @@ def cpcompose_attention_forward(
     """
     indices = kwargs.pop("indices", None)  # DSA's top-k key positions per query (an indexer's choice), or None
     region = active_cp_region()
+    compiling = torch.compiler.is_compiling()
     if region is None and _compat.in_backward() and getattr(module, _UNDER_CP_ATTR, False):
         raise ValueError(
             f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}): a checkpointed forward that ran "
@@ -225,7 +231,7 @@ def cpcompose_attention_forward(
     error = (
         _mask_refusal(attention_mask)
         or _feature_refusal(query, key, dropout, region, kwargs)
-        or _position_refusal(kwargs.get("position_ids"), region, query)
+        or (None if compiling else _position_refusal(kwargs.get("position_ids"), region, query))
     )
     if error:
         error = f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}): {error}"
@@ -248,9 +254,11 @@ def cpcompose_attention_forward(
                               sinks=sinks if isinstance(sinks, Tensor) and not error else None)
         return out.transpose(1, 2).contiguous(), None
     sinks = kwargs.get("s_aux")  # gpt-oss's attention sinks: one logit per head, joining every row's softmax
+    positions = kwargs.get("position_ids") if compiling else None  # compiled: checked inside the op, at run time
     out = region.attend(query, key, value, is_causal=causal, scale=scaling, softcap=softcap, caller_error=error,
                         sinks=sinks if isinstance(sinks, Tensor) and not error else None,
-                        window_size=None if error else window, key_padding=key_padding)
+                        window_size=None if error else window, key_padding=key_padding,
+                        position_ids=positions if isinstance(positions, Tensor) else None)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -304,41 +312,13 @@ def _feature_refusal(
 
 
 def _position_refusal(position_ids: object, region: CPAttentionMode, query: Tensor) -> str | None:
-    """Why the model's `position_ids` are not this rank's positions under the region's split, or None.
-
-    Without them as a buffer, transformers numbers each shard from 0 and RoPE is silently
-    wrong; with zigzag positions over a pack, attention would cross documents. Not checked in a
-    rehearsal (`comm.rehearsal_mode`): its fake tensors have no values to compare.
-    """
-    if rehearsing():
-        return None
+    """Why the model's `position_ids` are not this rank's positions under the region's split, or None
+    (`position_ids_error`). Not checked in a rehearsal (`comm.rehearsal_mode`): its fake tensors have no values
+    to compare."""
     layout = region.layout()
-    local_len = query.shape[2]
-    if not isinstance(position_ids, Tensor) or layout is None or layout.local_len_error(local_len):
+    if rehearsing() or not isinstance(position_ids, Tensor) or layout is None:
         return None
-    if position_ids.shape[-1] != local_len:
-        return (
-            f"position_ids cover {position_ids.shape[-1]} tokens but this rank holds {local_len}: pass the full "
-            "position_ids as a context_parallel buffer"
-        )
-    rank = CPGroup.from_mesh(region.mesh).rank
-    expected = layout.position_ids(rank, local_len * layout.world, position_ids.device)
-    checked = _non_padding(layout, rank, position_ids.device)
-    if bool(((position_ids.reshape(-1, local_len) == expected) | ~checked).all()):
-        return None
-    return (
-        f"position_ids are not the positions of this rank's tokens under the {layout.name} split "
-        f"(expected {expected[:8].tolist()}..., got {position_ids.reshape(-1, local_len)[0, :8].tolist()}...): "
-        "pass the full position_ids (torch.arange(seq_len); for packed documents, restarting at 0 per document "
-        "with pack_batch's PackedLayout) as a context_parallel buffer"
-    )
-
-
-def _non_padding(layout: Layout, rank: int, device: torch.device) -> Tensor:
-    """Which local tokens are not a PackedLayout's padding document (whose positions change no result)."""
-    if not isinstance(layout, PackedLayout) or not layout.pad:
-        return torch.ones((), dtype=torch.bool, device=device)
-    return layout.local_indices(rank, device=device) < layout.seq_len - layout.pad
+    return position_ids_error(position_ids, layout, CPGroup.from_mesh(region.mesh).rank, query.shape[2])
 
 
 def _selected_mask(attention_mask: Tensor | None, indices: Tensor, query: Tensor, key: Tensor, module: nn.Module,

@@ -34,7 +34,8 @@ in torchtitan, is:
    while the sharded float32 parameters stay the optimizer's and gradients reduce
    in float32 (FSDP2's ``MixedPrecisionPolicy``); no autocast is needed.
 
-With ``fsdp=False`` nothing reduces the gradients: when ``parallel_dims.dp_cp_size
+With ``fsdp=False`` nothing reduces the gradients (and tp alone leaves plain tensors beside
+DTensors): when ``parallel_dims.dp_cp_size
 > 1``, call ``allreduce_gradients(model, flat_mesh(mesh, "dp_cp"))`` after
 backward (after the whole pipeline step, with PP). TP needs no reduction: each TP
 rank owns its shard and the replicated norms get identical gradients.
@@ -148,7 +149,9 @@ def parallelize_llama(
         # Dynamo traces AC's checkpoint as a higher-order op, inside which the CP hooks may not
         # enter their TorchFunctionMode: with AC, compile each block's parts, inside the checkpoint.
         apply_compile(blocks if not activation_checkpoint else [m for b in blocks for m in b.children()])
-    if fsdp and parallel_dims.dp_cp_size > 1:
+    if fsdp and (parallel_dims.dp_cp_size > 1 or parallel_dims.tp_enabled):
+        # tp without dp x cp: FSDP2 over one rank, so that every parameter is a DTensor (the fused AdamW
+        # takes no mix of DTensors and plain tensors)
         apply_fsdp(model, blocks, mesh=mesh, parallel_dims=parallel_dims, embedding=model.tok_embeddings,
                    head=[m for m in (model.norm, model.output) if m is not None], param_dtype=param_dtype,
                    offload_params=offload_params, roots=stages)

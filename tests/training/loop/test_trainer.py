@@ -51,9 +51,10 @@ LAYOUTS = {
                               "--activation_checkpoint.mode=full"]),
     "dp2-cp2": (4, ["--parallelism.cp=2", "--parallelism.dp_shard=2"]),
     "tp2-cp2": (4, ["--parallelism.cp=2", "--parallelism.tp=2", "--parallelism.dp_shard=1"]),
-    "pp2-cp2-1f1b": (4, ["--parallelism.cp=2", "--parallelism.pp=2", "--parallelism.dp_shard=1",
+    # tp without dp x cp (FSDP2 over one rank) under a pipeline; pp x cp under every schedule:
+    "pp2-tp2-1f1b": (4, ["--parallelism.tp=2", "--parallelism.pp=2", "--parallelism.dp_shard=1",
                          "--parallelism.pp_schedule=1F1B"]),
-    # every other schedule: tests/training/loop/test_trainer_pipeline.py (trainer), test_pipeline_schedules.py
+    # every schedule: tests/training/loop/test_trainer_pipeline.py (trainer), test_pipeline_schedules.py
 }
 
 

@@ -9,8 +9,8 @@ the layers split as the family's plan says, `tensor_parallel.py`), sequence-tile
 checkpointing whose recomputation re-enters the region (`recompute_context`), FSDP2 over
 dp_shard x cp (the experts over the experts' mesh `efsdp` axis, dp_shard x cp / ep). Only then is memory allocated (`to_empty`): the buffers no checkpoint holds are
 recomputed, and each rank reads its own slices of the weights from `model.path`
-(`load_pretrained_weights`), so no rank ever holds the whole model. `torch.compile` is refused by the
-family's record (`record.py`).
+(`load_pretrained_weights`), so no rank ever holds the whole model. `training.compile` compiles each
+decoder layer (`compile.py`, which names the families it refuses).
 
 Everything that can be checked without ranks is checked by `check_hf_model` before launch (the
 folder, the family, the overrides, the length, the weights' names and shapes, the loss head,
@@ -41,6 +41,7 @@ from cpcompose.layouts import PackedLayout
 from cpcompose.parallel import context_parallel, recompute_context
 from cpcompose.training.errors import TrainingError
 from cpcompose.training.families.export import check_export_folder, export_folder
+from cpcompose.training.families.hf.compile import apply_hf_compile, compile_refusal
 from cpcompose.training.families.hf.router_loss import router_loss_of
 from cpcompose.training.families.hf.tensor_parallel import apply_hf_tensor_parallel, check_hf_tensor_parallel
 from cpcompose.training.families.record import TrainedModel
@@ -151,6 +152,9 @@ def _prepare(config: JobConfig, *, weights: bool = True) -> _Prepared:
     if _uses_region(config) and (refused := cphf.refused_in(model)):
         raise ConfigError("model.path: cpcompose cannot make this model exact under CP (parallelism.cp > 1 or "
                           "data.pack): " + "; ".join(refused))
+    if t.compile and (why := compile_refusal(model, hf_config, ep=config.parallelism.ep,
+                                                           pp=config.parallelism.pp)):
+        raise ConfigError(f"training.compile: {why}; set training.compile = false")
     if t.fused_loss:
         try:
             cphf.causal_lm_head(model)
@@ -371,7 +375,8 @@ def build_hf_model(config: JobConfig, *, dims: ParallelDims, mesh: DeviceMesh, d
     cphf.load_pretrained_weights(model, config.model.path, plan)
     if dims.cp_enabled and p.cp_verify and num_stages == 1:  # the probe runs the whole model (as the own Llama's)
         try:
-            cphf.verify(model, mesh["cp"], options=_options(config, meter=None))
+            with torch.compiler.set_stance("force_eager"):  # the probe's hooks would recompile compiled layers
+                cphf.verify(model, mesh["cp"], options=_options(config, meter=None))
         except ValueError as e:  # raised on every rank alike: a configuration-like error, printed once
             raise TrainingError(f"parallelism.cp_verify: {e}", exit_code=2) from None
 
@@ -449,6 +454,8 @@ def parallelize_hf_model(model: nn.Module, config: JobConfig, *, dims: ParallelD
         # CP lives in a region (a TorchFunctionMode), not in hooks: the recomputation must re-enter it.
         apply_activation_checkpointing(layers, offload=config.activation_checkpoint.offload,
                                        context_fn=recompute_context)
+    if t.compile:  # `_prepare` refused the families that do not compile
+        apply_hf_compile(layers, checkpointed=config.activation_checkpoint.mode == "full")
     cp_scope = _cp_scope(config, dims=dims, mesh=mesh, options=_options(config, meter=meter))
     roots: tuple[nn.Module, ...] = ()
     if bodies:

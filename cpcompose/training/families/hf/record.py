@@ -46,10 +46,6 @@ class HuggingFaceFamily:
         if config.model.path is None:
             return ConfigError(f"model.path: required with model.name = '{self.name}': a local folder with "
                                "config.json, *.safetensors and the tokenizer files (e.g. one written by save_pretrained)")
-        if config.training.compile:
-            return ConfigError(f"training.compile: not with model.name = '{self.name}': its attention runs "
-                               "cpcompose's checks in Python, which torch.compile(fullgraph=True) cannot trace; set "
-                               "training.compile = false")
         return None
 
     def resolve(self, config: JobConfig) -> JobConfig:

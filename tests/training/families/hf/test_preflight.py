@@ -120,7 +120,9 @@ def _cases(llama: Path, tmp: Path) -> list[tuple[Path, list[str], str, str]]:
          "stage 2 holds feed-forward layers alone"),
         (make_moe(tmp / "moe-router", "qwen3_moe"), PP, "parallelism.pp",
          "sets output_router_logits = true, and the router loss pools every MoE layer's statistics"),
-        (llama, ["--training.compile=true"], "training.compile", "fullgraph"),
+        (make_moe(tmp / "dsv3-moe", "deepseek_v3"), ["--parallelism.cp=2", "--parallelism.ep=2",
+                                                     "--training.compile=true"], "training.compile",
+         "not with parallelism.ep = 2"),
         (llama, [f"--checkpoint.export_hf={llama}"], "checkpoint.export_hf", "overwrite"),
         (llama, [f"--checkpoint.export_hf={_variant(llama, tmp / 'not-an-export')}"], "checkpoint.export_hf",
          "holds files no cpcompose export wrote"),
@@ -136,6 +138,8 @@ def _cases(llama: Path, tmp: Path) -> list[tuple[Path, list[str], str, str]]:
         (llama, ["--parallelism.cp=2", "--parallelism.ep=2"], "parallelism.ep", "declares no experts"),
         (qwen3_next, ["--parallelism.cp=4", "--parallelism.ep=4"], "parallelism.ep",
          "does not divide the model's 2 experts"),
+        (tmp / "moe-ep", ["--parallelism.cp=2", "--training.compile=true"], "training.compile",
+         "model type 'qwen3_next' (Qwen3NextForCausalLM) is not one whose decoder layers compile"),
     ]
 
 
