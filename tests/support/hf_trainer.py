@@ -50,6 +50,23 @@ def make_hybrid_model(folder: Path, family: str) -> Path:
     return folder
 
 
+def make_deep_model(folder: Path, family: str, layers: int = 4) -> Path:
+    """`make_model`'s tiny `family` model with `layers` decoder layers (its layer types repeated): enough to cut
+    into two pipeline stages per rank at pp = 2."""
+    import transformers as hf
+
+    script = tiny_model_script()
+    tokenizer = script.make_tokenizer(folder)
+    config = script._config(family, len(tokenizer), {name: tokenizer.convert_tokens_to_ids(name)
+                                                     for name in script.SPECIALS})
+    if getattr(config, "layer_types", None):
+        config.layer_types = [config.layer_types[i % len(config.layer_types)] for i in range(layers)]
+    config.num_hidden_layers = layers
+    torch.manual_seed(0)
+    hf.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
+    return folder
+
+
 MOE_FAMILIES = ("qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss", "qwen3_next")
 """The MoE families `make_moe` writes: each one's router, experts layout and attention differ (below)."""
 

@@ -28,7 +28,7 @@ __all__ = ["copy_model_files", "export_pretrained", "save_pretrained_weights"]
 
 
 def save_pretrained_weights(model: nn.Module, folder: str | Path, plan: WeightPlan,
-                            state: dict[str, Tensor] | None = None) -> None:
+                            state: dict[str, Tensor] | None = None, held: WeightPlan | None = None) -> None:
     """Write `model`'s weights into `folder` as `plan`'s checkpoint stores them: the same names, dtypes and files.
 
     Every rank writes its slices (`HuggingFaceStorageWriter`, distributed), then rank 0 consolidates them
@@ -36,13 +36,16 @@ def save_pretrained_weights(model: nn.Module, folder: str | Path, plan: WeightPl
     A collective over the default group (every rank calls it); `folder` must be on storage every rank sees.
     `state`: the model's state as written (default `model.state_dict()`); expert-parallel blocks must come seen
     whole (`cpcompose.distributed.ExpertShards.view`), each rank's experts at their offset in the full tensor.
+    `held`: the plan of the tensors this rank holds when ranks hold different ones (a pipeline rank's stages,
+    `WeightPlan.of_names`); `plan` stays the whole model's, which names every file.
     """
     folder = Path(folder)
     state = model.state_dict() if state is None else state
-    out: dict[str, Tensor] = {stored: state[name] for name, stored in plan.direct.items()}
-    out.update(expert_pieces(plan, state))
+    mine = plan if held is None else held
+    out: dict[str, Tensor] = {stored: state[name] for name, stored in mine.direct.items()}
+    out.update(expert_pieces(mine, state))
     pieces: dict[str, list[tuple[int, Tensor]]] = {}  # stored name -> (first row, rows) from each model tensor
-    for name, concat in plan.concatenated.items():  # small tensors (convs, projections): gathered, in plan order
+    for name, concat in mine.concatenated.items():  # small tensors (convs, projections): gathered, in plan order
         tensor = state[name].full_tensor() if isinstance(state[name], DTensor) else state[name]
         for part, start, rows in zip(concat.parts, concat.starts, tensor.split(list(concat.rows), dim=0)):
             pieces.setdefault(part, []).append((start, rows))
@@ -72,7 +75,7 @@ def copy_model_files(source: str | Path, folder: str | Path) -> list[str]:
 
 
 def export_pretrained(model: nn.Module, folder: str | Path, *, source: str | Path, config: PretrainedConfig,
-                      plan: WeightPlan, state: dict[str, Tensor] | None = None) -> None:
+                      plan: WeightPlan, state: dict[str, Tensor] | None = None, held: WeightPlan | None = None) -> None:
     """Write a folder `from_pretrained` loads: `model`'s weights as `source` stores them, `config`, `source`'s
     tokenizer and other files. A collective (see `save_pretrained_weights`); rank 0 writes the small files.
 
@@ -82,7 +85,7 @@ def export_pretrained(model: nn.Module, folder: str | Path, *, source: str | Pat
         source: the folder the model was loaded from (names, dtypes and files of the weights; tokenizer files).
         config: the model's config as it was trained (with any context-extension overrides).
         plan: `weight_plan(model, source)` (the whole model's, under expert parallelism too).
-        state: as `save_pretrained_weights` takes it.
+        state, held: as `save_pretrained_weights` takes them.
     """
     folder = Path(folder)
     rank0 = _is_rank0()
@@ -91,7 +94,7 @@ def export_pretrained(model: nn.Module, folder: str | Path, *, source: str | Pat
         for stale in list(folder.glob("*.safetensors")) + [folder / INDEX_FILE]:  # an earlier export's files
             stale.unlink(missing_ok=True)
     _barrier()
-    save_pretrained_weights(model, folder, plan, state)
+    save_pretrained_weights(model, folder, plan, state, held)
     if rank0:
         copy_model_files(source, folder)
         config = copy.deepcopy(config)

@@ -45,6 +45,14 @@ class WeightPlan:
             names += [p for p in stack.parts if p not in names]  # a split tensor's parts share one stored tensor
         return names
 
+    def of_names(self, names: set[str]) -> WeightPlan:
+        """The plan of the same model with only the state tensors `names` held (a pipeline rank's stages: the
+        layers, embedding and head of the other stages dropped); what the folder holds is unchanged."""
+        return replace(self, direct={k: v for k, v in self.direct.items() if k in names},
+                       stacked={k: v for k, v in self.stacked.items() if k in names},
+                       tied={k: v for k, v in self.tied.items() if k in names},
+                       concatenated={k: v for k, v in self.concatenated.items() if k in names})
+
     def of_expert_blocks(self, blocks: dict[str, tuple[int, int]]) -> WeightPlan:
         """The plan of the same model with some stacked-experts tensors held in part: `blocks` maps a model name to
         (first expert, count), the rows `[first, first + count)` of the full tensor (an expert-parallel rank's

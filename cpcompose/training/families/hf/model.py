@@ -1,16 +1,16 @@
 """A Hugging Face causal LM under the trainer (`model.name = "hf"`): checked before launch, built sharded.
 
 Built on the meta device with `attn_implementation="cpcompose"`, then made parallel in the
-trainer's order: CP (a `context_parallel` region around each micro-batch's forward and backward,
+trainer's order: pipeline stages (`parallelism.pp`: the model cut to this rank's stages at its decoder layers,
+`integrations.transformers.pipeline`, each stage entering its microbatch's CP region), CP (a `context_parallel` region around each micro-batch's forward and backward,
 driven by the trainer's own split of the batch: `cp_scope`), expert parallelism (`parallelism.ep`: each
 experts module swapped for its EP form, this rank's block of experts), tensor parallelism (`parallelism.tp`:
 the layers split as the family's plan says, `tensor_parallel.py`), sequence-tiled MLPs, activation
 checkpointing whose recomputation re-enters the region (`recompute_context`), FSDP2 over
 dp_shard x cp (the experts over the experts' mesh `efsdp` axis, dp_shard x cp / ep). Only then is memory allocated (`to_empty`): the buffers no checkpoint holds are
 recomputed, and each rank reads its own slices of the weights from `model.path`
-(`load_pretrained_weights`), so no rank ever holds the whole model. Pipeline parallelism is refused by the
-family's record (`record.py`); `training.compile` compiles each decoder layer (`compile.py`, which names the
-families it refuses).
+(`load_pretrained_weights`), so no rank ever holds the whole model. `training.compile` compiles each
+decoder layer (`compile.py`, which names the families it refuses).
 
 Everything that can be checked without ranks is checked by `check_hf_model` before launch (the
 folder, the family, the overrides, the length, the weights' names and shapes, the loss head,
@@ -140,6 +140,8 @@ def _prepare(config: JobConfig, *, weights: bool = True) -> _Prepared:
         raise ConfigError(f"model.path: {type(model).__name__} has no decoder layers at model.{model.base_model_prefix}"
                           ".layers (or .blocks), which the trainer shards and checkpoints one by one (a multimodal "
                           "model? give the text model's folder)")
+    if config.parallelism.pp > 1:
+        _check_pipeline(model, config, len(layers))
     if t.tiled_mlp > 1 and any(_mlp(layer) is None for layer in layers):
         raise ConfigError(f"training.tiled_mlp: {type(layers[0]).__name__} has no .mlp or .feed_forward to tile; set "
                           "training.tiled_mlp = 1")
@@ -167,6 +169,41 @@ def _prepare(config: JobConfig, *, weights: bool = True) -> _Prepared:
 
 _JITTER_KEYS = ("router_jitter_noise", "input_jitter_noise")
 """Where MoE families keep their training-time routing noise (Mixtral, MiniMax: router_jitter_noise; PhiMoE: both)."""
+
+
+def num_pipeline_stages(config: JobConfig, n_layers: int) -> int:
+    """The stages the model is cut into: `parallelism.pp` x the stages each rank runs (1 without pipelining)."""
+    p = config.parallelism
+    if p.pp == 1:
+        return 1
+    from cpcompose.distributed.pipeline import stages_per_rank
+
+    return p.pp * stages_per_rank(p, n_layers)
+
+
+def _check_pipeline(model: nn.Module, config: JobConfig, n_layers: int) -> None:
+    """`parallelism.pp` > 1: the model cuts into its stages at decoder layers (`pipeline_refusal`), and trains no
+    router loss: transformers' load-balancing loss pools every MoE layer's statistics before their product, which
+    the stages hold apart.
+
+    Raises:
+        ConfigError: naming the key to change.
+    """
+    from cpcompose.integrations.transformers.pipeline import pipeline_refusal, stages_without_token_mixing
+
+    p = config.parallelism
+    stages = num_pipeline_stages(config, n_layers)
+    if (refusal := pipeline_refusal(model, stages)) is not None:
+        raise ConfigError(f"parallelism.pp: {p.pp} ({stages} stages under {p.pp_schedule}): {refusal}")
+    if _uses_region(config) and (idle := stages_without_token_mixing(model, stages)):
+        raise ConfigError(f"parallelism.pp: {p.pp} ({stages} stages under {p.pp_schedule}): stage {idle[0]} holds "
+                          "feed-forward layers alone, whose CP region would route no attention or mixer (which CP "
+                          "refuses as attention run on a shard); choose parallelism.pp or "
+                          "parallelism.pp_layers_per_stage so that every stage holds a token-mixing layer")
+    if router_loss_of(model) is not None:
+        raise ConfigError(f"parallelism.pp: {p.pp}: {config.model.path}/config.json sets output_router_logits = true, "
+                          "and the router loss pools every MoE layer's statistics, which the pipeline stages hold "
+                          "apart; set output_router_logits = false in config.json, or parallelism.pp = 1")
 
 
 def _check_expert_parallel(model: nn.Module, config: JobConfig) -> None:
@@ -308,7 +345,7 @@ def _trainer_class(cls: type) -> type:
 
 
 def build_hf_model(config: JobConfig, *, dims: ParallelDims, mesh: DeviceMesh, device: torch.device,
-                   meter: CommMeter) -> TrainedModel:
+                   meter: CommMeter, stages: tuple[int, ...] = (0,), num_stages: int = 1) -> TrainedModel:
     """Build, parallelize and load model.path's model on this rank (a collective: every rank calls it).
 
     Raises:
@@ -318,17 +355,25 @@ def build_hf_model(config: JobConfig, *, dims: ParallelDims, mesh: DeviceMesh, d
     """
     cphf, p = _hf(), config.parallelism
     prepared = _prepare(config)
-    trained = parallelize_hf_model(prepared.model, config, dims=dims, mesh=mesh, meter=meter)
+    trained = parallelize_hf_model(prepared.model, config, dims=dims, mesh=mesh, meter=meter, stages=stages,
+                                   num_stages=num_stages)
     model = trained.module
     model.to_empty(device=device)
-    cphf.init_non_persistent_buffers(model)
     plan = prepared.plan
+    if num_stages > 1:  # this rank's stages' tensors alone; buffers set walking its own layers only
+        from cpcompose.integrations.transformers.pipeline import held_layers_only
+
+        with held_layers_only(model):
+            cphf.init_non_persistent_buffers(model)
+        plan = plan.of_names(set(model.state_dict()))
+    else:
+        cphf.init_non_persistent_buffers(model)
     if dims.ep_enabled:  # each rank reads its own block of experts
         from cpcompose.integrations.transformers.expert_parallel import expert_blocks
 
         plan = plan.of_expert_blocks(expert_blocks(model))
     cphf.load_pretrained_weights(model, config.model.path, plan)
-    if dims.cp_enabled and p.cp_verify:
+    if dims.cp_enabled and p.cp_verify and num_stages == 1:  # the probe runs the whole model (as the own Llama's)
         try:
             with torch.compiler.set_stance("force_eager"):  # the probe's hooks would recompile compiled layers
                 cphf.verify(model, mesh["cp"], options=_options(config, meter=None))
@@ -339,13 +384,15 @@ def build_hf_model(config: JobConfig, *, dims: ParallelDims, mesh: DeviceMesh, d
         state = model.state_dict()
         if trained.expert_shards is not None:  # each expert written from its rank, under the whole tensor's name
             state = trained.expert_shards.view(state)["model"]
+        held = prepared.plan.of_names(set(state)) if num_stages > 1 else None  # a pipeline rank: its stages'
         cphf.export_pretrained(model, folder, source=config.model.path, config=prepared.config, plan=prepared.plan,
-                               state=state)
+                               state=state, held=held)
 
     return dataclasses.replace(trained, export=export)
 
 
-def build_unfilled_hf_model(config: JobConfig, *, dims: ParallelDims, mesh: DeviceMesh) -> TrainedModel:
+def build_unfilled_hf_model(config: JobConfig, *, dims: ParallelDims, mesh: DeviceMesh, stages: tuple[int, ...] = (0,),
+                            num_stages: int = 1) -> TrainedModel:
     """model.path's model from its config.json alone, parallelized as `build_hf_model` does, its weights never read:
     for a rehearsal under FakeTensorMode (`cpcompose.training.memory.rehearsal`), which makes its tensors without storage.
 
@@ -353,7 +400,8 @@ def build_unfilled_hf_model(config: JobConfig, *, dims: ParallelDims, mesh: Devi
         ConfigError: what `check_hf_model` raises for the folder's config.json.
     """
     prepared = _prepare(config, weights=False)
-    trained = parallelize_hf_model(prepared.model, config, dims=dims, mesh=mesh, meter=None)
+    trained = parallelize_hf_model(prepared.model, config, dims=dims, mesh=mesh, meter=None, stages=stages,
+                                   num_stages=num_stages)
     trained.module.to_empty(device=torch.device("cpu"))  # buffers left unset: their values are read, fake ones have none
     return trained
 
@@ -376,12 +424,21 @@ def _options(config: JobConfig, *, meter: CommMeter | None) -> Any:
 
 
 def parallelize_hf_model(model: nn.Module, config: JobConfig, *, dims: ParallelDims, mesh: DeviceMesh,
-                         meter: CommMeter | None) -> TrainedModel:
+                         meter: CommMeter | None, stages: tuple[int, ...] = (0,), num_stages: int = 1) -> TrainedModel:
     """The trainer's forward, tiled MLPs, activation checkpointing and FSDP2 on the meta model, in place, with the
-    CP region of each micro-batch (`cp_scope`)."""
+    CP region of each micro-batch (`cp_scope`). With `num_stages` > 1 the model is first cut to this rank's
+    `stages` (`split_causal_lm`: the rest of the model never gets memory), each a `TrainedModel.stages` module
+    entering the CP region of its microbatch around its own forward (`StageModule`), and an FSDP root of its own."""
     t, layers = config.training, list(_decoder_layers(model) or ())
     model.__class__ = _trainer_class(type(model))
     model.train()
+    bodies: tuple[nn.Module, ...] = ()
+    if num_stages > 1:
+        from cpcompose.integrations.transformers.pipeline import split_causal_lm
+
+        bodies = split_causal_lm(model, num_stages=num_stages, stages=stages)
+        kept = {id(layer) for body in bodies for layer in body.layers.values()}
+        layers = [layer for layer in layers if id(layer) in kept]  # in the model's order
     experts, expert_mesh, shards = [], None, None
     if dims.ep_enabled:
         from cpcompose.integrations.transformers.expert_parallel import apply_expert_parallel, expert_parameter_names
@@ -399,16 +456,30 @@ def parallelize_hf_model(model: nn.Module, config: JobConfig, *, dims: ParallelD
                                        context_fn=recompute_context)
     if t.compile:  # `_prepare` refused the families that do not compile
         apply_hf_compile(layers, checkpointed=config.activation_checkpoint.mode == "full")
+    cp_scope = _cp_scope(config, dims=dims, mesh=mesh, options=_options(config, meter=meter))
+    roots: tuple[nn.Module, ...] = ()
+    if bodies:
+        from cpcompose.distributed.pipeline_stage import StageModule
+
+        roots = tuple(StageModule(body, cp_scope, dims.cp) for body in bodies)
     if dims.dp_cp_size > 1 or dims.tp_enabled:  # tp alone: FSDP over one rank, so every parameter is a DTensor
-        embedding, head = _outer_units(model)  # (the fused AdamW step takes no mix of DTensors and plain tensors)
+        # (the fused AdamW step takes no mix of DTensors and plain tensors)
+        embedding, head = _stage_units(bodies) if bodies else _outer_units(model)
         apply_fsdp(model, _unshared(layers), mesh=mesh, parallel_dims=dims, embedding=embedding, head=head,
                    param_dtype=compute_dtype(config), offload_params=t.offload_params, experts=experts,
-                   expert_mesh=expert_mesh)
+                   expert_mesh=expert_mesh, **({"roots": roots} if roots else {}))
     expert_parameters, ep_group = _expert_split(model)
-    return TrainedModel(module=model, cp_scope=_cp_scope(config, dims=dims, mesh=mesh,
-                                                         options=_options(config, meter=meter)),
-                        expert_parameters=expert_parameters, ep_group=ep_group, expert_shards=shards,
-                        router_loss=router_loss_of(model))
+    return TrainedModel(module=model, cp_scope=cp_scope, expert_parameters=expert_parameters, ep_group=ep_group,
+                        expert_shards=shards, router_loss=router_loss_of(model), **({"stages": roots} if roots else {}))
+
+
+def _stage_units(bodies: tuple[nn.Module, ...]) -> tuple[nn.Module | None, list[nn.Module]]:
+    """The FSDP units around a rank's stages' layers: the first stage's embedding alone, the last stage's final norm
+    with the output layer (`_outer_units`' units, where this rank holds them)."""
+    embedding = next((body.embed for body in bodies if body.embed is not None), None)
+    head = [m for body in bodies for m in (body.norm, body.lm_head)
+            if m is not None and any(True for _ in m.parameters())]
+    return embedding, head
 
 
 def _cp_scope(config: JobConfig, *, dims: ParallelDims, mesh: DeviceMesh,

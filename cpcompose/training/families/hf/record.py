@@ -43,18 +43,14 @@ class HuggingFaceFamily:
     rank_imports: tuple[str, ...] = ("cpcompose.integrations.transformers",)
 
     def refusal(self, config: JobConfig) -> ConfigError | None:
-        p, who = config.parallelism, f"a Hugging Face model (model.name = '{self.name}')"
         if config.model.path is None:
             return ConfigError(f"model.path: required with model.name = '{self.name}': a local folder with "
                                "config.json, *.safetensors and the tokenizer files (e.g. one written by save_pretrained)")
-        if p.pp != 1:
-            return ConfigError(f"parallelism.pp: {p.pp}: {who} is not cut into pipeline stages here; use "
-                               "parallelism.cp and parallelism.dp_shard (FSDP) instead")
         return None
 
     def resolve(self, config: JobConfig) -> JobConfig:
         """The vocabulary is the folder's (its config.json, read without transformers): what the data's ids are
-        checked against."""
+        checked against; with pipelining the layer count too (`model.n_layers`: what the stages are cut from)."""
         m, ep = config.model, config.parallelism.ep
         fields = _folder_config(Path(m.path))
         vocab = _text_field(fields, "vocab_size")
@@ -66,7 +62,10 @@ class HuggingFaceFamily:
         if m.vocab_size not in (default, vocab):
             raise ConfigError(f"model.vocab_size: does not apply to model.name = '{self.name}': the vocabulary is "
                               f"{m.path}/config.json's ({vocab}); remove it")
-        return replace(config, model=replace(m, vocab_size=vocab))
+        config = replace(config, model=replace(m, vocab_size=vocab))
+        if config.parallelism.pp > 1:
+            config = _with_layers(config, fields)
+        return config
 
     def check(self, config: JobConfig) -> None:
         check_hf_model(config)
@@ -84,13 +83,14 @@ class HuggingFaceFamily:
     def build(self, config: JobConfig, *, dims: ParallelDims, mesh: DeviceMesh, device: torch.device,
               meter: CommMeter, stages: tuple[int, ...] = (0,), num_stages: int = 1) -> TrainedModel:
         try:
-            return build_hf_model(config, dims=dims, mesh=mesh, device=device, meter=meter)
+            return build_hf_model(config, dims=dims, mesh=mesh, device=device, meter=meter, stages=stages,
+                                  num_stages=num_stages)
         except ConfigError as e:  # the pre-launch checks, reached in-rank (a folder changed, or no preflight)
             raise TrainingError(str(e), exit_code=2) from None
 
     def build_unfilled(self, config: JobConfig, *, dims: ParallelDims, mesh: DeviceMesh,
                        stages: tuple[int, ...] = (0,), num_stages: int = 1) -> TrainedModel:
-        return build_unfilled_hf_model(config, dims=dims, mesh=mesh)
+        return build_unfilled_hf_model(config, dims=dims, mesh=mesh, stages=stages, num_stages=num_stages)
 
 
 EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
@@ -109,6 +109,36 @@ def _check_experts(fields: dict, ep: int, where: str) -> None:
     if experts % ep:
         raise ConfigError(f"parallelism.ep: {ep} does not divide the model's {experts} experts ({where}): each "
                           "expert-parallel rank holds an equal share; choose a divisor of the expert count")
+
+
+LAYER_COUNT_KEYS = ("num_hidden_layers", "n_layers", "num_layers", "num_blocks")
+"""Where the families' config.json keep their number of decoder layers (most: num_hidden_layers)."""
+LAYER_TYPE_KEYS = ("layers_block_type", "layer_types", "block_types")
+"""Lists of one entry per layer, for a config.json without a count (Nemotron-H derives num_hidden_layers from its
+layers_block_type)."""
+
+
+def _with_layers(config: JobConfig, fields: dict) -> JobConfig:
+    """`model.n_layers` from the folder's config.json (the pipeline's stages are cut from it), refusing another
+    value set by hand, then the pipeline settings checked against it (`pipeline_problem`)."""
+    from cpcompose.distributed.pipeline import pipeline_problem
+
+    m, where = config.model, f"{config.model.path}/config.json"
+    layers = next((n for key in LAYER_COUNT_KEYS if isinstance(n := _text_field(fields, key), int) and n > 0), None)
+    if layers is None:  # a family whose count is its list of layer types (Nemotron-H's layers_block_type)
+        layers = next((len(t) for key in LAYER_TYPE_KEYS if isinstance(t := _text_field(fields, key), list) and t),
+                      None)
+    if layers is None:
+        raise ConfigError(f"parallelism.pp: {config.parallelism.pp}: {where} declares no layer count "
+                          f"({', '.join(LAYER_COUNT_KEYS + LAYER_TYPE_KEYS)}) to cut pipeline stages from; set parallelism.pp = 1")
+    default = Model.__dataclass_fields__["n_layers"].default
+    if m.n_layers not in (default, layers):
+        raise ConfigError(f"model.n_layers: does not apply to model.name = 'hf': the layers are {where}'s ({layers}); "
+                          "remove it")
+    if (problem := pipeline_problem(config.parallelism, layers)) is not None:  # the folder's layers: not a key to set
+        key = "parallelism.pp" if problem[0] == "model.n_layers" else problem[0]
+        raise ConfigError(f"{key}: {problem[1]} (the {layers} decoder layers of {where})")
+    return replace(config, model=replace(m, n_layers=layers))
 
 
 def _text_field(fields: dict, key: str) -> object:

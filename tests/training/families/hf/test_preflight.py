@@ -25,6 +25,7 @@ from cpcompose.config import load_config
 from cpcompose.train import main
 from cpcompose.training.launcher.preflight import preflight
 from tests.support.hf_trainer import ROOT, hf_args, make_model, make_moe, text_corpus, train
+from tests.support.hybrid_families import HYBRIDS
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +70,15 @@ def _without_tensor(folder: Path, name: str) -> Path:
 TINY = dict(vocab_size=320, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
 
 
+PP = ["--parallelism.pp=2", "--data.pack=false", "--parallelism.pp_microbatches=2"]
+
+
+def _hybrid(family: str) -> hf.PretrainedConfig:
+    config = HYBRIDS[family].config()
+    config.vocab_size = 320
+    return config
+
+
 def _cases(llama: Path, tmp: Path) -> list[tuple[Path, list[str], str, str]]:
     """(model folder, extra options, the key the error starts with, a phrase it says)."""
     empty = tmp / "empty"
@@ -98,7 +108,18 @@ def _cases(llama: Path, tmp: Path) -> list[tuple[Path, list[str], str, str]]:
         (llama, ["--model.vocab_size=64"], "model.vocab_size", "does not apply"),
         (llama, ["--parallelism.tp=4"], "parallelism.tp", "4 does not divide the model's 2 kv heads"),
         (qwen3_next, ["--parallelism.tp=2"], "parallelism.tp", "Qwen3NextGatedDeltaNet (model.layers.0.linear_attn)"),
-        (llama, ["--parallelism.pp=2", "--data.pack=false"], "parallelism.pp", "pipeline"),
+        (llama, [*PP, "--parallelism.pp_schedule=Interleaved1F1B", "--training.batch_size=4",
+                 "--parallelism.pp_microbatches=4"], "parallelism.pp", "the 2 decoder layers of"),
+        (llama, [*PP, "--model.n_layers=8"], "model.n_layers", "does not apply"),
+        (make_model(tmp / "gemma3-tied", "gemma3"), PP, "parallelism.pp",
+         "ties its input and output embeddings (tie_word_embeddings)"),
+        (_other_model(llama, tmp / "zamba", _hybrid("zamba")), PP, "parallelism.pp",
+         "ZambaForCausalLM (zamba) cannot be cut into pipeline stages"),
+        (_other_model(llama, tmp / "nemotron", _hybrid("nemotron_h")),  # packed: its last stage, "mlp", in a region
+         ["--parallelism.pp=3", "--training.batch_size=3", "--parallelism.pp_microbatches=3"], "parallelism.pp",
+         "stage 2 holds feed-forward layers alone"),
+        (make_moe(tmp / "moe-router", "qwen3_moe"), PP, "parallelism.pp",
+         "sets output_router_logits = true, and the router loss pools every MoE layer's statistics"),
         (make_moe(tmp / "dsv3-moe", "deepseek_v3"), ["--parallelism.cp=2", "--parallelism.ep=2",
                                                      "--training.compile=true"], "training.compile",
          "not with parallelism.ep = 2"),
