@@ -182,3 +182,17 @@ def test_a_pipelined_step_is_rehearsed_per_rank_and_the_plan_is_within_10_percen
     got = pipelined[schedule]
     assert got["pp_rank"] in (0, 1)
     assert abs(got["planned"] - got["tracked"]) <= 0.10 * got["tracked"], got
+
+
+def test_a_pipelined_hf_model_is_not_rehearsed_and_the_dry_run_says_so_in_one_line(tmp_path: Path) -> None:
+    """The rehearsal feeds the own Llama's stages; a Hugging Face model under pp gets its plan and one line."""
+    TINY_CONFIGS["qwen3"]().save_pretrained(tmp_path)
+    args = ["--model.name=hf", f"--model.path={tmp_path}", "--parallelism.cp=2", "--parallelism.dp_shard=2",
+            "--parallelism.pp=2", "--parallelism.pp_microbatches=4", "--parallelism.pp_schedule=1F1B",
+            "--training.seq_len=1024", "--training.batch_size=8", "--job.dry_run", "--job.rehearse"]
+    result = subprocess.run([sys.executable, "-m", "cpcompose.train", *args], capture_output=True, text=True, cwd=ROOT,
+                            env={**os.environ, "PYTHONPATH": str(ROOT), "WORLD_SIZE": "8"}, timeout=300, check=False)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "  rehearsal: not run (rehearse: model.name = 'hf' under parallelism.pp > 1 is not rehearsed yet" in \
+        result.stdout, result.stdout
+    assert "pipeline 1F1B, 4 microbatches" in result.stdout and "Traceback" not in result.stderr
