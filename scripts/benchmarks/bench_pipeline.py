@@ -37,9 +37,10 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
-from common import init_rank, machine, markdown_table, spawn_ranks, write_json
+from common import ROOT, init_rank, machine, markdown_table, spawn_ranks, write_json
 
 from cpcompose.distributed.pipeline import SINGLE_STAGE_SCHEDULES, SPLIT_BACKWARD_SCHEDULES, V_SCHEDULES, stage_ids
 from cpcompose.training.memory.schedule import schedule_order
@@ -206,7 +207,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--out", type=Path, default=ROOT / "bench_results" / "pipeline.json")
     args = parser.parse_args()
     if args.quick:
         args.pp, args.microbatches, args.steps = [2], [4], 1
@@ -226,11 +227,11 @@ def main() -> None:
     print(markdown_table(["schedule", "pp", "M", "step ms", "replayed ms", "bubble", "replayed bubble", "textbook"],
                          table, left=["schedule"]))
     info = machine()
-    if min(args.pp) and max(args.pp) > (info["cores"] or 1):
+    if max(args.pp) > (info["cores"] or 1):
         print(f"note: pp = {max(args.pp)} ranks on {info['cores']} cores share cores (see the docstring)")
-    if args.out:
-        write_json(args.out, {"machine": info, "settings": {k: v for k, v in vars(args).items() if k != "out"},
-                              "rows": rows})
+    write_json(args.out, {"machine": info, "settings": {k: v for k, v in vars(args).items() if k != "out"},
+                          "rows": rows})
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":
