@@ -56,7 +56,7 @@ def _plan(args: list[str], world: int, device_type: str = "cpu"):
     (1, 4096, ["--training.fused_loss=false"]),  # measured within 1%
     (2, 8192, [*FUSED, "--activation_checkpoint.mode=full"]),  # within 6%
     (2, 512, PARAMETERS),  # parameters dominate: within 2% (the 1,024-token run: 1,324 MiB measured, 1,298 planned)
-], ids=["unfused", "cp2-fsdp-checkpointed", "cp2-fsdp-bf16-parameters"])  # fused, fused + tiled: the growth test
+], ids=["unfused", "cp2-fsdp-checkpointed", "cp2-fsdp-bf16-parameters"])  # fused + tiled: the growth test
 def test_the_prediction_is_within_15_percent_of_a_real_run(tmp_path: Path, monkeypatch, cp: int, seq_len: int,
                                                            extra: list[str]) -> None:
     for key in [k for k in os.environ if k.startswith("MALLOC_")]:
@@ -91,9 +91,9 @@ SLOPE_BODY = [
 ]
 
 
-@pytest.mark.parametrize("extra", [[], ["--training.tiled_mlp=4"]], ids=["fused", "fused-tiled"])
-def test_the_predicted_growth_with_length_matches_a_real_run(tmp_path: Path, monkeypatch, extra: list[str]) -> None:
-    """Plan and run agree on how the peak GROWS from 1,024 to 4,096 tokens, not only on each peak.
+def test_the_predicted_growth_with_length_matches_a_real_run(tmp_path: Path, monkeypatch) -> None:
+    """Plan and run agree on how the peak GROWS from 1,024 to 4,096 tokens, not only on each peak (the fused loss with a
+    tiled MLP; the fused loss alone ran here too until the suite outgrew its time, with the numbers below).
 
     Each peak alone can be within 15% while the per-token slope is off by half (the fixed ~1 GiB hides it), and a
     wrong slope is what makes the plan's longest trainable L wrong: before the plan counted glibc's heap keeping the
@@ -107,7 +107,8 @@ def test_the_predicted_growth_with_length_matches_a_real_run(tmp_path: Path, mon
         monkeypatch.delenv(key)  # as a user's shell
     peaks, plans = [], []
     for seq_len in (512, 2048):
-        args = SLOPE_BODY + [f"--training.seq_len={seq_len}", f"--job.dump_folder={tmp_path / str(seq_len)}", *extra]
+        args = SLOPE_BODY + [f"--training.seq_len={seq_len}", f"--job.dump_folder={tmp_path / str(seq_len)}",
+                             "--training.tiled_mlp=4"]
         peaks.append(_measured_peak(args))
         plans.append(run_plan(load_config(args), 1).total)
     measured, predicted = peaks[1] - peaks[0], plans[1] - plans[0]
