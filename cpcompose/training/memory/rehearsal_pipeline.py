@@ -10,9 +10,9 @@ the plan counts from), doing for each action what torch's `PipelineStage` does:
 - a stage that is not the first receives its input into one buffer per microbatch, made at the step's start and
   kept (torch makes them once), fed here as fake hidden states of the stage's input shape; a stage that is not the
   last receives its output's gradient into one buffer per microbatch likewise;
-- forward ("F"): the stage on the microbatch's input; the last stage computes the loss on its logits, which nothing
-  keeps past the microbatch's backward (the trainer's `schedule.step(..., return_outputs=False)`: torch's
-  `output_chunks` stays empty);
+- forward ("F"): the stage on the microbatch's input; the last stage computes the loss on its logits and keeps them
+  until the microbatch's backward ("B" or "I": torch's `fwd_cache`), not past it (the trainer's
+  `schedule.step(..., return_outputs=False)`: torch's `output_chunks` stays empty);
 - backward: torch's own `stage_backward` ("B"), or for a zero-bubble schedule its `stage_backward_input` ("I", which
   keeps the autograd graph) then `stage_backward_weight` ("W"), with FSDP2 told what torch's stage tells it (no
   gradient sync, no reshard: gradients accumulate unsharded in float32 until the end);
@@ -100,6 +100,7 @@ def pipeline_steps(c: JobConfig, dims: ParallelDims, mesh, tracker_cls, mod_stat
             for buffer in (b for bs in inputs.values() for b in bs):
                 buffer.grad = None  # torch's clear_runtime_states at each step's start
             cache: dict[tuple[int, int], tuple] = {}
+            logits: dict[int, torch.Tensor] = {}  # the last stage's outputs, in torch's fwd_cache until the backward
             split: dict[tuple[int, int], tuple] = {}
             for kind, s, mb in order:
                 module = modules[s]
@@ -111,6 +112,7 @@ def pipeline_steps(c: JobConfig, dims: ParallelDims, mesh, tracker_cls, mod_stat
                         # training path has no tracker); the view holds no memory of its own
                         out = module(x if s == 0 else x.view_as(x), positions)
                         if s == num_stages - 1:
+                            logits[mb] = out
                             out = cp_cross_entropy(out, labels, mesh=loss_mesh, num_tokens=count)
                     # torch keeps a stage's outputs as a tuple, the last stage's loss alone
                     cache[s, mb] = (out if s == num_stages - 1 else (out,), [x] if s != 0 else [])
@@ -122,6 +124,8 @@ def pipeline_steps(c: JobConfig, dims: ParallelDims, mesh, tracker_cls, mod_stat
                 if kind == "B":
                     out, xs = cache.pop((s, mb))
                     backward(out, None if s == num_stages - 1 else (grads[s][mb],), xs)
+                    if s == num_stages - 1:  # torch's stage drops its fwd_cache entry once the backward ran
+                        del logits[mb]
                 elif kind == "I":
                     out, xs = cache.pop((s, mb))
                     out_grads = None if s == num_stages - 1 else (grads[s][mb],)
@@ -130,6 +134,8 @@ def pipeline_steps(c: JobConfig, dims: ParallelDims, mesh, tracker_cls, mod_stat
                         _, groups = backward_input((out,) if s == num_stages - 1 else out, out_grads, xs,
                                                    module.parameters())
                     split[s, mb] = (out, out_grads, xs, groups)
+                    if s == num_stages - 1:
+                        del logits[mb]
                 else:  # "W"
                     out, out_grads, xs, groups = split.pop((s, mb))
                     if fsdp:
@@ -144,7 +150,7 @@ def pipeline_steps(c: JobConfig, dims: ParallelDims, mesh, tracker_cls, mod_stat
                     _TRACE.append((kind, s, mb, _snapshot(tracker)))
             for module in roots:  # REDUCE_GRAD
                 _compat.pipeline_reduce_grad(module)
-            del cache, split
+            del cache, split, logits
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             if step == 0:
