@@ -174,9 +174,10 @@ def _release_graph() -> int:
     step-start value after every microbatch's "W"). Under torch's tracker each module input's node is in a
     reference cycle with the multi-grad hook `ModTracker` puts on it (the hook's closure holds the node: torch's
     `register_multi_grad_hook`), and the collector can free a C++ node only once nothing but its Python object owns
-    it: one pass frees the last block's boundary, the next the block before, and so on. One pass after each "W"
-    left a 3-layer stage's earlier blocks held, carried to the next step (the 70B ZBV rehearsal: the tracker 2.2
-    times the plan). So: collect until a pass frees nothing."""
+    it: one pass frees one module's boundary, the next the one before, and so on (21 to 23 passes after a 3-layer
+    stage's "W"). One pass after each "W" left most of a multi-layer stage's graph held, carried to the next step
+    (the 70B ZBV rehearsal: the tracker 2.2 times the plan; collected to a fixed point, +0.2%). So: collect until a
+    pass frees nothing (docs/trainer/memory.md, "The zero-bubble split backward: what a real run holds")."""
     passes = 1
     while gc.collect():
         passes += 1
