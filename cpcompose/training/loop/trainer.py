@@ -279,7 +279,10 @@ class Trainer:
         args = (tokens,) if 0 in self.stage_ids else ()
         meta = {} if doc_bounds is None else {"doc_bounds": doc_bounds}
         last = self.num_stages - 1 in self.stage_ids
-        self.schedule.step(*args, target=labels if last else None, losses=losses, position_ids=positions, **meta)
+        # return_outputs=False: torch's last stage keeps no microbatch's logits past its backward (by default it keeps
+        # every one to the step's end, to return them merged: a 70B pipeline's 28 GiB the trainer never reads)
+        self.schedule.step(*args, target=labels if last else None, losses=losses, position_ids=positions,
+                           return_outputs=False, **meta)
         return sum((x.detach().double() for x in losses), torch.zeros((), dtype=torch.float64, device=self.device))
 
     def _global_loss(self, local: Tensor) -> float:

@@ -22,8 +22,8 @@ L: blocks on this rank's pipeline stage, S: FSDP's shard degree dp_shard x cp wh
 * "loss": the activations every block keeps (all it saves, or its input alone with activation
   checkpointing; offloaded to host memory with `activation_checkpoint.offload` on CUDA), the
   final norm's, and the loss at its peak, forward or backward: unfused, the float32 log-softmax,
-  its gradient and the logits' (with pipelining, the stage's logits too: the schedule keeps
-  them); fused (`training.fused_loss`, not under pipelining), one chunk of
+  its gradient and the logits' (with pipelining, the stage's logits too, until the microbatch's
+  backward); fused (`training.fused_loss`, not under pipelining), one chunk of
   `training.loss_chunk_tokens` tokens' logits, the per-token log-sum-exp and hidden gradient,
   and the output weight's float32 gradient, which its backward sums over the chunks.
 * "forward" / "backward": the same activations plus one block's work: its forward, or its

@@ -17,8 +17,9 @@ rank holds then (P: the rank's parameters, over its stages; T: tokens per microb
   (torch's input part retains the graph, recomputed tensors included, for the weight part);
 * the pipeline's buffers, which torch's stage makes once and keeps: one input buffer per microbatch on each stage
   but the first, one output-gradient buffer per microbatch on each stage but the last (c D per token each); the
-  last stage's logits of every microbatch forwarded, kept to the step's end (the schedule returns them); after a
-  zero-bubble input backward ("I"), the input's gradient, kept to the step's end;
+  last stage's logits of each microbatch from its forward until its backward ("B" or "I"; the trainer's
+  `schedule.step(..., return_outputs=False)` keeps none to the step's end); after a zero-bubble input backward
+  ("I"), the input's gradient, kept to the step's end;
 * the work of the action running: a block's forward (or its loss's, on the last stage: under bf16 the logits' float32
   copy), or its backward (on the last stage first the loss's backward, 8 V per token beside the saved log-softmax),
   with CP's K/V buffers beside attention as without pipelining.
@@ -100,7 +101,7 @@ def pipeline_phases(r: PipelineRank, prof: MemoryProfile, *, forward_work: int, 
                     for s in occ.stages if s != 0)  # the first stage's "I" does nothing
         acts = sum(m.in_flight[i[s]] * per_mb[s] for s in occ.stages) + split
         grads = 4 * sum(params[s] for s in occ.stages if m.backwards[i[s]])  # from a stage's first backward on
-        buffers = recv + (r.logits * V * T * m.forwards[i[last]] if last is not None else 0) + \
+        buffers = recv + (r.logits * V * T * m.outputs[i[last]] if last is not None else 0) + \
             r.c * dim * T * sum(m.inputs[i[s]] for s in occ.stages if s != 0)
         if m.kind == "F":
             work = max(forward_work, loss_forward if m.stage == last else 0)
@@ -119,8 +120,7 @@ def pipeline_phases(r: PipelineRank, prof: MemoryProfile, *, forward_work: int, 
         chosen = [parts for m, parts in moments if m.kind in kinds]
         if chosen:
             phases[name] = max(chosen, key=lambda parts: sum(parts.values()))
-    end = recv + (r.logits * V * T * r.microbatches if last is not None else 0) + \
-        r.c * dim * T * sum(m.inputs[k] for m in occ.moments[-1:] for k, s in enumerate(occ.stages) if s != 0)
+    end = recv + r.c * dim * T * sum(m.inputs[k] for m in occ.moments[-1:] for k, s in enumerate(occ.stages) if s != 0)
     unit = max(prof.block_params, embedding if 0 in occ.stages else 0,
                prof.output_params if last is not None else 0)
     phases["gradient reduction"] = {  # the accumulated gradients reduce-scattered, unit by unit

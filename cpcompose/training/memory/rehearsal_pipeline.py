@@ -10,8 +10,9 @@ the plan counts from), doing for each action what torch's `PipelineStage` does:
 - a stage that is not the first receives its input into one buffer per microbatch, made at the step's start and
   kept (torch makes them once), fed here as fake hidden states of the stage's input shape; a stage that is not the
   last receives its output's gradient into one buffer per microbatch likewise;
-- forward ("F"): the stage on the microbatch's input; the last stage computes the loss on its logits, and keeps the
-  logits to the step's end (`output_chunks`: the trainer's `schedule.step` returns outputs);
+- forward ("F"): the stage on the microbatch's input; the last stage computes the loss on its logits and keeps them
+  until the microbatch's backward ("B" or "I": torch's `fwd_cache`), not past it (the trainer's
+  `schedule.step(..., return_outputs=False)`: torch's `output_chunks` stays empty);
 - backward: torch's own `stage_backward` ("B"), or for a zero-bubble schedule its `stage_backward_input` ("I", which
   keeps the autograd graph) then `stage_backward_weight` ("W"), with FSDP2 told what torch's stage tells it (no
   gradient sync, no reshard: gradients accumulate unsharded in float32 until the end);
@@ -98,8 +99,8 @@ def pipeline_steps(c: JobConfig, dims: ParallelDims, mesh, tracker_cls, mod_stat
         for step in range(2):
             for buffer in (b for bs in inputs.values() for b in bs):
                 buffer.grad = None  # torch's clear_runtime_states at each step's start
-            kept: dict[int, torch.Tensor] = {}  # the last stage's outputs, returned by the step
             cache: dict[tuple[int, int], tuple] = {}
+            logits: dict[int, torch.Tensor] = {}  # the last stage's outputs, in torch's fwd_cache until the backward
             split: dict[tuple[int, int], tuple] = {}
             for kind, s, mb in order:
                 module = modules[s]
@@ -111,21 +112,20 @@ def pipeline_steps(c: JobConfig, dims: ParallelDims, mesh, tracker_cls, mod_stat
                         # training path has no tracker); the view holds no memory of its own
                         out = module(x if s == 0 else x.view_as(x), positions)
                         if s == num_stages - 1:
-                            kept[mb] = out
+                            logits[mb] = out
                             out = cp_cross_entropy(out, labels, mesh=loss_mesh, num_tokens=count)
                     # torch keeps a stage's outputs as a tuple, the last stage's loss alone
                     cache[s, mb] = (out if s == num_stages - 1 else (out,), [x] if s != 0 else [])
                     if _TRACE is not None and step == 1:
-                        _TRACE.append((kind, s, mb, {str(getattr(k, "value", k)): int(v) for snap in
-                                                     tracker._curr_mem_snap.values() for k, v in snap.items()}))
+                        _TRACE.append((kind, s, mb, _snapshot(tracker)))
                     continue
                 if fsdp and kind != "W":
                     _no_sync(module)
                 if kind == "B":
                     out, xs = cache.pop((s, mb))
                     backward(out, None if s == num_stages - 1 else (grads[s][mb],), xs)
-                    if s == num_stages - 1:  # torch detaches the kept logits once their backward has run
-                        kept[mb].detach_()
+                    if s == num_stages - 1:  # torch's stage drops its fwd_cache entry once the backward ran
+                        del logits[mb]
                 elif kind == "I":
                     out, xs = cache.pop((s, mb))
                     out_grads = None if s == num_stages - 1 else (grads[s][mb],)
@@ -134,8 +134,8 @@ def pipeline_steps(c: JobConfig, dims: ParallelDims, mesh, tracker_cls, mod_stat
                         _, groups = backward_input((out,) if s == num_stages - 1 else out, out_grads, xs,
                                                    module.parameters())
                     split[s, mb] = (out, out_grads, xs, groups)
-                    if s == num_stages - 1:  # torch detaches the kept logits once their backward has run
-                        kept[mb].detach_()
+                    if s == num_stages - 1:
+                        del logits[mb]
                 else:  # "W"
                     out, out_grads, xs, groups = split.pop((s, mb))
                     if fsdp:
@@ -144,22 +144,44 @@ def pipeline_steps(c: JobConfig, dims: ParallelDims, mesh, tracker_cls, mod_stat
                         backward_weight(module.parameters(), groups)
                     else:
                         backward(out, out_grads, xs)
-                    # the split backward's graph is left in reference cycles: without a collection here it
-                    # stays until Python's collector runs (measured: 2.2 times the activations of a tiny ZBV rank)
                     del out, out_grads, xs, groups
-                    gc.collect()
+                    _release_graph()
                 if _TRACE is not None and step == 1:
-                    _TRACE.append((kind, s, mb, {str(getattr(k, "value", k)): int(v) for snap in
-                                                 tracker._curr_mem_snap.values() for k, v in snap.items()}))
+                    _TRACE.append((kind, s, mb, _snapshot(tracker)))
             for module in roots:  # REDUCE_GRAD
                 _compat.pipeline_reduce_grad(module)
-            del kept, cache, split
+            del cache, split, logits
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             if step == 0:
                 tracker.reset_mod_stats()
                 tracker.device_peak, tracker.device_parts = 0, {}
     return tracker.device_peak, tracker.device_parts
+
+
+def _snapshot(tracker) -> dict[str, int]:  # noqa: ANN001
+    """The tracker's parts now, and "Peak": its device peak so far this step (the action that raised it holds it)."""
+    parts = {str(getattr(k, "value", k)): int(v) for snap in tracker._curr_mem_snap.values() for k, v in snap.items()}
+    return {**parts, "Peak": int(tracker.device_peak)}
+
+
+def _release_graph() -> int:
+    """Free what a real run frees when a weight backward ("W") ends; returns the collector's passes.
+
+    A split backward never runs the input-only part of a microbatch's graph (attention, activations, norms) with
+    `retain_graph=False`, so their saved tensors go when the graph's nodes do. In a real run that is at the end of
+    "W", by reference counting (measured on 2 and 4 gloo ranks with Python's collector off: the heap back to its
+    step-start value after every microbatch's "W"). Under torch's tracker each module input's node is in a
+    reference cycle with the multi-grad hook `ModTracker` puts on it (the hook's closure holds the node: torch's
+    `register_multi_grad_hook`), and the collector can free a C++ node only once nothing but its Python object owns
+    it: one pass frees one module's boundary, the next the one before, and so on (21 to 23 passes after a 3-layer
+    stage's "W"). One pass after each "W" left most of a multi-layer stage's graph held, carried to the next step
+    (the 70B ZBV rehearsal: the tracker 2.2 times the plan; collected to a fixed point, +0.2%). So: collect until a
+    pass frees nothing (docs/trainer/memory.md, "The zero-bubble split backward: what a real run holds")."""
+    passes = 1
+    while gc.collect():
+        passes += 1
+    return passes
 
 
 def _no_sync(module: nn.Module) -> None:

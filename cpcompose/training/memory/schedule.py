@@ -115,6 +115,9 @@ class Moment:
     """Backwards that made weight gradients ("B", "W") so far, not this one."""
     inputs: tuple[int, ...]
     """Input-gradient backwards ("I") so far, not this one."""
+    outputs: tuple[int, ...]
+    """Microbatches forwarded whose output-gradient backward ("B" or "I") has not finished, this action's own
+    counted: the ones whose outputs a stage still holds (torch's stage drops a last stage's logits there)."""
 
 
 @dataclass(frozen=True)
@@ -138,14 +141,19 @@ def occupancy(schedule: str, pp: int, per_rank: int, microbatches: int, pp_rank:
     order = schedule_order(schedule, pp, per_rank, microbatches)[pp_rank]
     stages = tuple(sorted({s for _, s, _ in order}))
     held: dict[int, set[int]] = {s: set() for s in stages}
+    outputs: dict[int, set[int]] = {s: set() for s in stages}
     done = {k: dict.fromkeys(stages, 0) for k in "FBI"}
     moments = []
     for kind, stage, mb in order:
         if kind == "F":
             held[stage].add(mb)
+            outputs[stage].add(mb)
             done["F"][stage] += 1
         moments.append(Moment(kind, stage, *(tuple(x[s] for s in stages) for x in (
-            {s: len(held[s]) for s in stages}, done["F"], done["B"], done["I"]))))
+            {s: len(held[s]) for s in stages}, done["F"], done["B"], done["I"],
+            {s: len(outputs[s]) for s in stages}))))
+        if kind in ("B", "I"):
+            outputs[stage].discard(mb)
         if kind in ("B", "W"):
             held[stage].discard(mb)
             done["B"][stage] += 1

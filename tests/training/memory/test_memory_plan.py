@@ -166,19 +166,23 @@ def test_the_fused_loss_holds_one_chunk_of_logits() -> None:
         12 * V * T - (fused_loss - head) + in_heap
 
 
-def test_a_pipeline_computes_the_unfused_loss_and_keeps_the_logits() -> None:
-    """The pipeline's last stage takes the unfused loss on the logits its schedule keeps, fused_loss or not: every
-    microbatch's float32 logits (4 V bytes a token) stay to the step's end, in the last rank's pipeline buffers."""
-    pp = ["--parallelism.pp=2", "--parallelism.pp_microbatches=2", "--training.batch_size=2"]
-    fused, unfused = _plan([*pp, "--training.fused_loss=true"], 2), _plan([*pp, "--training.fused_loss=false"], 2)
-    assert fused.total == unfused.total and unfused.pp_rank == 1
-    end = dict(unfused.phase_totals)["gradient reduction"]
-    three = _plan(["--parallelism.pp=2", "--parallelism.pp_microbatches=3", "--training.batch_size=3"], 2, "cuda")
-    two = _plan(pp, 2, "cuda")
-    assert three.tokens == two.tokens and end > 2 * 4 * 4096 * two.tokens
-    # one more microbatch: its logits, and its input and output-gradient buffers on the other rank's side
-    assert dict(three.phase_totals)["gradient reduction"] - dict(two.phase_totals)["gradient reduction"] == \
-        pytest.approx(1.1 * 4 * (4096 + 256) * two.tokens, abs=2)  # with CUDA's 10% slack
+def test_a_pipeline_computes_the_unfused_loss_and_keeps_each_microbatchs_logits_until_its_backward() -> None:
+    """The pipeline's last stage takes the unfused loss on its logits, fused_loss or not; the trainer's
+    `schedule.step(..., return_outputs=False)` keeps a microbatch's float32 logits (4 V bytes a token) from its forward
+    to its backward only: 1F1B's last rank one microbatch's at a time, GPipe's every one, none at the step's end."""
+    def pp(m: int, schedule: str = "1F1B", *extra: str):  # noqa: ANN202
+        return _plan(["--parallelism.pp=2", f"--parallelism.pp_microbatches={m}", f"--training.batch_size={m}",
+                      f"--parallelism.pp_schedule={schedule}", *extra], 2, "cuda")
+    fused, unfused = pp(2, "1F1B", "--training.fused_loss=true"), pp(2, "1F1B", "--training.fused_loss=false")
+    assert fused.total == unfused.total and unfused.pp_rank == 1 and unfused.phase == "backward"
+    T, logits = unfused.tokens, 4 * 4096 * unfused.tokens
+    recv = 4 * 256 * T  # the last stage's input buffer, one per microbatch
+    for m in (2, 3):
+        assert pp(m).part("pipeline buffers") == m * recv + logits
+        assert pp(m, "GPipe").part("pipeline buffers") == m * recv + m * logits
+    # one more microbatch at the step's end: its input buffer alone (with CUDA's 10% slack), no logits
+    assert dict(pp(3).phase_totals)["gradient reduction"] - dict(pp(2).phase_totals)["gradient reduction"] == \
+        pytest.approx(1.1 * recv, abs=2)
 
 
 def test_bf16_under_fsdp_gathers_units_in_bf16_and_copies_nothing() -> None:

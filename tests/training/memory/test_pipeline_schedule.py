@@ -49,6 +49,27 @@ def test_zero_bubble_and_looped_schedules(pp: int, m: int) -> None:
     assert _held("ZBVZeroBubble", pp, m)[0][0] == (pp * 2, 1)
 
 
+@pytest.mark.parametrize("pp", [2, 4])
+def test_the_last_stage_holds_its_logits_from_forward_to_backward(pp: int) -> None:
+    """`Moment.outputs`: the microbatches whose output gradient ("B" or "I") has not run, what the trainer's last
+    stage holds logits for (`return_outputs=False`): GPipe and LoopedBFS every microbatch, the others one; never more
+    than in flight, the same as in flight without a split backward."""
+    m, last = 8, {}
+    for schedule, v in (("GPipe", 1), ("1F1B", 1), ("Interleaved1F1B", 2), ("InterleavedZeroBubble", 2),
+                        ("ZBVZeroBubble", 2), ("DualPipeV", 2), ("LoopedBFS", 2)):
+        for r in range(pp):
+            occ = occupancy(schedule, pp, v, m, r)
+            for x in occ.moments:
+                assert all(o <= f for o, f in zip(x.outputs, x.in_flight, strict=True))
+                if schedule not in ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"):
+                    assert x.outputs == x.in_flight
+            if pp * v - 1 in occ.stages:
+                i = occ.stages.index(pp * v - 1)
+                last[schedule] = max(x.outputs[i] for x in occ.moments)
+    assert last == {"GPipe": m, "1F1B": 1, "Interleaved1F1B": 1, "InterleavedZeroBubble": 1, "ZBVZeroBubble": 1,
+                    "DualPipeV": 1, "LoopedBFS": m}
+
+
 def test_the_single_stage_orders_are_what_runs() -> None:
     """torch 2.13's `pipeline_order` drawing of 1F1B starts its last rank at microbatch 1; what `_step_microbatches`
     runs starts at 0, one forward then its backward."""

@@ -10,7 +10,8 @@ Qwen3-MoE at parallelism.ep = 2 (its dispatch runs on fake tensors with the rout
 `comm.rehearsing`), and a tiny DeepSeek-V3 at ep = 2 (its profile: latent attention, the grouped router, a shared
 expert), and a tiny Mixtral at ep = 2. Pipelined steps (pp = 2 x cp = 2 x dp_shard = 2) are rehearsed per pipeline
 rank, its stages in its schedule's order: Interleaved 1F1B and ZBV zero bubble, the plan within 10% of the
-tracker for the rank with the largest planned peak (measured: +1.0% on rank 1, -8.7% on rank 0).
+tracker for the rank with the largest planned peak (measured: +1.1% on rank 1, -1.7% on rank 0; the trainer keeps
+no logits past a microbatch's backward, and the rehearsal collects the tracker's reference cycles after each "W").
 """
 
 from __future__ import annotations
