@@ -35,6 +35,11 @@ import torch
 
 Device = Literal["cpu", "cuda"]
 
+THREAD_LIMIT = 150
+"""A worker with more threads than this is replaced before its next case. The cases' process groups and meshes
+(gloo: three threads each) outlive them in a worker, and some of their loop threads keep running: a 2-rank pool
+whose workers had gathered 1,556 threads each had 15 of them runnable at once late in the suite, where a fresh
+worker has ~20, and every test then ran several times slower than alone."""
 GROUP_TIMEOUT_S = 60.0  # a collective waiting longer than this fails instead of hanging CI
 CASE_TIMEOUT_S = 300.0  # the parent gives up on a case after this long
 
@@ -158,6 +163,17 @@ class RankPool:
             raise AssertionError("case failed on a rank:\n" + "\n".join(failures))
         return [_loads(payload) for _, payload in replies]
 
+    def threads(self) -> int:
+        """The most threads any worker runs now (0 where /proc cannot say)."""
+        most = 0
+        for proc in self._procs:
+            try:
+                with open(f"/proc/{proc.pid}/status") as f:
+                    most = max(most, next((int(line.split()[1]) for line in f if line.startswith("Threads:")), 0))
+            except OSError:
+                pass
+        return most
+
     def close(self) -> None:
         self.healthy = False
         for conn in self._conns:
@@ -181,6 +197,8 @@ class PoolCache:
 
     def get(self, world: int, device: Device = "cpu") -> RankPool:
         pool = self._pools.get((world, device))
+        if pool is not None and pool.healthy and pool.threads() > THREAD_LIMIT:
+            pool.close()  # a fresh pool, before leftover groups' threads slow every case (THREAD_LIMIT)
         if pool is None or not pool.healthy:
             pool = self._pools[world, device] = RankPool(world, device)
         return pool
