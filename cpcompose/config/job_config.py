@@ -105,6 +105,9 @@ class JobConfig:
             local = t.batch_size // split
             require(local % p.pp_microbatches == 0, "parallelism.pp_microbatches",
                     f"{p.pp_microbatches} must divide the local batch of {local} sequences")
+        require(t.tiled_block == 1 or (p.tp == 1 and p.pp == 1), "training.tiled_block",
+                f"tiles the own Llama's blocks with parallelism.tp = 1 and pp = 1 only (tp = {p.tp}, pp = {p.pp}): set "
+                "training.tiled_block = 1 (training.tiled_mlp tiles the feed-forward under tp and pp)")
         require(not (t.offload_params and p.pp > 1), "training.offload_params",
                 "FSDP2's CPUOffloadPolicy keeps no unit gathered between pipeline microbatches here; set "
                 "parallelism.pp = 1 or training.offload_params = false")

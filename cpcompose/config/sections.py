@@ -227,6 +227,12 @@ class Training:
     """Run every feed-forward over this many tiles of the local sequence, recomputing each in backward, so its
     seq x ffn_hidden_dim intermediates are never whole (DeepSpeed ALST's TiledMLP); exact, one more MLP
     forward per step. 1 = off. Not with training.compile."""
+    tiled_block: int = 1
+    """Run every block's token-wise parts (RMSNorms, q/k/v projections, RoPE, the output projection and the
+    feed-forward) over this many tiles of the local sequence, recomputing each in backward: a block then keeps its
+    input, q, k, v and the attention's output, nothing else at full length; exact, one more forward of those parts
+    per step. It tiles the feed-forward too (training.tiled_mlp then adds nothing). 1 = off. The own Llama only,
+    not with training.compile, parallelism.tp or parallelism.pp."""
     offload_params: bool = False
     """Keep each rank's shard of the parameters, their gradients and the optimizer state in host memory (FSDP2's
     CPUOffloadPolicy: gathered to the device per unit, the optimizer step on the CPU). Needs FSDP (more than one
@@ -236,12 +242,15 @@ class Training:
     stops, saying so. Unset: the device's memory (CUDA) or the host's RAM divided by the ranks on it (CPU)."""
 
     def __post_init__(self) -> None:
-        _positive(self, "training", "steps", "batch_size", "grad_accum_steps", "tiled_mlp")
+        _positive(self, "training", "steps", "batch_size", "grad_accum_steps", "tiled_mlp", "tiled_block")
         if self.loss_chunk_tokens is not None:
             _positive(self, "training", "loss_chunk_tokens")
         require(self.seq_len >= 2, "training.seq_len", f"must be >= 2, got {self.seq_len}")
         require(self.tiled_mlp == 1 or not self.compile, "training.tiled_mlp",
                 f"{self.tiled_mlp} tiles do not compile (the tiles' backward recomputes under autograd): set it to "
+                "1, or training.compile = false")
+        require(self.tiled_block == 1 or not self.compile, "training.tiled_block",
+                f"{self.tiled_block} tiles do not compile (the tiles' backward recomputes under autograd): set it to "
                 "1, or training.compile = false")
         require(self.memory_budget_gib is None or 0 < self.memory_budget_gib < float("inf"),
                 "training.memory_budget_gib", f"must be a positive number of GiB, got {self.memory_budget_gib}")

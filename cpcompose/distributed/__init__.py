@@ -21,7 +21,7 @@ from cpcompose.distributed.pipeline import (
     stages_per_rank,
 )
 from cpcompose.distributed.pipeline_stage import StageModule, layout_of_doc_bounds, microbatch_doc_bounds
-from cpcompose.distributed.tiled import apply_tiled_mlp, tiled_mlp
+from cpcompose.distributed.tiled import apply_tiled_mlp, tiled, tiled_mlp
 
 __all__ = [
     "ExpertShards",
@@ -43,5 +43,6 @@ __all__ = [
     "pipeline_problem",
     "stage_ids",
     "stages_per_rank",
+    "tiled",
     "tiled_mlp",
 ]

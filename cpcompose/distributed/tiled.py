@@ -12,7 +12,7 @@ of the module per step. It is not CP-specific: it is trainer infrastructure like
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from cpcompose.comm import rehearsing
 from cpcompose.precision import accumulation_dtype
 
-__all__ = ["apply_tiled_mlp", "tiled_mlp"]
+__all__ = ["apply_tiled_mlp", "tiled", "tiled_mlp"]
 
 
 def _tiles_of(x: Tensor, tiles: int, dim: int) -> list[Tensor]:
@@ -32,43 +32,59 @@ def _tiles_of(x: Tensor, tiles: int, dim: int) -> list[Tensor]:
     return [t.detach() for t in cut] if rehearsing() else cut
 
 
-class _TiledMLP(torch.autograd.Function):
-    """`fn(x)` tile by tile; the parameters are inputs so autograd sees their gradients (and FSDP/TP theirs)."""
+class _Tiled(torch.autograd.Function):
+    """`fn(*inputs)` tile by tile, every input cut along its own dimension and every output put together along its
+    own; the parameters are inputs so autograd sees their gradients (and FSDP/TP theirs)."""
 
     @staticmethod
-    def forward(ctx: Any, fn: Callable[[Tensor], Tensor], tiles: int, dim: int, x: Tensor, *params: Tensor) -> Tensor:
-        ctx.fn, ctx.tiles, ctx.dim = fn, tiles, dim
-        ctx.save_for_backward(x, *params)
-        out: Tensor | None = None
+    def forward(ctx: Any, fn: Callable[..., Any], tiles: int, in_dims: tuple[int, ...], out_dims: tuple[int, ...],
+                n_in: int, *tensors: Tensor) -> Tensor | tuple[Tensor, ...]:
+        ctx.fn, ctx.tiles, ctx.in_dims, ctx.out_dims, ctx.n_in = fn, tiles, in_dims, out_dims, n_in
+        device = tensors[0].device.type  # backward recomputes under the autocast its forward ran in
+        ctx.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+        ctx.save_for_backward(*tensors)
+        inputs = tensors[:n_in]
+        outs: list[Tensor] = []
         start = 0
-        for piece in _tiles_of(x, tiles, dim):  # Function.forward runs without autograd: nothing is kept
-            y = fn(piece)
-            if out is None:
-                shape = list(y.shape)
-                shape[dim] = x.shape[dim]
-                out = y.new_empty(shape)
-            out.narrow(dim, start, piece.shape[dim]).copy_(y)
-            start += piece.shape[dim]
-            del y
-        assert out is not None, "tiled_mlp needs a non-empty sequence"
-        return out
+        for pieces in zip(*(_tiles_of(x, tiles, d) for x, d in zip(inputs, in_dims))):  # no autograd in here
+            ys = _as_tuple(fn(*pieces))
+            if not outs:
+                length = inputs[0].shape[in_dims[0]]
+                outs = [y.new_empty([length if i == d else n for i, n in enumerate(y.shape)])
+                        for y, d in zip(ys, out_dims)]
+            size = pieces[0].shape[in_dims[0]]
+            for out, y, d in zip(outs, ys, out_dims):
+                out.narrow(d, start, size).copy_(y)
+            start += size
+            del ys
+        assert outs, "a tiled function needs a non-empty sequence"
+        return outs[0] if len(outs) == 1 else tuple(outs)
 
     @staticmethod
-    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
-        x, *params = ctx.saved_tensors
-        want_x, want_params = ctx.needs_input_grad[3], ctx.needs_input_grad[4:]
-        grad_x = torch.empty_like(x) if want_x else None
+    def backward(ctx: Any, *grad_outs: Tensor) -> tuple[Tensor | None, ...]:
+        tensors = ctx.saved_tensors
+        inputs, params = tensors[: ctx.n_in], tensors[ctx.n_in :]
+        want_in, want_params = ctx.needs_input_grad[5 : 5 + ctx.n_in], ctx.needs_input_grad[5 + ctx.n_in :]
+        grad_in = [torch.empty_like(x) if w else None for x, w in zip(inputs, want_in)]
         grad_params: list[Tensor | None] = [None] * len(params)
+        cut_in = [_tiles_of(x, ctx.tiles, d) for x, d in zip(inputs, ctx.in_dims)]
+        cut_out = [_tiles_of(g, ctx.tiles, d) for g, d in zip(grad_outs, ctx.out_dims)]
         start = 0
-        for piece, grad_piece in zip(_tiles_of(x, ctx.tiles, ctx.dim), _tiles_of(grad_out, ctx.tiles, ctx.dim)):
-            piece = piece.detach().requires_grad_(want_x)
-            with torch.enable_grad():
-                y = ctx.fn(piece)
-            wanted = ([piece] if want_x else []) + [p for p, w in zip(params, want_params) if w]
-            grads = list(torch.autograd.grad(y, wanted, grad_piece, allow_unused=True))
-            del y
-            if want_x:
-                grad_x.narrow(ctx.dim, start, piece.shape[ctx.dim]).copy_(grads.pop(0))
+        for pieces, grad_pieces in zip(zip(*cut_in), zip(*cut_out)):
+            pieces = [p.detach().requires_grad_(w) for p, w in zip(pieces, want_in)]
+            device, enabled, dtype = ctx.autocast
+            with torch.enable_grad(), torch.autocast(device, dtype=dtype, enabled=enabled):
+                ys = _as_tuple(ctx.fn(*pieces))
+            wanted = [p for p, w in zip(pieces, want_in) if w] + [p for p, w in zip(params, want_params) if w]
+            grads = list(torch.autograd.grad(ys, wanted, grad_pieces, allow_unused=True))
+            del ys
+            size = pieces[0].shape[ctx.in_dims[0]]
+            for i in (i for i, w in enumerate(want_in) if w):
+                g = grads.pop(0)
+                if g is None:
+                    grad_in[i].narrow(ctx.in_dims[i], start, size).zero_()
+                else:
+                    grad_in[i].narrow(ctx.in_dims[i], start, size).copy_(g)
             for i in (i for i, w in enumerate(want_params) if w):
                 g = grads.pop(0)
                 if g is None:
@@ -77,9 +93,51 @@ class _TiledMLP(torch.autograd.Function):
                     grad_params[i] = g.to(accumulation_dtype(g.dtype))  # summed over tiles, rounded once
                 else:
                     grad_params[i] += g
-            start += piece.shape[ctx.dim]
+            start += size
         cast = [None if g is None else g.to(p.dtype) for g, p in zip(grad_params, params)]
-        return (None, None, None, grad_x, *cast)
+        return (None, None, None, None, None, *grad_in, *cast)
+
+
+def _as_tuple(y: Tensor | tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+    return y if isinstance(y, tuple) else (y,)
+
+
+def tiled(
+    fn: Callable[..., Any],
+    inputs: Sequence[tuple[Tensor, int]],
+    tiles: int,
+    *,
+    out_dims: Sequence[int],
+    params: Iterable[Tensor],
+) -> Tensor | tuple[Tensor, ...]:
+    """`fn(*inputs)`, computed over `tiles` slices of the sequence, with no whole intermediate kept.
+
+    Each input is given with its sequence dimension, each output's sequence dimension is in `out_dims`; every
+    input has the same sequence length. `fn` must be token-wise (each position's outputs depend on that position's
+    inputs only) and deterministic (it runs again in backward). Forward keeps only the inputs; backward
+    recomputes each tile and backpropagates it, summing parameter gradients over tiles.
+
+    Args:
+        fn: the token-wise function; returns one tensor or a tuple of them.
+        inputs: `(tensor, sequence dimension)` pairs, the arguments of `fn` in order.
+        tiles: slices of the sequence; 1 calls `fn` as it is.
+        out_dims: the sequence dimension of each output.
+        params: the tensors `fn` uses whose gradients are wanted; they must be the very tensors `fn` reads (under
+            FSDP: called inside the unit's forward, where its parameters are the gathered ones).
+
+    Raises:
+        ValueError: `tiles < 1`, or inputs of different sequence lengths.
+    """
+    if tiles < 1:
+        raise ValueError(f"tiles must be >= 1, got {tiles}")
+    if tiles == 1:
+        return fn(*(x for x, _ in inputs))
+    dims = tuple(d % x.dim() for x, d in inputs)
+    lengths = {x.shape[d] for (x, _), d in zip(inputs, dims)}
+    if len(lengths) != 1:
+        raise ValueError(f"tiled inputs must share one sequence length, got {sorted(lengths)}")
+    tensors = [x for x, _ in inputs] + [p for p in params if p.requires_grad]
+    return _Tiled.apply(fn, tiles, dims, tuple(out_dims), len(inputs), *tensors)
 
 
 def tiled_mlp(
@@ -117,8 +175,7 @@ def tiled_mlp(
         return fn(x)
     if params is None:
         params = fn.parameters() if isinstance(fn, nn.Module) else ()
-    dim = seq_dim % x.dim()
-    return _TiledMLP.apply(fn, tiles, dim, x, *[p for p in params if p.requires_grad])
+    return tiled(fn, [(x, seq_dim)], tiles, out_dims=[seq_dim % x.dim()], params=params)
 
 
 class _TiledForward:

@@ -147,9 +147,11 @@ def loss_bytes(vocab: int, dim: int, c: int) -> dict[str, float]:
 
 class MemoryFn(Protocol):
     """A family's :class:`MemoryProfile` for a config's ``model`` section, tensor-parallel degree, compute dtype
-    ("float32", "bfloat16" under autocast, "bfloat16-params" under FSDP2's mixed precision) and number of sequence tiles of the feed-forward."""
+    ("float32", "bfloat16" under autocast, "bfloat16-params" under FSDP2's mixed precision) and number of sequence tiles of the feed-forward (and of
+    the whole block's token-wise parts, for a family that tiles them: `training.tiled_block`)."""
 
-    def __call__(self, model: Any, *, tp: int, precision: str, mlp_tiles: int) -> MemoryProfile: ...
+    def __call__(self, model: Any, *, tp: int, precision: str, mlp_tiles: int, block_tiles: int = 1) -> MemoryProfile:
+        ...
 
 
 @dataclass(frozen=True)

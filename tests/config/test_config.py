@@ -133,6 +133,10 @@ def test_missing_config_file_is_a_config_error(tmp_path: Path) -> None:
         (["--training.loss_chunk_tokens=0"], r"^training.loss_chunk_tokens: must be > 0, got 0"),
         (["--training.tiled_mlp=0"], r"^training.tiled_mlp: must be > 0, got 0"),
         (["--training.tiled_mlp=2", "--training.compile=true"], r"^training.tiled_mlp: 2 tiles do not compile"),
+        (["--training.tiled_block=0"], r"^training.tiled_block: must be > 0, got 0"),
+        (["--training.tiled_block=2", "--training.compile=true"], r"^training.tiled_block: 2 tiles do not compile"),
+        (["--training.tiled_block=2", "--parallelism.tp=2"], r"^training.tiled_block: tiles the own Llama's blocks "
+                                                              r"with parallelism.tp = 1 and pp = 1 only"),
         (["--activation_checkpoint.offload=true"], r'^activation_checkpoint.offload: .*mode = "full"'),
         (["--job.rehearse=true"], r"^job.rehearse: rehearses the dry run's step: add --job.dry_run"),
     ],

@@ -106,11 +106,14 @@ def train_step(_mesh: DeviceMesh, case: dict[str, Any]) -> dict[str, Any]:
     parallelize_llama(
         model, parallel_dims=dims, mesh=mesh, activation_checkpoint=case.get("ac", False), fsdp=fsdp,
         offload_activations=case.get("offload", False), mlp_tiles=case.get("mlp_tiles", 1),
+        block_tiles=case.get("block_tiles", 1),
         cp=ContextParallel(strategy=case.get("strategy", "ring"), alltoall_size=case.get("alltoall_size"), seq_dim=1)
         if dims.cp_enabled else None,
     )
     for block in model.layers.values():  # the options reached the blocks (offload: a no-op on the CPU)
-        assert type(block.feed_forward).__name__.startswith("Tiled") == (case.get("mlp_tiles", 1) > 1)
+        tiled_ffn = case.get("mlp_tiles", 1) > 1 and case.get("block_tiles", 1) == 1  # block tiles cover the FFN
+        assert type(block.feed_forward).__name__.startswith("Tiled") == tiled_ffn
+        assert block.tiles == block.attention.tiles == case.get("block_tiles", 1)
         assert "OffloadedCheckpointed" in type(block).__name__ or not case.get("offload", False)
     optimizer = make_optimizer(model)
     loss_mesh = flat_mesh(mesh, "dp_cp")
@@ -213,8 +216,9 @@ CASES = [
 ] + [  # the memory options (issue 21): fused loss, tiled MLP, offloaded checkpoints (a no-op on the CPU)
     pytest.param(2, {"cp": 2, "strategy": "ring", "ac": True, "offload": True, "mlp_tiles": 3, "fused": True},
                  id="cp2-ring-ac-offload-tiled3-fused"),
-    pytest.param(4, {"dp_shard": 2, "cp": 2, "strategy": "alltoall", "ac": True, "mlp_tiles": 4, "fused": True},
-                 id="fsdp2xcp2-alltoall-ac-tiled4-fused"),
+    # the whole block tiled (issue 40): with FSDP2 over dp_shard x cp, checkpointing and the fused loss
+    pytest.param(4, {"dp_shard": 2, "cp": 2, "strategy": "ring", "ac": True, "block_tiles": 4, "fused": True},
+                 id="fsdp2xcp2-ring-ac-blocktiles4-fused"),
     pytest.param(4, {"tp": 2, "cp": 2, "strategy": "ring", "mlp_tiles": 2, "fused": True},
                  id="tp2xcp2-ring-tiled2-fused"),
 ]

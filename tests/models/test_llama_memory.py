@@ -135,3 +135,22 @@ def test_a_bf16_block_under_fsdp_mixed_precision_saves_what_the_profile_counts()
     assert weights == 0
     assert acts == profile.block_saved * T, (acts / T, profile.block_saved)
     assert profile.block_input == 2 * 64
+
+
+@pytest.mark.parametrize("precision", ["float32", pytest.param("bfloat16-params", marks=NEEDS_BF16_CPU_FLASH)])
+def test_a_tiled_block_saves_what_the_profile_counts(precision: str) -> None:
+    """`TransformerBlock.tile(4)`: the block keeps its input, q, k, v, the attention's output and LSE, and the
+    feed-forward's input h; nothing else of the sequence's length (the RoPE tables excluded, as above)."""
+    config = LlamaConfig(vocab_size=SHAPE.vocab_size, dim=64, n_layers=1, n_heads=4, n_kv_heads=2, ffn_hidden_dim=96,
+                         max_seq_len=T)
+    dtype = torch.float32 if precision == "float32" else torch.bfloat16
+    block = TransformerBlock(config).to(dtype)
+    block.tile(4)
+    x = torch.randn(1, T, 64, dtype=dtype, requires_grad=True)
+    cos, sin = (t.to(dtype) for t in rope_cos_sin(torch.arange(T), head_dim=16, theta=1e4))
+    exclude = {p.untyped_storage().data_ptr() for p in block.parameters()}
+    exclude |= {cos.untyped_storage().data_ptr(), sin.untyped_storage().data_ptr()}
+    acts, weights = _saved(lambda: block(x, cos, sin), bf16=False, exclude=exclude)
+    profile = llama_memory(SHAPE, tp=1, precision=precision, mlp_tiles=1, block_tiles=4)
+    assert weights == 0
+    assert acts == profile.block_saved * T, (acts / T, profile.block_saved)

@@ -47,7 +47,7 @@ class _Shape(Protocol):
     n_layers: int
 
 
-def llama_memory(model: _Shape, *, tp: int, precision: str, mlp_tiles: int) -> MemoryProfile:
+def llama_memory(model: _Shape, *, tp: int, precision: str, mlp_tiles: int, block_tiles: int = 1) -> MemoryProfile:
     """The Llama's profile on one tensor-parallel rank of ``tp`` (see the module docstring for each term).
 
     Args:
@@ -55,6 +55,7 @@ def llama_memory(model: _Shape, *, tp: int, precision: str, mlp_tiles: int) -> M
         tp: tensor-parallel degree (heads and feed-forward columns are split; the residual stream is not).
         precision: one of `PRECISIONS`.
         mlp_tiles: sequence tiles of the feed-forward (1: untiled).
+        block_tiles: sequence tiles of every token-wise part of a block (`TransformerBlock.tile`; 1: untiled).
 
     Raises:
         ValueError: an unknown precision.
@@ -67,27 +68,42 @@ def llama_memory(model: _Shape, *, tp: int, precision: str, mlp_tiles: int) -> M
     c = 4 if precision == "float32" else 2  # bytes of a compute-dtype element
     tiled = mlp_tiles > 1
     if c == 4:
-        saved = 4 * (6 * D + 3 * Dq + 2 * Dk + heads + 2) + (0 if tiled else 16 * F)
-        head = 4 * 3 * D + 12  # + the final norm's scale and the int64 label
+        saved = 4 * (4 * D + 3 * Dq + 2 * Dk + heads + 2) + (0 if tiled else 16 * F)
+        head = 4 * 2 * D + 12  # + the final norm's scale and the int64 label
     elif precision == "bfloat16-params":  # FSDP2 gathers bf16 weights: a bf16 residual, no casts; norms in fp32
-        saved = 16 * D + 2 * (3 * Dq + 2 * Dk) + 4 * heads + 8 + (0 if tiled else 8 * F)
-        head = 8 * D + 12
+        saved = 8 * D + 2 * (3 * Dq + 2 * Dk) + 4 * heads + 8 + (0 if tiled else 8 * F)
+        head = 4 * D + 12
     else:  # float32 residual and norms; five bf16 copies of linear inputs; bf16 attention and SwiGLU
-        saved = 16 * D + 2 * 3 * D + 2 * (3 * Dq + 2 * Dk) + 4 * heads + 8
+        saved = 8 * D + 2 * 3 * D + 2 * (3 * Dq + 2 * Dk) + 4 * heads + 8
         saved += 4 * D if tiled else 2 * 2 * D + 8 * F  # tiled: its float32 input instead of w1/w3's casts
-        head = 4 * 2 * D + 2 * D + 12
+        head = 4 * D + 2 * D + 12
     tile = c * F / mlp_tiles  # one tile's F-wide tensor, per token of the whole shard
     ffn_backward = 7 * tile if tiled else 2 * c * F  # tiled: a tile's 4 saved + 3 gradients; else 2 more grads
     attn_backward = (4 + c) * (Dq + 2 * Dk)  # float32 dq/dk/dv accumulators and their compute-dtype results
     d_grads = (6 if precision == "bfloat16-params" else 12) * D
     block_linear = D * Dq + 2 * D * Dk + Dq * D + 3 * D * F
+    block_forward = 8 * D + (4 * tile if tiled else 0)
+    attention_saved = None
+    if block_tiles > 1:
+        # A tiled block keeps its input, q, k, v, the attention's output and LSE, and the residual h (the
+        # feed-forward's input); every other tensor is one tile's. r: bytes of the residual stream.
+        r = 2 if precision == "bfloat16-params" else 4
+        block_tile = (8 * D + 7 * c * F) / block_tiles  # one tile's recompute and gradients, per token of the shard
+        saved = 2 * r * D + c * (2 * Dq + 2 * Dk) + 4 * heads
+        attention_saved = r * D + c * (2 * Dq + 2 * Dk) + 4 * heads  # h is gone once the feed-forward's backward ran
+        block_forward = block_tile
+        # the attention's backward: the residual's gradient, the output's gradient and one kernel call's gradients
+        attn_backward = r * D + 2 * c * Dq
+        ffn_backward = 2 * r * D + block_tile  # the residual's gradients and one tile's work
+        d_grads = 0
     return MemoryProfile(
         root_params=2 * V * D + D, block_params=block_linear + 2 * D, output_params=V * D,
         block_cast_params=block_linear,
         block_input=(2 if precision == "bfloat16-params" else 4) * D, block_saved=saved,
-        block_forward=8 * D + (4 * tile if tiled else 0),
+        block_forward=block_forward, attention_saved=attention_saved,
         # + 3 D-wide gradients in flight: float32 where the residual stream is (float32, autocast), else bf16
-        block_backward=max(ffn_backward, attn_backward) + d_grads, attention_backward=attn_backward + d_grads, tile_work=ffn_backward if tiled else 0,
+        block_backward=max(ffn_backward, attn_backward) + d_grads, attention_backward=attn_backward + d_grads,
+        tile_work=ffn_backward if tiled or block_tiles > 1 else 0,
         head_saved=head, **loss_bytes(V, D, c),
         split_backward=c * (Dq + 2 * Dk + 2 * D + 2 * F + 2 * D),  # q, k, v, wo, w1, w3, w2 and the two norms
         attention=(heads, kv_heads, head_dim), layers=model.n_layers,

@@ -13,6 +13,7 @@ Nothing here knows about process groups: parallelisms are applied from outside
 
 from __future__ import annotations
 
+import functools
 import math
 import zlib
 from collections.abc import Callable
@@ -21,6 +22,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from cpcompose.distributed.tiled import tiled
+from cpcompose.models.llama.norm import rms_norm
 
 __all__ = [
     "Attention", "FeedForward", "Llama", "LlamaConfig",
@@ -148,7 +152,8 @@ def _normal_(param: Tensor, *, std: float, seed: int, name: str) -> None:
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square layer norm, computed in float32."""
+    """Root-mean-square layer norm, computed in float32; it saves only its input and a per-token scale
+    (`cpcompose.models.llama.norm`)."""
 
     def __init__(self, dim: int, *, eps: float) -> None:
         super().__init__()
@@ -157,9 +162,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """Normalise the last dimension of ``x`` and scale by ``weight``."""
-        x_float = x.float()
-        normed = x_float * torch.rsqrt(x_float.pow(2).mean(-1, keepdim=True) + self.eps)
-        return normed.type_as(x) * self.weight
+        return rms_norm(x, self.weight, self.eps)
 
     def reset_parameters(self) -> None:
         """Set the scale to ones."""
@@ -167,7 +170,14 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    """Causal grouped-query self-attention with RoPE."""
+    """Causal grouped-query self-attention with RoPE.
+
+    ``tiles`` > 1 (`TransformerBlock.tile`) runs the token-wise parts (the pre-norm when given, the q/k/v
+    projections, RoPE, and ``wo``) over that many sequence tiles with recompute: forward keeps only the block's
+    input, q, k, v and the attention's output, not the normed input, the float32 RoPE work or ``wo``'s input copy.
+    """
+
+    tiles: int = 1
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
@@ -177,20 +187,38 @@ class Attention(nn.Module):
         self.wv = nn.Linear(config.dim, config.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(config.n_heads * self.head_dim, config.dim, bias=False)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        """Attend over the local sequence of ``x`` (``(batch, seq, dim)``).
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, *, norm: nn.Module | None = None) -> Tensor:
+        """Attend over the local sequence of ``x`` (``(batch, seq, dim)``), normed by ``norm`` first when given.
 
-        ``cos``/``sin`` are positional so that forward pre-hooks without kwargs see them.
+        ``cos``/``sin`` are positional so that forward pre-hooks without kwargs see them. The pre-norm runs
+        inside this call so that tiles can cover it (its parameters stay the block's).
         """
+        project = functools.partial(self._project, norm)
+        if self.tiles > 1:
+            weights = [*(norm.parameters() if norm is not None else ()), self.wq.weight, self.wk.weight,
+                       self.wv.weight]
+            q, k, v = tiled(project, [(x, 1), (cos, -2), (sin, -2)], self.tiles, out_dims=(2, 2, 2), params=weights)
+        else:
+            q, k, v = project(x, cos, sin)
+        # The single attention call; context-parallel styles intercept it.
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        if self.tiles > 1:
+            return tiled(self._output, [(out, 2)], self.tiles, out_dims=(1,), params=[self.wo.weight])
+        return self._output(out)
+
+    def _project(self, norm: nn.Module | None, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """``(q, k, v)`` as ``(batch, heads, seq, head_dim)``, q and k rotated."""
+        if norm is not None:
+            x = norm(x)
         batch, seq, _ = x.shape
         # -1 instead of n_heads: tensor parallelism shards heads across ranks.
         q = self.wq(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
-        q = apply_rope(q, cos=cos, sin=sin)
-        k = apply_rope(k, cos=cos, sin=sin)
-        # The single attention call; context-parallel styles intercept it.
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return apply_rope(q, cos=cos, sin=sin), apply_rope(k, cos=cos, sin=sin), v
+
+    def _output(self, out: Tensor) -> Tensor:
+        batch, _, seq, _ = out.shape
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
     def init_weights(self, *, seed: int, prefix: str, residual_std: float) -> None:
@@ -221,7 +249,14 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """Pre-norm block: ``h = x + attention(norm(x)); out = h + feed_forward(norm(h))``."""
+    """Pre-norm block: ``h = x + attention(norm(x)); out = h + feed_forward(norm(h))``.
+
+    With ``tile(n)``, n > 1, every token-wise part runs over n sequence tiles with recompute
+    (`cpcompose.distributed.tiled`): the attention's (see `Attention`) and the feed-forward with its pre-norm,
+    which then keeps only ``h``. Exact: the same arithmetic per token; parameter gradients summed over tiles.
+    """
+
+    tiles: int = 1
 
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
@@ -230,10 +265,22 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(config.dim, eps=config.norm_eps)
         self.ffn_norm = RMSNorm(config.dim, eps=config.norm_eps)
 
+    def tile(self, tiles: int) -> None:
+        """Run the block's token-wise parts over ``tiles`` sequence tiles (1: untiled)."""
+        if tiles < 1:
+            raise ValueError(f"tiles must be >= 1, got {tiles}")
+        self.tiles = self.attention.tiles = tiles
+
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         """Run the block on ``x`` (``(batch, seq, dim)``) with RoPE angles ``cos``/``sin``."""
-        h = x + self.attention(self.attention_norm(x), cos, sin)
-        return h + self.feed_forward(self.ffn_norm(h))
+        h = x + self.attention(x, cos, sin, norm=self.attention_norm)
+        if self.tiles > 1:
+            weights = [*self.ffn_norm.parameters(), *self.feed_forward.parameters()]
+            return h + tiled(self._feed_forward, [(h, 1)], self.tiles, out_dims=(1,), params=weights)
+        return h + self._feed_forward(h)
+
+    def _feed_forward(self, h: Tensor) -> Tensor:
+        return self.feed_forward(self.ffn_norm(h))
 
     def init_weights(self, *, seed: int, prefix: str, residual_std: float) -> None:
         """Initialise all parameters of the block; ``prefix`` is its FQN in the full model."""

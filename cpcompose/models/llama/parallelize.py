@@ -86,6 +86,7 @@ def parallelize_llama(
     fsdp: bool = True,
     offload_activations: bool = False,
     mlp_tiles: int = 1,
+    block_tiles: int = 1,
     param_dtype: torch.dtype | None = None,
     offload_params: bool = False,
     stages: Sequence[nn.Module] = (),
@@ -104,6 +105,8 @@ def parallelize_llama(
         offload_activations: with ``activation_checkpoint``, keep each block's saved inputs in
             pinned host memory on CUDA (no change on the CPU).
         mlp_tiles: sequence tiles each feed-forward runs over (1: untiled).
+        block_tiles: sequence tiles each block's token-wise parts run over (`TransformerBlock.tile`; 1: untiled);
+            it covers the feed-forward, so ``mlp_tiles`` is then not applied.
         torch_compile: compile each block (its parts, with activation checkpointing).
         param_dtype: with FSDP, the dtype the units are gathered and computed in (None: float32).
         offload_params: with FSDP, sharded parameters, gradients and optimizer state in host memory.
@@ -128,9 +131,11 @@ def parallelize_llama(
     if offload_activations and not activation_checkpoint:
         raise ValueError("offload_activations moves what activation checkpointing saves: it needs "
                          "activation_checkpoint=True")
-    if mlp_tiles > 1 and torch_compile:
-        raise ValueError("mlp_tiles > 1 does not compile (its backward recomputes under autograd): "
-                         "use one or the other")
+    if max(mlp_tiles, block_tiles) > 1 and torch_compile:
+        raise ValueError("mlp_tiles or block_tiles > 1 does not compile (the tiles' backward recomputes under "
+                         "autograd): use one or the other")
+    if block_tiles > 1 and parallel_dims.tp_enabled:
+        raise ValueError("block_tiles > 1 is not supported with tensor parallelism: use mlp_tiles")
     if cp is None and parallel_dims.cp_enabled:  # never leave cp > 1 without CP attention
         cp = ContextParallel(seq_dim=1)
     if cp is not None:
@@ -139,7 +144,10 @@ def parallelize_llama(
     if parallel_dims.tp_enabled:
         for block in blocks:
             parallelize_module(block, mesh["tp"], {name: style() for name, style in _TP_PLAN.items()})
-    apply_tiled_mlp([block.feed_forward for block in blocks], tiles=mlp_tiles)
+    for block in blocks:
+        block.tile(block_tiles)
+    if block_tiles == 1:
+        apply_tiled_mlp([block.feed_forward for block in blocks], tiles=mlp_tiles)
     if activation_checkpoint:
         # The recompute re-enters the packed layout its forward ran under: a pipeline schedule runs a
         # microbatch's backward outside the scope of its forward.

@@ -73,6 +73,9 @@ class OwnFamily:
         spec = get_model_spec(self.name)
         if spec.memory is None:
             raise ValueError(f"model.name: the {self.name!r} family has no memory profile; the plan cannot predict it")
+        if config.training.tiled_block > 1:  # the own Llama's tiled blocks (refused for any other family)
+            return spec.memory(config.model, tp=tp, precision=precision, mlp_tiles=mlp_tiles,
+                               block_tiles=config.training.tiled_block)
         return spec.memory(config.model, tp=tp, precision=precision, mlp_tiles=mlp_tiles)
 
     def build(self, config: JobConfig, *, dims: ParallelDims, mesh: DeviceMesh, device: torch.device,
@@ -115,6 +118,7 @@ class OwnFamily:
             model, parallel_dims=dims, mesh=mesh, cp=style,
             activation_checkpoint=c.activation_checkpoint.mode == "full", torch_compile=c.training.compile,
             offload_activations=c.activation_checkpoint.offload, mlp_tiles=c.training.tiled_mlp,
+            block_tiles=c.training.tiled_block,
             param_dtype=compute_dtype(c), offload_params=c.training.offload_params, stages=stages,
         )
         return TrainedModel(module=model, cp_scope=cp_scope, stages=stages)

@@ -142,6 +142,9 @@ def _prepare(config: JobConfig, *, weights: bool = True) -> _Prepared:
                           "model? give the text model's folder)")
     if config.parallelism.pp > 1:
         _check_pipeline(model, config, len(layers))
+    if t.tiled_block > 1:
+        raise ConfigError("training.tiled_block: tiles the own Llama's blocks; a Hugging Face model's layers are its "
+                          "own code: set training.tiled_block = 1 (training.tiled_mlp tiles their feed-forward)")
     if t.tiled_mlp > 1 and any(_mlp(layer) is None for layer in layers):
         raise ConfigError(f"training.tiled_mlp: {type(layers[0]).__name__} has no .mlp or .feed_forward to tile; set "
                           "training.tiled_mlp = 1")

@@ -98,3 +98,12 @@ def test_exporting_integer_buffers_is_refused_before_launch(corpus, tmp_path) ->
         family_of(config).check(config)
     config = resolve_config(load_config(hf_args(folder, corpus, tmp_path / "dump")))
     family_of(config).check(config)  # without the export: trains (above)
+
+
+def test_tiled_block_is_refused_for_a_hugging_face_model(corpus, tmp_path) -> None:
+    """`training.tiled_block` tiles the own Llama's blocks; a Hugging Face model's layers are its own code, so the
+    option is refused in one line before launch (its feed-forward can still be tiled: training.tiled_mlp)."""
+    folder = make_hybrid_model(tmp_path / "model", "qwen3_next")
+    config = resolve_config(load_config(hf_args(folder, corpus, tmp_path / "dump", "--training.tiled_block=2")))
+    with pytest.raises(ConfigError, match=r"^training.tiled_block: tiles the own Llama's blocks; .*tiled_mlp"):
+        family_of(config).check(config)
