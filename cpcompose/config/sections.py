@@ -63,6 +63,17 @@ class Job:
     tracker's peak and parts beside the memory plan's tensors. No GPU, no weights (a Hugging Face model needs only
     its config.json); minutes of CPU at full size. Pipelining (parallelism.pp > 1): the pipeline rank with the
     largest planned peak, its stages run in its schedule's order."""
+    host_memory_gib: float = 0.0
+    """The host memory (RAM) of one node of the cluster the run is for, GiB; 0 = this node's, read from
+    /proc/meminfo. On CUDA, what a node's ranks keep in host memory (activation_checkpoint.offload's block inputs,
+    training.offload_params' shards, gradients and AdamW moments) must fit in it before launch; the dry run shows
+    the figure per rank and per node (LOCAL_WORLD_SIZE ranks). On CPU, where host and device memory are one, it
+    replaces this node's RAM in the per-rank budget (divided by the ranks of a node) unless
+    training.memory_budget_gib is set."""
+
+    def __post_init__(self) -> None:
+        require(0 <= self.host_memory_gib < float("inf"), "job.host_memory_gib",
+                f"must be a number of GiB >= 0 (0: this node's memory), got {self.host_memory_gib}")
 
 
 @dataclass

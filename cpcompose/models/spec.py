@@ -116,6 +116,11 @@ class MemoryProfile:
     """What a block's saved tensors still hold per token when its attention's backward runs (the largest over
     the blocks with attention): its recompute goes with CP's K/V buffers. A Hugging Face profile counts the input
     norm's and the mixer's (the feed-forward's backward ran first and freed its own). None: `block_saved`."""
+    block_position_inputs: tuple[float, ...] = ()
+    """Beyond `block_input`, the block's other positional tensor arguments, bytes per position of a row, one entry a
+    tensor: non-reentrant checkpointing saves every positional tensor argument, so `activation_checkpoint.offload`
+    copies each to host memory once per block (the own Llama's rotary cos and sin, float32: 2 x head_dim each).
+    Keyword arguments are kept on the device uncopied (a Hugging Face layer's position embeddings): ()."""
     block_expert_params: int = 0
     """Of `block_params`, the routed experts' own (the experts module: stacked gate/up and down weights, their
     biases; not the router, a shared expert or a post-expert norm). Under expert parallelism (`parallelism.ep`)

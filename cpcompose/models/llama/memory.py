@@ -106,6 +106,7 @@ def llama_memory(model: _Shape, *, tp: int, precision: str, mlp_tiles: int, bloc
         tile_work=ffn_backward if tiled or block_tiles > 1 else 0,
         head_saved=head, **loss_bytes(V, D, c),
         split_backward=c * (Dq + 2 * Dk + 2 * D + 2 * F + 2 * D),  # q, k, v, wo, w1, w3, w2 and the two norms
+        block_position_inputs=(2 * head_dim, 2 * head_dim),  # rotary cos and sin, float32, head_dim / 2 wide
         attention=(heads, kv_heads, head_dim), layers=model.n_layers,
         body_params=model.n_layers * (block_linear + 2 * D), body_saved=model.n_layers * saved, vocab=V,
     )

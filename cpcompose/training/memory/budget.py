@@ -1,10 +1,17 @@
 """The memory plan against the budget: what the dry run and the banner print, what the pre-launch check refuses.
 
 The budget per rank is `training.memory_budget_gib` when set, else the device's memory (CUDA:
-the GPU's total) or, on CPU, the host's RAM divided by the ranks this host runs. A run whose
-predicted peak exceeds it is refused before any rank starts, in one line that names the options
-that would make it fit: each alone where one suffices, else the shortest combination (fused
-loss, activation checkpointing, tiled MLP, offload, then a larger cp), each checked with the plan.
+the GPU's total) or, on CPU, a node's RAM (`job.host_memory_gib`, else this node's) divided by
+the ranks a node runs. A run whose predicted peak exceeds it is refused before any rank starts,
+in one line that names the options that would make it fit: each alone where one suffices, else
+the shortest combination (fused loss, activation checkpointing, tiled MLP, offload, then a larger
+cp), each checked with the plan.
+
+On CUDA a second check: what the ranks of a node keep in host memory (the plan's `host_parts`:
+`activation_checkpoint.offload`'s block inputs, `training.offload_params`' shards, gradients and
+moments) must fit a node's RAM, `job.host_memory_gib` or this node's. On CPU there is no such
+second check: offload moves nothing there (the plan's host parts are 0) and the first check
+already holds the node's ranks to its RAM.
 """
 
 from __future__ import annotations
@@ -20,7 +27,8 @@ from cpcompose.layouts import resolve_layout
 from cpcompose.training.memory.plan import GiB, MemoryPlan, plan_memory
 from cpcompose.training.memory.resources import host_memory, run_device_type
 
-__all__ = ["Budget", "check_memory", "describe_memory", "memory_budget", "run_plan", "suggestions"]
+__all__ = ["Budget", "check_host_memory", "check_memory", "describe_memory", "memory_budget", "node_memory", "run_plan",
+           "suggestions"]
 
 
 @dataclass(frozen=True)
@@ -41,8 +49,16 @@ def memory_budget(config: JobConfig, world: int) -> Budget:
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
         return Budget(props.total_memory, f"{props.name}, {props.total_memory / GiB:.1f} GiB")
     ranks = _ranks_on_host(world)
+    ram = node_memory(config)
+    return Budget(ram.bytes // ranks, f"{ram.source} / {ranks} rank{'s' if ranks > 1 else ''}")
+
+
+def node_memory(config: JobConfig) -> Budget:
+    """A node's host memory: `job.host_memory_gib` (the target cluster's) when given, else this node's RAM."""
+    if config.job.host_memory_gib > 0:
+        return Budget(int(config.job.host_memory_gib * GiB), f"job.host_memory_gib {config.job.host_memory_gib:g} GiB")
     ram = host_memory()[0]
-    return Budget(ram // ranks, f"host RAM {ram / GiB:.1f} GiB / {ranks} rank{'s' if ranks > 1 else ''}")
+    return Budget(ram, f"host RAM {ram / GiB:.1f} GiB")
 
 
 def run_plan(config: JobConfig, world: int) -> MemoryPlan:
@@ -85,7 +101,13 @@ def _fits_with(config: JobConfig, world: int, changes: list[_Change]) -> bool:
             setattr(getattr(changed, section), key, value)
         world *= change.ranks
     budget = memory_budget(changed, world).bytes
-    return budget is None or run_plan(changed, world).total <= budget
+    plan = run_plan(changed, world)
+    return (budget is None or plan.total <= budget) and _host_fits(changed, world, plan)
+
+
+def _host_fits(config: JobConfig, world: int, plan: MemoryPlan) -> bool:
+    """Whether what the ranks of a node keep in host memory fits a node's (CUDA; on CPU the budget holds it)."""
+    return run_device_type(config) != "cuda" or plan.host_bytes * _ranks_on_host(world) <= node_memory(config).bytes
 
 
 def suggestions(config: JobConfig, world: int) -> str:
@@ -122,9 +144,7 @@ def describe_memory(config: JobConfig, world: int) -> list[str]:
     parts = [(name, b) for name, b in plan.parts if b]
     lines += [f"    {name:<26} {b / GiB:8.3f} GiB" for name, b in parts]
     if plan.host_bytes:
-        ranks = _ranks_on_host(world)
-        lines.append(f"    (offloaded to host memory: {plan.host_bytes / GiB:.3f} GiB per rank, "
-                     f"{plan.host_bytes * ranks / GiB:.3f} GiB for the {ranks} rank{'s' if ranks > 1 else ''} of a node)")
+        lines += _host_lines(config, world, plan)
     if plan.pp_rank is not None:
         lines += _pipeline_lines(config, world)
     return lines
@@ -143,6 +163,33 @@ def _pipeline_lines(config: JobConfig, world: int) -> list[str]:
     return lines
 
 
+_HOST_OPTIONS = {"checkpointed block inputs": "activation_checkpoint.offload",
+                 "pinned-memory rounding": "activation_checkpoint.offload",
+                 "parameter shards": "training.offload_params", "gradient shards": "training.offload_params",
+                 "AdamW moments": "training.offload_params"}
+"""The option that puts each of the plan's host parts in host memory."""
+
+
+def _host_options(plan: MemoryPlan) -> list[str]:
+    """The options whose bytes are in the plan's host memory, in the parts' order."""
+    return list(dict.fromkeys(_HOST_OPTIONS[name] for name, b in plan.host_parts if b))
+
+
+def _host_lines(config: JobConfig, world: int, plan: MemoryPlan) -> list[str]:
+    """The host memory a CUDA rank keeps, per rank by part and per node, against a node's RAM."""
+    ranks = _ranks_on_host(world)
+    node = plan.host_bytes * ranks
+    ram = node_memory(config)
+    verdict = (f"fits the node's {ram.bytes / GiB:.1f} GiB ({ram.source})" if node <= ram.bytes else
+               f"DOES NOT FIT the node's {ram.bytes / GiB:.1f} GiB ({ram.source}"
+               + ("" if config.job.host_memory_gib else "; the target's: --job.host_memory_gib") + ")")
+    unset = "" if os.environ.get("LOCAL_WORLD_SIZE") else " (LOCAL_WORLD_SIZE unset: all ranks on one node)"
+    lines = [f"  offloaded to host memory: {plan.host_bytes / GiB:.3f} GiB per rank, {node / GiB:.3f} GiB for the "
+             f"{ranks} rank{'s' if ranks > 1 else ''} of a node{unset}: {verdict}"]
+    lines += [f"    {name:<26} {b / GiB:8.3f} GiB  ({_HOST_OPTIONS[name]})" for name, b in plan.host_parts if b]
+    return lines
+
+
 def _ranks_on_host(world: int) -> int:
     """The ranks sharing this host's RAM: torchrun's `LOCAL_WORLD_SIZE` (the dry run reads it too), else all."""
     return int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or world
@@ -155,22 +202,47 @@ def check_memory(config: JobConfig, world: int) -> None:
         ConfigError: one line, the prediction, the budget and the options that would make it fit.
     """
     budget = memory_budget(config, world)
-    if budget.bytes is None:
-        return
     try:
         plan = run_plan(config, world)
     except ValueError:  # a family without a memory profile: nothing to check against
         return
-    if plan.total > budget.bytes:
+    if budget.bytes is not None and plan.total > budget.bytes:
         raise ConfigError(
             f"memory: predicted {plan.total / GiB:.1f} GiB per rank > budget {budget.bytes / GiB:.1f} GiB "
             f"({budget.source}); {suggestions(config, world)} (the parts: --job.dry_run)"
         )
-    ranks, ram = _ranks_on_host(world), host_memory()[0]  # on CUDA what the node's ranks offload shares its RAM
-    if run_device_type(config) == "cuda" and plan.host_bytes * ranks > ram:
-        raise ConfigError(
-            f"activation_checkpoint.offload: the {ranks} rank{'s' if ranks > 1 else ''} of this node would keep "
-            f"{plan.host_bytes * ranks / GiB:.1f} GiB in host memory ({plan.host_bytes / GiB:.1f} GiB each) but it has "
-            f"{ram / GiB:.1f} GiB; set --activation_checkpoint.offload=false, raise parallelism.cp, or use fewer "
-            "ranks a node"
-        )
+    check_host_memory(config, world, plan)
+
+
+def check_host_memory(config: JobConfig, world: int, plan: MemoryPlan) -> None:
+    """Refuse a CUDA run whose node's ranks would keep more in host memory than a node has (`node_memory`).
+
+    On CPU nothing: host and device memory are one there, and `check_memory`'s budget (a node's RAM over its ranks,
+    `job.host_memory_gib` included) already holds the whole plan to it.
+
+    Raises:
+        ConfigError: one line, starting with the options that put the bytes there, with the need per node and per
+            rank, the node's memory and where that figure comes from.
+    """
+    if _host_fits(config, world, plan):
+        return
+    ranks, ram = _ranks_on_host(world), node_memory(config)
+    options = _host_options(plan)
+    parts = ", ".join(f"{name} {b / GiB:.1f}" for name, b in plan.host_parts if b)
+    off = [f"--{o}=false" for o in options if _fits_without(config, world, o)]  # the GPU then holds them
+    raise ConfigError(
+        f"{', '.join(options)}: the {ranks} rank{'s' if ranks > 1 else ''} of this node would keep "
+        f"{plan.host_bytes * ranks / GiB:.1f} GiB in host memory ({plan.host_bytes / GiB:.1f} GiB each: {parts}) but a "
+        f"node has {ram.bytes / GiB:.1f} GiB ({ram.source}); "
+        + (f"try {' or '.join(off)} (the GPU holds it then), or " if off else "")
+        + "raise parallelism.cp or use fewer ranks a node"
+        + ("" if config.job.host_memory_gib else "; for another cluster, give its node's memory: --job.host_memory_gib")
+    )
+
+
+def _fits_without(config: JobConfig, world: int, option: str) -> bool:
+    """Whether the plan fits, the device's budget and a node's host memory, with `option` ("section.key") off."""
+    changed = copy.deepcopy(config)
+    section, key = option.split(".")
+    setattr(getattr(changed, section), key, False)
+    return _fits_with(changed, world, [])

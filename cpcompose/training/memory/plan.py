@@ -62,7 +62,7 @@ from cpcompose.training.memory.plan_pipeline import PipelineRank, pipeline_phase
 from cpcompose.distributed.pipeline import stage_ids, stages_per_rank
 from cpcompose.training.memory.schedule import occupancy
 
-__all__ = ["MemoryPlan", "plan_memory"]
+__all__ = ["HOST_PARTS", "MemoryPlan", "plan_memory"]
 
 GiB = 2**30
 
@@ -84,8 +84,7 @@ class MemoryPlan:
     """Where the peak falls: "forward", "loss", "backward", "last block backward", "block end" or "embedding
     backward" (FSDP) or "optimizer step"."""
     host_bytes: int
-    """What is kept in host memory instead (CUDA): checkpointed activations (`activation_checkpoint.offload`) and the
-    parameter shards, their gradients and AdamW's moments (`training.offload_params`)."""
+    """What is kept in host memory instead (CUDA): the sum of `host_parts`."""
     tokens: int
     """Tokens per rank per forward (one micro-step's, or one pipeline microbatch's)."""
     phase_totals: tuple[tuple[str, int], ...] = ()
@@ -94,6 +93,8 @@ class MemoryPlan:
     """With pipelining, the pipeline rank this plan is (the one with the largest peak, unless asked for one)."""
     in_flight: tuple[tuple[int, int], ...] = ()
     """With pipelining, (stage, the most microbatches it holds at once) for each of the rank's stages."""
+    host_parts: tuple[tuple[str, int], ...] = ()
+    """(part, bytes) this rank keeps in host memory, in `HOST_PARTS`' order (`_host_parts`); () with pipelining."""
 
     @property
     def total(self) -> int:
@@ -246,6 +247,35 @@ def _units(*, fsdp: bool, pp: bool, bf16: bool, embedding: int, head: int, block
                              "embedding": reduce * embedding})
 
 
+HOST_PARTS = ("checkpointed block inputs", "pinned-memory rounding", "parameter shards", "gradient shards",
+              "AdamW moments")
+"""The host-memory parts of a CUDA rank, in order; the first two come from `activation_checkpoint.offload`, the
+others from `training.offload_params`."""
+
+
+def _pinned(nbytes: int) -> int:
+    """What torch's pinned-memory cache (CUDA's caching host allocator) reserves for one tensor: the next power of
+    two, kept cached once freed, so each step's tensors of the same sizes reuse it."""
+    return 1 << (nbytes - 1).bit_length() if nbytes > 0 else 0
+
+
+def _host_parts(*, inputs: list[int], blocks: int, shard: int) -> tuple[tuple[str, int], ...]:
+    """One CUDA rank's host memory, by part (`HOST_PARTS`).
+
+    `inputs`: the bytes of each tensor one checkpointed block saves to host memory (`save_on_cpu(pin_memory=True)`:
+    its input and its other positional tensor arguments, each copied once per block); `blocks`: how many blocks'
+    are held at once (every block's, from its forward to its backward); `shard`: the float32 parameter shard's bytes
+    (FSDP2's `CPUOffloadPolicy(pin_memory=True)`: the shard and its gradient, made by a non-blocking copy, are
+    pinned; AdamW's two moments are ordinary memory). The pinned-memory cache rounds every tensor up to a power
+    of two: counted for the block inputs (one tensor each); the shards are one tensor a parameter, whose shapes the
+    plan does not have, so their rounding is not counted (a Llama-3-8B's feed-forward shards, 7 x 2^k bytes, take
+    8/7 of their bytes).
+    """
+    return (("checkpointed block inputs", blocks * sum(inputs)),
+            ("pinned-memory rounding", blocks * sum(_pinned(b) - b for b in inputs)),
+            ("parameter shards", shard), ("gradient shards", shard), ("AdamW moments", 2 * shard))
+
+
 def _stage(c: JobConfig, dims: ParallelDims, prof: MemoryProfile, stage: int, T: int, attention: int,
            device_type: str) -> MemoryPlan:
     """The plan of one pipeline stage (the first holds the most microbatches, the last the loss)."""
@@ -285,8 +315,11 @@ def _stage(c: JobConfig, dims: ParallelDims, prof: MemoryProfile, stage: int, T:
     kept_blocks = 0 if offload else L
     activations = int(keep * T * kept_blocks * in_flight)
     last_activations = int(keep * T * min(kept_blocks, 1) * in_flight)  # the backward's last block: its own alone
-    host = (int(keep * T * L * in_flight) if offload else 0) + (
-        (16 * sharded if dims.ep > 1 else 16 * params // shards) if offload_state else 0)
+    positions = T if c.data.pack else min(T, max(1, t.seq_len // dims.cp))  # a row's (packed: one row of T)
+    host_parts = _host_parts(
+        inputs=[int(keep * T), *(int(b * positions) for b in prof.block_position_inputs)] if offload else [],
+        blocks=L * in_flight,
+        shard=(4 * sharded if dims.ep > 1 else 4 * params // shards) if offload_state else 0)
     vocab = prof.vocab
     # The pipeline's last stage computes the unfused loss on the logits its stage returns, and keeps them
     # (compute dtype) until that microbatch's backward; without pipelining the fused loss is the trainer's.
@@ -376,4 +409,5 @@ def _stage(c: JobConfig, dims: ParallelDims, prof: MemoryProfile, stage: int, T:
         phases["embedding backward"] = phase("embedding backward", state, units.gathered["embedding"], cast, 0, 0, 0, 0,
                                              units.reducing["embedding"])
     name = max(phases, key=lambda k: sum(phases[k].values()))
-    return MemoryPlan(tuple(phases[name].items()), name, host, T, tuple((k, sum(v.values())) for k, v in phases.items()))
+    return MemoryPlan(tuple(phases[name].items()), name, sum(b for _, b in host_parts), T,
+                      tuple((k, sum(v.values())) for k, v in phases.items()), host_parts=host_parts)

@@ -137,7 +137,9 @@ def test_checkpointing_keeps_block_inputs_and_recomputes_one_block() -> None:
 def test_offload_moves_the_checkpoints_to_host_memory_on_cuda_only() -> None:
     args = ["--activation_checkpoint.mode=full", "--activation_checkpoint.offload=true"]
     cuda, cpu = _plan(args, 1, "cuda"), _plan(args, 1, "cpu")
-    assert cuda.host_bytes == 4 * 256 * 4 * 8192 and cuda.part("activations") == 4 * 256 * 2 * 8192
+    # 4 blocks' float32 inputs, each with its rotary cos and sin (float32, head_dim / 2 = 32 wide: the checkpoint
+    # saves every positional tensor argument), all of power-of-two sizes (no pinned-memory rounding)
+    assert cuda.host_bytes == 4 * (256 * 4 + 2 * 32 * 4) * 8192 and cuda.part("activations") == 4 * 256 * 2 * 8192
     assert cpu.host_bytes == 0 and cpu.part("activations") == 4 * 256 * 4 * 8192
 
 
