@@ -111,7 +111,5 @@ class JobConfig:
         require(not (t.offload_params and p.pp > 1), "training.offload_params",
                 "FSDP2's CPUOffloadPolicy keeps no unit gathered between pipeline microbatches here; set "
                 "parallelism.pp = 1 or training.offload_params = false")
-        if world_size is not None:
-            require(not t.offload_params or (dp or 1) * p.cp > 1,
-                    "training.offload_params", "offloads FSDP2's shards, and one rank over dp x cp has no FSDP; "
-                    "use more ranks or set training.offload_params = false")
+        # One rank over dp x cp takes offload_params too: the trainer then shards with FSDP2 over that one rank
+        # (`cpcompose.distributed.fsdp.fsdp_wanted`), whose CPUOffloadPolicy is the offload.

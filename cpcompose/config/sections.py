@@ -246,8 +246,9 @@ class Training:
     not with training.compile, parallelism.tp or parallelism.pp."""
     offload_params: bool = False
     """Keep each rank's shard of the parameters, their gradients and the optimizer state in host memory (FSDP2's
-    CPUOffloadPolicy: gathered to the device per unit, the optimizer step on the CPU). Needs FSDP (more than one
-    rank over dp x cp) and parallelism.pp = 1."""
+    CPUOffloadPolicy: gathered to the device per unit, the optimizer step on the CPU). One rank over dp x cp is
+    sharded with FSDP2 over itself for it (one GPU: the whole model's state on the host). Needs
+    parallelism.pp = 1."""
     memory_budget_gib: float | None = None
     """Per-rank memory the run may use: the memory plan must fit in it before launch, and a rank that passes it
     stops, saying so. Unset: the device's memory (CUDA) or the host's RAM divided by the ranks on it (CPU)."""

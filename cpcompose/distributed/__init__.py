@@ -9,7 +9,7 @@ Context parallelism itself is the public API in ``cpcompose.parallel``.
 from cpcompose.distributed.activation_checkpoint import apply_activation_checkpointing
 from cpcompose.distributed.compile import apply_compile
 from cpcompose.distributed.expert_state import ExpertShards
-from cpcompose.distributed.fsdp import apply_fsdp, fsdp_applied
+from cpcompose.distributed.fsdp import apply_fsdp, fsdp_applied, fsdp_wanted
 from cpcompose.distributed.parallel_dims import MESH_DIM_NAMES, ParallelDims, flat_mesh
 from cpcompose.distributed.pipeline import (
     PIPELINE_SCHEDULES,
@@ -34,6 +34,7 @@ __all__ = [
     "apply_fsdp",
     "flat_mesh",
     "fsdp_applied",
+    "fsdp_wanted",
     "apply_tiled_mlp",
     "build_pipeline_schedule",
     "build_pipeline_stage",

@@ -8,6 +8,11 @@ starts with it. Mixed precision is FSDP2's own (`MixedPrecisionPolicy`): each un
 parameters are gathered in the compute dtype just before its forward and freed after,
 the sharded float32 parameters are the optimizer's master weights, and gradients are
 reduced in float32. No whole-model cast copy exists at any time.
+
+One rank over dp x cp has nothing to shard with, yet two options need FSDP2 there and get it over a one-rank mesh
+(`fsdp_wanted`): tensor parallelism (every parameter then a DTensor, which the fused AdamW needs) and
+`training.offload_params` (FSDP2's CPUOffloadPolicy is the offload, so one GPU trains a model whose float32
+parameters, gradients and AdamW state do not fit on it, as ZeRO-3 offload does on one rank).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 
 from cpcompose.distributed.parallel_dims import ParallelDims, flat_mesh
 
-__all__ = ["apply_fsdp", "fsdp_applied"]
+__all__ = ["apply_fsdp", "fsdp_applied", "fsdp_wanted"]
 
 
 def apply_fsdp(
@@ -111,6 +116,12 @@ def apply_fsdp(
             # also avoids PREMUL_SUM, which gloo lacks (FSDP would pick it for fp32/bf16).
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
+
+
+def fsdp_wanted(parallel_dims: ParallelDims, *, offload_params: bool) -> bool:
+    """Whether the trainer shards with :func:`apply_fsdp`: when more than one rank shares the loss (dp x cp), and
+    over one rank when tensor parallelism is on or ``offload_params`` asks for FSDP2's CPUOffloadPolicy."""
+    return parallel_dims.dp_cp_size > 1 or parallel_dims.tp_enabled or offload_params
 
 
 def fsdp_applied(model: nn.Module) -> bool:

@@ -26,7 +26,8 @@ in torchtitan, is:
    is one opaque custom op in the graph (``cpcompose.attention.call.op``). With
    activation checkpointing, each block's parts instead, inside the checkpoint
    (dynamo may not enter the CP mode inside a traced checkpoint).
-6. **FSDP2** (``dp_replicate * dp_shard * cp > 1``, unless ``fsdp=False``): as
+6. **FSDP2** (``dp_replicate * dp_shard * cp > 1``, or over one rank with tp or
+   ``offload_params``: ``fsdp_wanted``; unless ``fsdp=False``): as
    torchtitan, ``tok_embeddings`` alone, one unit per ``TransformerBlock``, then
    ``norm`` and ``output`` together (kept gathered into the backward), over
    dp_shard x cp (HSDP with dp_replicate), which also sums the gradients over cp.
@@ -56,6 +57,7 @@ from cpcompose.distributed import (
     apply_compile,
     apply_fsdp,
     apply_tiled_mlp,
+    fsdp_wanted,
 )
 from cpcompose.models.llama.model import Llama
 from cpcompose.parallel.parallelize import parallelize_module
@@ -109,7 +111,8 @@ def parallelize_llama(
             it covers the feed-forward, so ``mlp_tiles`` is then not applied.
         torch_compile: compile each block (its parts, with activation checkpointing).
         param_dtype: with FSDP, the dtype the units are gathered and computed in (None: float32).
-        offload_params: with FSDP, sharded parameters, gradients and optimizer state in host memory.
+        offload_params: sharded parameters, gradients and optimizer state in host memory (FSDP2's
+            CPUOffloadPolicy; on one rank over dp x cp too, over a one-rank mesh).
         fsdp: shard parameters with FSDP2 over dp_shard x cp (HSDP when
             dp_replicate > 1) when more than one rank shares the loss. With
             ``False`` the caller reduces gradients (see the module docstring).
@@ -157,9 +160,9 @@ def parallelize_llama(
         # Dynamo traces AC's checkpoint as a higher-order op, inside which the CP hooks may not
         # enter their TorchFunctionMode: with AC, compile each block's parts, inside the checkpoint.
         apply_compile(blocks if not activation_checkpoint else [m for b in blocks for m in b.children()])
-    if fsdp and (parallel_dims.dp_cp_size > 1 or parallel_dims.tp_enabled):
-        # tp without dp x cp: FSDP2 over one rank, so that every parameter is a DTensor (the fused AdamW
-        # takes no mix of DTensors and plain tensors)
+    if fsdp and fsdp_wanted(parallel_dims, offload_params=offload_params):
+        # tp or offload_params without dp x cp: FSDP2 over one rank, so that every parameter is a DTensor (the
+        # fused AdamW takes no mix of DTensors and plain tensors), or its CPUOffloadPolicy keeps them on the host
         apply_fsdp(model, blocks, mesh=mesh, parallel_dims=parallel_dims, embedding=model.tok_embeddings,
                    head=[m for m in (model.norm, model.output) if m is not None], param_dtype=param_dtype,
                    offload_params=offload_params, roots=stages)

@@ -144,8 +144,10 @@ def plan_memory(config: JobConfig, world: int, *, device_type: str, pp_rank: int
     c = resolve_config(config)  # a config straight from load_config too: a model folder's vocabulary counts
     t, p = c.training, c.parallelism
     dims = ParallelDims.from_config(p, world)
-    # bfloat16 with FSDP is FSDP2's mixed precision (bf16 weights, no autocast), else autocast.
-    precision = "bfloat16-params" if t.mixed_precision == "bfloat16" and dims.dp_cp_size > 1 else t.mixed_precision
+    # bfloat16 with FSDP is FSDP2's mixed precision (bf16 weights, no autocast), else autocast. One rank over dp x cp
+    # with offload_params is FSDP2's too (over that rank: `cpcompose.distributed.fsdp.fsdp_wanted`).
+    fsdp = dims.dp_cp_size > 1 or t.offload_params
+    precision = "bfloat16-params" if t.mixed_precision == "bfloat16" and fsdp else t.mixed_precision
     prof = family_of(c).memory_profile(c, tp=dims.tp, precision=precision, mlp_tiles=t.tiled_mlp)
     dp = dims.dp_size
     rows = t.batch_size // (dp * t.grad_accum_steps)  # sequences per micro-step on this dp rank
@@ -286,7 +288,7 @@ def _stage(c: JobConfig, dims: ParallelDims, prof: MemoryProfile, stage: int, T:
     # Microbatches whose activations a stage holds at once: GPipe all of them, 1F1B at most pp - stage.
     in_flight = 1 if dims.pp == 1 else micro if c.parallelism.pp_schedule == "GPipe" else min(micro, dims.pp - stage)
     shards = dims.fsdp_size if dims.dp_cp_size > 1 else 1
-    fsdp = dims.dp_cp_size > 1
+    fsdp = dims.dp_cp_size > 1 or t.offload_params  # one rank with offload_params: FSDP2 over it, S = 1
     bf16 = t.mixed_precision == "bfloat16"
     embedding = (prof.root_params - prof.output_params) if first else 0  # with the final norm (a few numbers)
     head = prof.output_params if last else 0

@@ -126,7 +126,7 @@ def rehearse(config: JobConfig, world: int, *, pp_rank: int | None = None) -> Re
         for name in ("dp_shard_cp", "dp_cp", "dp"):  # flattened before the fake mode (it makes groups from values)
             flat_mesh(mesh, name)
         dims = _with_expert_mesh(dims, mesh)
-        if dims.dp_cp_size == 1:  # no FSDP on one rank over dp x cp: torch's tracker of a plain model
+        if not _fsdp_tracked(c, dims):  # no FSDP on one rank over dp x cp: torch's tracker of a plain model
             tracker_cls = _compat.plain_mem_tracker()
         tracker_cls = _device_peak_tracker(tracker_cls, c.training.offload_params)
         with rehearsal_mode(), _compat.grouped_mm_of_any_dtype_on_fake_tensors(), fake_mode(allow_non_fake_inputs=True):
@@ -142,6 +142,14 @@ def rehearse(config: JobConfig, world: int, *, pp_rank: int | None = None) -> Re
         return Rehearsal(tracked=tracked, by_kind=by_kind, planned=None, unplanned=str(e), pp_rank=pp_rank)
     planned = plan.total - plan.part("process") - plan.part("allocator slack")
     return Rehearsal(tracked=tracked, by_kind=by_kind, planned=planned, pp_rank=pp_rank)
+
+
+def _fsdp_tracked(c: JobConfig, dims: ParallelDims) -> bool:
+    """Whether the rehearsed model is FSDP2's and FSDPMemTracker tracks it: more than one rank over dp x cp, or one
+    with `training.offload_params` (FSDP2 over that rank, `fsdp_wanted`), whose shards, their gradients and AdamW's
+    state the tracker then names (HOST_KINDS) so they leave the device's peak. Tensor parallelism alone is FSDP2's
+    over one rank too, but keeps the plain tracker (and the plan its autocast)."""
+    return dims.dp_cp_size > 1 or c.training.offload_params
 
 
 def _with_expert_mesh(dims: ParallelDims, mesh) -> ParallelDims:  # noqa: ANN001
@@ -179,7 +187,7 @@ def _two_steps(c: JobConfig, dims: ParallelDims, mesh, tracker_cls, mod_stats) -
                                        chunk_tokens=c.loss_chunk_tokens())
 
     output_name = next((name for name, m in model.named_modules() if m is output), "output")
-    if dims.dp_cp_size > 1:
+    if _fsdp_tracked(c, dims):
         tracker = tracker_cls(model, optimizer)
     else:
         tracker = tracker_cls()

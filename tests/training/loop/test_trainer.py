@@ -94,6 +94,27 @@ def test_losses_agree_across_layouts(pools, baseline, tmp_path, name: str) -> No
     assert baseline[-1] < baseline[0], "the loss falls"
 
 
+def run_offloaded(mesh, args: list[str]) -> tuple[list[float], list[str]]:
+    """Losses, and the offload policy of each FSDP unit of the trained model (none: no FSDP)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    trainer = Trainer(load_config(TINY + args))
+    losses = trainer.run()
+    groups = [m._get_fsdp_state()._fsdp_param_group for m in trainer.model.modules() if isinstance(m, FSDPModule)]
+    return losses, sorted({type(g.offload_policy).__name__ for g in groups if g is not None})  # None: no own params
+
+
+def test_one_rank_offloads_its_parameters_with_fsdp_over_one_rank_and_trains_the_same(pools, baseline,
+                                                                                     tmp_path) -> None:
+    """`training.offload_params` on one rank over dp x cp: FSDP2 over a one-rank mesh with CPUOffloadPolicy (the
+    one-GPU cell), the cp=1 curve bit for bit: one rank's all-gather and reduce-scatter are copies, the same kernels
+    run on the same values, and on a CPU device the offload moves nothing."""
+    [(got, policies)] = pools.get(1).run(run_offloaded, ["--training.offload_params=true",
+                                                         f"--job.dump_folder={tmp_path}"])
+    assert policies == ["CPUOffloadPolicy"], policies
+    assert got == baseline
+
+
 CKPT = ["--checkpoint.enable=true", "--checkpoint.interval=5", "--checkpoint.keep_latest_k=3",
         "--metrics.enable_tensorboard=true", "--metrics.plot_loss=true"]
 

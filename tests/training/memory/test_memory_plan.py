@@ -154,6 +154,17 @@ def test_offload_params_keeps_shards_gradients_and_moments_in_host_memory_on_cud
     assert cpu.host_bytes == 0 and cpu.part("parameters") == shards  # the host is the device
 
 
+def test_offload_params_on_one_rank_is_fsdp_over_that_rank_with_nothing_of_the_state_on_the_device() -> None:
+    """One rank over dp x cp with offload_params: FSDP2 over one rank (S = 1), the whole model's fp32 parameters,
+    gradients and moments on the host, the units gathered in bf16 under FSDP2's mixed precision (no autocast copy)."""
+    bf16 = ["--training.mixed_precision=bfloat16"]
+    kept, cuda = _plan(bf16, 1, "cuda"), _plan([*bf16, "--training.offload_params=true"], 1, "cuda")
+    assert kept.part("parameters") > 0 and kept.part("bf16 weight copies") > 0  # no FSDP: autocast's copies
+    assert cuda.host_bytes == 4 * kept.part("parameters")  # fp32 parameters, their gradients, two moments: S = 1
+    assert all(cuda.part(p) == 0 for p in ("parameters", "optimizer state", "gradients", "bf16 weight copies"))
+    assert cuda.part("gathered parameters") > 0 and cuda.total < kept.total
+
+
 def test_the_fused_loss_holds_one_chunk_of_logits() -> None:
     whole, fused = _plan([], 1), _plan(["--training.fused_loss=true", "--training.loss_chunk_tokens=1024"], 1)
     head, V, T = (4 * 3 * 256 + 12) * 8192, 4096, 8192

@@ -36,7 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from cpcompose.comm import CommMeter
 from cpcompose.config import ConfigError, JobConfig, cp_options
 from cpcompose.distributed import (ExpertShards, ParallelDims, apply_activation_checkpointing, apply_fsdp,
-                                   apply_tiled_mlp)
+                                   apply_tiled_mlp, fsdp_wanted)
 from cpcompose.layouts import PackedLayout
 from cpcompose.parallel import context_parallel, recompute_context
 from cpcompose.training.errors import TrainingError
@@ -465,8 +465,9 @@ def parallelize_hf_model(model: nn.Module, config: JobConfig, *, dims: ParallelD
         from cpcompose.distributed.pipeline_stage import StageModule
 
         roots = tuple(StageModule(body, cp_scope, dims.cp) for body in bodies)
-    if dims.dp_cp_size > 1 or dims.tp_enabled:  # tp alone: FSDP over one rank, so every parameter is a DTensor
-        # (the fused AdamW step takes no mix of DTensors and plain tensors)
+    if fsdp_wanted(dims, offload_params=t.offload_params):  # tp alone: FSDP over one rank, so every parameter is a
+        # DTensor (the fused AdamW step takes no mix of DTensors and plain tensors); offload_params alone: FSDP2's
+        # CPUOffloadPolicy over one rank
         embedding, head = _stage_units(bodies) if bodies else _outer_units(model)
         apply_fsdp(model, _unshared(layers), mesh=mesh, parallel_dims=dims, embedding=embedding, head=head,
                    param_dtype=compute_dtype(config), offload_params=t.offload_params, experts=experts,

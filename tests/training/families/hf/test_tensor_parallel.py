@@ -11,7 +11,9 @@ The run exports the model (`checkpoint.export_hf`), each rank writing its tp x F
 over one rank so every parameter is a DTensor for the fused AdamW step), with sequence-tiled MLPs (each tile through
 the split feed-forward), the losses are the same too. The tp x cp run's DCP checkpoint of step 2 resumes on one
 process to the same step-3 loss (relative 1e-5, the trainer's resume-into-another-layout bound,
-tests/training/families/hf/test_checkpoint.py).
+tests/training/families/hf/test_checkpoint.py). One process with `training.offload_params` (FSDP2 over one rank,
+CPUOffloadPolicy: the one-GPU case) gives the one-process losses bit for bit: one rank's all-gather and
+reduce-scatter are copies, the same kernels run on the same values, and on a CPU device the offload moves nothing.
 """
 
 from __future__ import annotations
@@ -49,3 +51,7 @@ def test_qwen3_trains_at_tp2_cp2_as_on_one_process(pools, corpus, tmp_path: Path
     two = train(pools, 2, hf_args(qwen3, corpus, tmp_path / "two", "--parallelism.tp=2", "--training.tiled_mlp=2",
                                   steps=STEPS))
     assert two["losses"] == pytest.approx(one["losses"], rel=RTOL), (two["losses"], one["losses"])
+    # one process with offload_params: FSDP2 over that one rank with CPUOffloadPolicy, bit for bit
+    [offloaded] = pools.get(1).run(run_hf, hf_args(qwen3, corpus, tmp_path / "offloaded",
+                                                   "--training.offload_params=true", steps=STEPS))
+    assert offloaded["losses"] == one["losses"], (offloaded["losses"], one["losses"])
