@@ -239,7 +239,9 @@ def _units(*, fsdp: bool, pp: bool, bf16: bool, embedding: int, head: int, block
         every = c * (embedding + blocks * block + head)
         gathered = dict.fromkeys(("forward", "loss", "backward", "last block", "embedding"), every)
     else:
-        gathered = {"forward": c * max(embedding, two), "loss": c * head, "backward": c * two,
+        # the head unit stays gathered from its forward into its backward, and so does its all-gather's output
+        # buffer (torch's tracker, "All Gather" beside "Unsharded Param" at the loss's peak)
+        gathered = {"forward": c * max(embedding, two), "loss": 2 * c * head, "backward": c * two,
                     "last block": c * min(blocks, 1) * block, "embedding": c * embedding}
     # experts: of `block`, the parameters of its experts unit (expert parallelism), reduced before the block's
     # attention works: the previous block's reduce-scatter input is its dense unit's alone (torch's tracker at full
