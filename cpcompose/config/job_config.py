@@ -20,6 +20,7 @@ from cpcompose.config.sections import (
     Training,
     require,
 )
+from cpcompose.attention.strategies.alltoall_chunked import head_chunks_error
 from cpcompose.config.cp_options import cp_options_error
 from cpcompose.distributed.parallel_dims import ParallelDims
 from cpcompose.layouts import resolve_layout
@@ -90,10 +91,17 @@ class JobConfig:
                 raise ConfigError(str(e)) from None
         split_error = resolve_layout(p.cp_layout, p.cp).split_error(t.seq_len)
         require(split_error is None, "training.seq_len", str(split_error))
+        require(p.cp_head_chunks == 1 or p.cp == 1 or not t.compile, "parallelism.cp_head_chunks",
+                f"{p.cp_head_chunks} runs eagerly only (the compiled attention op saves head shards, not the "
+                "chunked strategy's inputs): set training.compile = false or parallelism.cp_head_chunks = 1")
         if m.path is None:  # the section's head counts are the own model's; a folder's are checked by its family
             require(m.n_heads % p.tp == 0, "model.n_heads", f"{m.n_heads} must be divisible by parallelism.tp = {p.tp}")
             require(m.n_kv_heads % p.tp == 0, "model.n_kv_heads",
                     f"{m.n_kv_heads} must be divisible by parallelism.tp = {p.tp}")
+            chunks = head_chunks_error(m.n_heads // p.tp, m.n_kv_heads // p.tp, p.cp_head_chunks, p.cp,
+                                       key="parallelism.cp_head_chunks")
+            require(chunks is None, "parallelism.cp_head_chunks", str(chunks).removeprefix(
+                f"parallelism.cp_head_chunks={p.cp_head_chunks} "))
         # The layers into stages, the stages a schedule places, the microbatches it needs: the resolution step
         # (`cpcompose.training.resolve`), once the family has said how many layers the model has.
         require(p.pp > 1 or p.pp_layers_per_stage is None, "parallelism.pp_layers_per_stage",

@@ -175,6 +175,12 @@ class Parallelism:
     cp_alltoall_size: int | None = None
     """Ranks per all-to-all block of cp_strategy = "alltoall_ring" (required there, unset otherwise);
     must divide cp. cp_alltoall_size = cp is Ulysses, 1 is the ring."""
+    cp_head_chunks: int = 1
+    """cp_strategy = "alltoall" only: run attention over this many chunks of heads one after another (UPipe),
+    so the all-to-all buffers and attention's full-sequence working set hold one chunk's heads, at 1.5x the
+    all-to-all bytes or more (backward exchanges q, k, v, out again; a kv head read by several ranks goes to
+    each: Llama-3-8B on cp 8 1.8x at 2 chunks, 2.4x at 4). Must divide the kv heads (per tp rank) and leave
+    at least cp query heads per chunk; 1: all heads at once."""
     cp_layout: str = "zigzag"
     """A registered layout (zigzag, contiguous): zigzag gives rank r chunks r and 2cp-1-r so causal
     work is balanced; contiguous gives chunk r. Packed documents (data.pack) are split per batch."""

@@ -40,6 +40,7 @@ class Case:
     v_dim: int | None = None  # V's head dim when it differs from Q/K's (MLA)
     device: str = "cpu"  # "cuda": run on a CUDA pool, measured against a CUDA baseline (device_baseline.py)
     alltoall_size: int | None = None  # ranks per all-to-all block ("alltoall_ring" only)
+    head_chunks: int = 1  # chunks of heads run one after another ("alltoall" only)
 
     def __str__(self) -> str:
         mask = "causal" if self.causal else "full"
@@ -51,6 +52,7 @@ class Case:
         dt = str(self.dtype).removeprefix("torch.")
         on = "" if self.device == "cpu" else f"-{self.device}"
         a2a = "" if self.alltoall_size is None else f"-a{self.alltoall_size}"
+        a2a += "" if self.head_chunks == 1 else f"-chunks{self.head_chunks}"
         return f"{self.strategy}{a2a}-{self.layout}-{mask}-h{self.heads}kv{self.kv_heads}{dims}-P{self.world}-{dt}{on}"
 
     def visible(self) -> Tensor:
@@ -95,6 +97,7 @@ def run_cp(mesh, case: Case) -> dict[str, Tensor]:
         q, k, v, mesh=mesh, is_causal=case.causal, strategy=case.strategy,
         layout=case.attend_layout or case.layout, window_size=case.window, softcap=case.softcap,
         backend=case.backend, return_lse=True, meter=meter, alltoall_size=case.alltoall_size,
+        head_chunks=case.head_chunks,
     )
     forward_bytes, forward_by_kind = meter.total, dict(meter.bytes_sent)
     out.backward(local["dout"])

@@ -89,9 +89,16 @@ class CPContext(CustomClassBase):
         return self.options().alltoall_size
 
 
+    @property
+    def head_chunks(self) -> int:
+        """All-to-all's chunks of heads now: the op runs one chunk only (see `compiled_attention`); read at trace
+        time."""
+        return self.options().head_chunks
+
+
 # Read at trace time with the real object and baked in as constants (the fake op needs
 # all-to-all's head split); everything else is read by the op's eager implementation.
-register_by_reference(CPContext, read_at_trace=("world", "rank", "strategy", "alltoall_size"))
+register_by_reference(CPContext, read_at_trace=("world", "rank", "strategy", "alltoall_size", "head_chunks"))
 
 
 class _SavedContext:
@@ -318,6 +325,11 @@ def compiled_attention(
         raise ValueError(
             "strategy='auto' is not supported inside torch.compile yet (the choice is made per call in eager "
             "code): run a step eagerly, read the 'cp strategy auto ->' log line, and compile with that strategy"
+        )
+    if context.head_chunks != 1:  # its saved tensors are the inputs, not the head shards the op expects
+        raise ValueError(
+            "head_chunks > 1 (parallelism.cp_head_chunks) is not supported inside torch.compile yet: run the "
+            "attention eagerly (training.compile = false), or set head_chunks = 1"
         )
     out, lse, _ = _attention(
         q, k, v, context, strategy, alltoall_size, is_causal, scale, softcap, return_lse, caller_error, position_ids,

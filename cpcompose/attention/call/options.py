@@ -66,6 +66,10 @@ class CPOptions:
             the device type. Its fingerprint joins the agreement: every rank must use the same.
         topology: "auto" only: which CP ranks share a node (`cpcompose.attention.cost.Topology`);
             None = LOCAL_WORLD_SIZE ranks per node when torchrun sets it, else one node.
+        head_chunks: "alltoall" only: run the attention over this many chunks of heads one after another (UPipe,
+            `strategies/alltoall_chunked.py`), so the all-to-all buffers and the full-sequence working set hold one
+            chunk's heads; 1 (the default) is plain Ulysses. Each call checks that it divides the K/V heads and
+            leaves every rank a query head of each chunk (`head_chunks_error`).
         verify: run the exactness probe (`cpcompose.verify`) where a front end offers it: the
             Hugging Face integration on a model's first forward in a CP region, the trainer
             at start. False skips it (it costs two forwards at a short length, once).
@@ -81,6 +85,7 @@ class CPOptions:
     calibration: Calibration | None = None
     topology: Topology | None = None
     verify: bool = True
+    head_chunks: int = 1
 
     def replace(self, **changes: Any) -> "CPOptions":
         """A copy with `changes` (TypeError names an unknown option, as a function call would)."""
@@ -117,6 +122,9 @@ class CPOptions:
         size = self._alltoall_size_error(world, key)
         if size:
             return broken("alltoall_size", size)
+        chunks = self._head_chunks_error(key)
+        if chunks:
+            return broken("head_chunks", chunks)
         auto = self._auto_error(key)
         if auto:
             return broken(auto[0], auto[1])
@@ -142,6 +150,21 @@ class CPOptions:
             return which, (f"{key(which)} is only used by {key('strategy')}='auto' (got {key('strategy')}="
                            f"{self.strategy!r}): drop it or set {key('strategy')}='auto'")
         return None
+
+    def _head_chunks_error(self, key: Any) -> str | None:
+        """The rules of `head_chunks` that need no head counts (those are checked per call)."""
+        n, strategy, chunks = self.head_chunks, key("strategy"), key("head_chunks")
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            return f"{chunks}={n!r} must be a positive int (1: all heads at once)"
+        if n == 1 or self.strategy == "alltoall":
+            return None
+        why = {
+            AUTO: "'auto' chooses by predicted time and does not weigh memory",
+            "alltoall_ring": "not supported yet (its ring would have to run once per chunk, the head-sharded "
+                             "ring state saved per chunk)",
+        }.get(self.strategy, "it trades no heads")
+        return (f"{chunks}={n!r} chunks the heads of {strategy}='alltoall' only; {strategy}={self.strategy!r}: "
+                f"{why}. Set {strategy}='alltoall' or {chunks}=1")
 
     def _alltoall_size_error(self, world: int | None, key: Any) -> str | None:
         a, strategy, size = self.alltoall_size, key("strategy"), key("alltoall_size")

@@ -26,6 +26,7 @@ from cpcompose.attention.local.kernels import KernelArgs, select_backend
 from cpcompose.attention.call.key_padding import EXTRA, key_padding_error
 from cpcompose.attention.call.nonfinite import NONFINITE_V, nonfinite_note, spread_nonfinite
 from cpcompose.attention.call.options import AUTO, CHOICES, VALIDATE_MODES, CPOptions
+from cpcompose.attention.strategies.alltoall_chunked import head_chunks_error
 from cpcompose.attention.strategies.registry import STRATEGIES
 from cpcompose.attention.strategies.strategy import Strategy
 from cpcompose.comm import CommMeter, CPGroup
@@ -71,7 +72,8 @@ def checked_call(
     window, window_error = window_pair(options.window_size, is_causal)
     error = (
         caller_error or options.error(cp.world) or window_error
-        or tensor_error(q, k, v) or _positive_error("scale", scale) or _positive_error("softcap", softcap)
+        or tensor_error(q, k, v) or _head_chunks_error(options, q, k, cp.world)
+        or _positive_error("scale", scale) or _positive_error("softcap", softcap)
         or sinks_error(sinks, q) or key_padding_error(key_padding, q, k, softcap)
     )
     if error is None:
@@ -100,7 +102,8 @@ def checked_call(
         widen = 0 if key_padding is None else EXTRA  # the strategy ran on q, k widened by the key bias
         shapes = ((*q.shape[:3], q.shape[3] + widen), (*k.shape[:3], k.shape[3] + widen), v.shape)
         return CallSpec(shapes, q.dtype, q.device,
-                        functools.partial(_replay, strategy, s.layout, s.mask, s.kernel, s.need_lse, s.alltoall_size))
+                        functools.partial(_replay, strategy, s.layout, s.mask, s.kernel, s.need_lse, s.alltoall_size,
+                                          s.head_chunks))
 
     result, notes = agreed_call(
         cp, error, signature, what="cp_attention", device=_metadata_device(q),
@@ -164,14 +167,22 @@ def setup_for(
     return AttentionSetup(
         cp, resolve_layout(options.layout, cp.world), mask, kernel, options.meter, return_lse or sinks is not None,
         options.alltoall_size, options.strategy,
-        None if sinks is None else sinks.detach().to(accumulation_dtype(q.dtype)),
+        None if sinks is None else sinks.detach().to(accumulation_dtype(q.dtype)), options.head_chunks,
     )
 
 
 def _replay(strategy: Strategy, layout: Layout, mask: MaskSpec, kernel: KernelArgs, need_lse: bool,
-            alltoall_size: int | None, cp: CPGroup, q: Tensor, k: Tensor, v: Tensor) -> None:
+            alltoall_size: int | None, head_chunks: int, cp: CPGroup, q: Tensor, k: Tensor, v: Tensor) -> None:
     """An agreed call again, on other tensors, unmetered (see `agreement.CallSpec.mimic`)."""
-    strategy.apply(q, k, v, AttentionSetup(cp, layout, mask, kernel, None, need_lse, alltoall_size))
+    strategy.apply(q, k, v, AttentionSetup(cp, layout, mask, kernel, None, need_lse, alltoall_size,
+                                           head_chunks=head_chunks))
+
+
+def _head_chunks_error(options: CPOptions, q: Tensor, k: Tensor, world: int) -> str | None:
+    """Whether this call's heads split into `options.head_chunks` chunks (q and k already checked), or None."""
+    if options.head_chunks == 1:
+        return None
+    return head_chunks_error(q.shape[1], k.shape[1], options.head_chunks, world)
 
 
 def _metadata_device(q: object) -> torch.device:
@@ -200,6 +211,7 @@ def _signature(
         .flag("return_lse", return_lse)
         .code("validate", VALIDATE_MODES.index(options.validate) if options.validate in VALIDATE_MODES else -1)
         .int("alltoall_size", options.alltoall_size)
+        .int("head_chunks", options.head_chunks)
     )
 
 

@@ -36,6 +36,8 @@ class AttentionCall:
         mask: causal or not, and the window (`cpcompose.attention.local.blocks.MaskSpec`).
         dtype: of q, k, v (a torch dtype or its name; stored as the name).
         need_lse: the caller asked for the LSE (all-to-all then sends it home too).
+        head_chunks: all-to-all's chunks of heads run one after another (`strategies/alltoall_chunked.py`); 1: all
+            heads at once.
     """
 
     batch: int
@@ -48,6 +50,7 @@ class AttentionCall:
     dtype: str = "float32"
     v_head_dim: int | None = None
     need_lse: bool = False
+    head_chunks: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", _dtype_name(self.dtype))

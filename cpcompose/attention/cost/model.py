@@ -50,7 +50,9 @@ counted from the buffers the code allocates: all-gather holds every rank's gathe
 rows once (read in place; the whole K/V when every row is read elsewhere) and its own
 packed rows, and in backward their float32 dK/dV (twice on "cpu_gloo": the
 all-to-all's receive buffer) and the own shard's; all-to-all keeps
-full-sequence q/k/v/out of its H/P heads from forward to backward; the ring holds two
+full-sequence q/k/v/out of its H/P heads from forward to backward (with `head_chunks` = n, only the local
+LSE is kept, and the head-sharded tensors and buffers are one chunk's: H/(nP) heads, in backward too, where
+the chunk's q/k/v/out/dO are exchanged again); the ring holds two
 K/V blocks in flight and two float32 dK/dV blocks in backward, with float32
 accumulators.
 """
@@ -58,7 +60,7 @@ accumulators.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from cpcompose.attention.local import cpu_tiles
@@ -363,6 +365,8 @@ def _alltoall_time(call: AttentionCall, a: int, ts: Sequence[Transfer], rank: in
     if not a2a:
         return 0.0
     calls = 2 + int(call.need_lse) + (2 if backward else 0)
+    if call.head_chunks > 1:  # per chunk: q/k/v, out, LSE; in backward q/k/v/out/dO, LSE, dQ/dK/dV
+        calls = call.head_chunks * (3 + (3 if backward else 0))
     by_level = _sum_levels([(topology.level(rank, t.peer), t.nbytes) for t in a2a])
     total = _level_time(by_level, cal, cal.alltoall_efficiency)
     total += (calls - 1) * max(cal.link(lv).latency_s for lv in by_level)
@@ -387,6 +391,10 @@ def _allgather_memory(call: AttentionCall, a: int, rank: int, cal: Calibration) 
 
 def _ring_family_memory(call: AttentionCall, a: int, rank: int, cal: Calibration) -> int:
     """Peak extra bytes on `rank` under the all-to-all family: saved tensors + the larger pass's buffers."""
+    if call.head_chunks > 1:  # the local LSE is kept; everything else is one chunk's plain all-to-all, in turn
+        n = call.head_chunks
+        chunk = replace(call, heads=call.heads // n, kv_heads=call.kv_heads // n, head_chunks=1)
+        return call.batch * call.heads * call.local_len * call.acc_itemsize + _ring_family_memory(chunk, a, rank, cal)
     B, S, L, dk, dv = call.batch, call.local_len, call.seq_len, call.head_dim, call.dv
     es, acc = call.itemsize, call.acc_itemsize
     rw = ring_family_work(call, a, rank)

@@ -15,6 +15,8 @@ bytes, as `cpcompose.comm.CommMeter` counts them:
   - backward: dout goes out by all-to-all; the ring sends the same K/V rows again
     and returns float32 (accumulation dtype) dK/dV of every row it read to its
     owner; dq, dk, dv come back by a final all-to-all in the input dtype.
+  - with `head_chunks` = n (all-to-all only): the above for each chunk of H/n query heads and K/n K/V heads, the
+    LSE always sent home, and in backward the chunk's q, k, v, out and LSE sent again (nothing is kept).
 * all-gather: each rank's needed K and V rows (those another rank's plans read,
   `attention.local.plans.gathered_rows`) packed end to end and padded to the widest rank's,
   one all-gather forward, another backward (K/V are not kept: activation memory
@@ -30,7 +32,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from cpcompose.attention.local.blocks import BlockTask, MaskSpec, needed_rows, plan
@@ -162,6 +164,8 @@ def gather_transfers(call: AttentionCall, a: int, rank: int) -> list[Transfer]:
 
 def ring_family_transfers(call: AttentionCall, a: int, rank: int) -> list[Transfer]:
     """Everything `rank` sends in one forward+backward under the all-to-all family (see the module docstring)."""
+    if call.head_chunks > 1:
+        return _chunked_transfers(call, a, rank)
     P, S, B = call.world, call.local_len, call.batch
     dk, dv, es, acc = call.head_dim, call.dv, call.itemsize, call.acc_itemsize
     out: list[Transfer] = []
@@ -188,3 +192,17 @@ def ring_family_transfers(call: AttentionCall, a: int, rank: int) -> list[Transf
     _alltoall(a, rank, "bwd", "dout", [B * S * h * dv for h, _ in splits], es, out)  # dout out
     _alltoall(a, rank, "bwd", "dqkv", [B * S * (hq * dk + hk * (dk + dv))] * a, es, out)  # dq, dk, dv home
     return out
+
+
+def _chunked_transfers(call: AttentionCall, a: int, rank: int) -> list[Transfer]:
+    """Head-chunked all-to-all (`strategies/alltoall_chunked.py`): per chunk, the plain exchange of its heads with the
+    LSE always sent home, and in backward the chunk's q, k, v, out and LSE sent to the head shards again."""
+    n = call.head_chunks
+    chunk = replace(call, heads=call.heads // n, kv_heads=call.kv_heads // n, head_chunks=1, need_lse=True)
+    sent = ring_family_transfers(chunk, a, rank)
+    B, S, dk, dv = call.batch, call.local_len, call.head_dim, call.dv
+    splits = head_splits(chunk.heads, chunk.kv_heads, a)
+    _alltoall(a, rank, "bwd", "qkv", [B * S * (h * dk + k * (dk + dv)) for h, k in splits], call.itemsize, sent)
+    _alltoall(a, rank, "bwd", "out", [B * S * h * dv for h, _ in splits], call.itemsize, sent)
+    _alltoall(a, rank, "bwd", "lse", [B * S * h for h, _ in splits], call.acc_itemsize, sent)
+    return sent * n  # every chunk sends alike

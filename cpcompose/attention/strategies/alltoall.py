@@ -2,8 +2,10 @@
 
 One all-to-all gives every rank the whole sequence for a subset of the heads; it
 attends locally with the full-sequence kernel, and a second all-to-all returns
-the output to sequence shards. Works for any query and K/V head counts and K/V head counts, with GQA K/V never
-expanded before the exchange (`heads.py`, shared with the 2-D strategy).
+the output to sequence shards. Works for any query and K/V head counts, with GQA K/V never
+expanded before the exchange (`heads.py`, shared with the 2-D strategy; the steps: `alltoall_steps.py`).
+With `head_chunks` > 1 the call runs a chunk of heads at a time instead (`alltoall_chunked.py`, UPipe): the
+same math, buffers sized by the chunk.
 """
 
 from __future__ import annotations
@@ -13,72 +15,16 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from cpcompose.attention.local.blocks import one_kernel_call
-from cpcompose.attention.local.call_setup import AttentionSetup, float_zeros
+from cpcompose.attention.local.call_setup import AttentionSetup
 from cpcompose.attention.cost.model import RING_FAMILY
-from cpcompose.attention.local.execute import backward_blocks, forward_blocks
-from cpcompose.attention.local.heads import (
-    HeadGroup, HeadPlan, HeadRange, gather_grads, head_plan, heads_to_seq, seq_to_heads,
+from cpcompose.attention.local.heads import HeadPlan, gather_grads, head_plan
+from cpcompose.attention.strategies.alltoall_chunked import ChunkedAllToAllAttention
+from cpcompose.attention.strategies.alltoall_steps import (
+    attend_heads, attend_heads_backward, to_head_shards, to_seq_shards,
 )
-from cpcompose.attention.local.kernels import attention_backward, attention_forward
-from cpcompose.attention.local.merge import SoftmaxAccumulator, fold_sinks, keep_nan_rows
 from cpcompose.attention.strategies.strategy import Strategy
 
 __all__ = ["ALLTOALL", "AllToAllAttention"]
-
-
-def _seq_to_heads(tensors: list[Tensor], ranges: list[list[HeadRange]], setup: AttentionSetup) -> list[Tensor]:
-    """Sequence shards `(B, H_i, S, D)` -> head shards `(B, n_i, L, D)` in global order."""
-    group = HeadGroup(0, setup.cp.world, setup.cp.rank)
-    heads = seq_to_heads(tensors, ranges, setup.cp, setup.meter, group)
-    return [setup.layout.to_global_order(t, dim=2) for t in heads]
-
-
-def _heads_to_seq(tensors: list[Tensor], ranges: list[list[HeadRange]], setup: AttentionSetup) -> list[list[Tensor]]:
-    """Head shards in global order -> per source rank, its `(B, n_src, S, D)` piece of our tokens."""
-    group = HeadGroup(0, setup.cp.world, setup.cp.rank)
-    rank_major = [setup.layout.to_rank_major(t, dim=2) for t in tensors]
-    return heads_to_seq(rank_major, ranges, setup.cp, setup.meter, group)
-
-
-def _attend(q: Tensor, k: Tensor, v: Tensor, setup: AttentionSetup, sinks: Tensor | None) -> tuple[Tensor, Tensor]:
-    """Full-sequence attention of this rank's heads (global order), masked by the layout's documents, with
-    their `sinks` folded in."""
-    if q.shape[1] == 0:  # more ranks than query heads: this rank has nothing to attend
-        return q.new_empty((*q.shape[:3], v.shape[-1])), q.new_empty(q.shape[:3], dtype=float_zeros(q).dtype)
-    tasks = setup.tasks_full_sequence(q.shape[2])
-    if one_kernel_call(tasks, q.shape[2]):
-        out, lse = attention_forward(
-            q, k, v, causal=tasks[0].kind == "causal", scale=setup.kernel.scale, backend=setup.kernel.backend,
-            softcap=setup.kernel.softcap,
-        )
-        keep_nan_rows(q, out, lse)
-        if sinks is not None:
-            merged, lse = fold_sinks(out.to(lse.dtype), lse, sinks)
-            out = merged.to(q.dtype)
-        return out, lse
-    acc = SoftmaxAccumulator(q, v.shape[-1])
-    forward_blocks(acc, q, k, v, tasks, setup.kernel)
-    out, lse = acc.finish()
-    if sinks is not None:
-        out, lse = fold_sinks(out, lse, sinks)
-    return out.to(q.dtype), lse
-
-
-def _attend_backward(
-    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, setup: AttentionSetup
-) -> tuple[Tensor, Tensor, Tensor]:
-    if q.shape[1] == 0:
-        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    tasks = setup.tasks_full_sequence(q.shape[2])
-    if one_kernel_call(tasks, q.shape[2]):
-        return attention_backward(
-            dout, q, k, v, out, lse, causal=tasks[0].kind == "causal", scale=setup.kernel.scale,
-            backend=setup.kernel.backend, softcap=setup.kernel.softcap,
-        )
-    grads = (float_zeros(q), float_zeros(k), float_zeros(v))
-    backward_blocks(grads, dout, q, k, v, out, lse, tasks, setup.kernel)
-    return grads[0].to(q.dtype), grads[1].to(k.dtype), grads[2].to(v.dtype)
 
 
 class AllToAllAttention(torch.autograd.Function):
@@ -86,14 +32,16 @@ class AllToAllAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, setup: AttentionSetup) -> tuple[Tensor, Tensor]:
+        if setup.head_chunks > 1:  # UPipe: a chunk of heads at a time, saving only the local shards
+            return ChunkedAllToAllAttention.forward(ctx, q, k, v, setup)
         plan = head_plan(q.shape[1], k.shape[1], setup.cp.world, setup.cp.rank, q.device)
         ranges = [plan.q_ranges, plan.kv_ranges, plan.kv_ranges]
-        qh, kh, vh = _seq_to_heads([q, k, v], ranges, setup)
+        qh, kh, vh = to_head_shards([q, k, v], ranges, setup)
         sinks = setup.head_sinks(plan.q_ranges[setup.cp.rank])
-        out_h, lse_h = _attend(qh, plan.local_kv(kh), plan.local_kv(vh), setup, sinks)
-        (out_parts,) = zip(*_heads_to_seq([out_h], [plan.q_ranges], setup))
+        out_h, lse_h = attend_heads(qh, plan.local_kv(kh), plan.local_kv(vh), setup, sinks)
+        (out_parts,) = zip(*to_seq_shards([out_h], [plan.q_ranges], setup))
         if setup.need_lse:
-            (lse_parts,) = zip(*_heads_to_seq([lse_h.unsqueeze(-1)], [plan.q_ranges], setup))
+            (lse_parts,) = zip(*to_seq_shards([lse_h.unsqueeze(-1)], [plan.q_ranges], setup))
             lse = torch.cat(lse_parts, dim=1).squeeze(-1)
         else:  # nobody asked: spare the exchange
             lse = lse_h.new_empty(0)
@@ -104,14 +52,18 @@ class AllToAllAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dout: Tensor, _dlse: Tensor | None) -> tuple[Tensor, Tensor, Tensor, None]:
+        if ctx.setup.head_chunks > 1:
+            return ChunkedAllToAllAttention.backward(ctx, dout, _dlse)
         qh, kh, vh, out_h, lse_h = ctx.saved_tensors
         setup: AttentionSetup = ctx.setup
         plan: HeadPlan = ctx.plan
-        (dout_h,) = _seq_to_heads([dout.contiguous()], [plan.q_ranges], setup)
-        dq_h, dk_h, dv_h = _attend_backward(dout_h, qh, plan.local_kv(kh), plan.local_kv(vh), out_h, lse_h, setup)
+        (dout_h,) = to_head_shards([dout.contiguous()], [plan.q_ranges], setup)
+        dq_h, dk_h, dv_h = attend_heads_backward(
+            dout_h, qh, plan.local_kv(kh), plan.local_kv(vh), out_h, lse_h, setup
+        )
         dk_h, dv_h = plan.reduce_local_kv(dk_h, kh.shape[1]), plan.reduce_local_kv(dv_h, vh.shape[1])
         ranges = [plan.q_ranges, plan.kv_ranges, plan.kv_ranges]
-        dq, dk, dv = gather_grads(_heads_to_seq([dq_h, dk_h, dv_h], ranges, setup), plan.kv_ranges, ctx.n_kv)
+        dq, dk, dv = gather_grads(to_seq_shards([dq_h, dk_h, dv_h], ranges, setup), plan.kv_ranges, ctx.n_kv)
         return dq, dk, dv, None
 
 
