@@ -19,7 +19,7 @@ CP_OPTION_KEYS = {
     "strategy": "parallelism.cp_strategy", "layout": "parallelism.cp_layout",
     "alltoall_size": "parallelism.cp_alltoall_size", "validate": "parallelism.cp_validate",
     "calibration": "parallelism.cp_calibration", "verify": "parallelism.cp_verify",
-    "head_chunks": "parallelism.cp_head_chunks",
+    "head_chunks": "parallelism.cp_head_chunks", "ring_tiles": "parallelism.cp_ring_tiles",
 }
 """The key of each `CPOptions` field the config sets: option errors name them."""
 
@@ -32,7 +32,7 @@ def cp_options(p: Parallelism, *, meter: CommMeter | None = None) -> CPOptions:
     calibration = None if p.cp_calibration is None else Calibration.load(p.cp_calibration)
     return CPOptions(strategy=p.cp_strategy, layout=p.cp_layout, meter=meter, alltoall_size=p.cp_alltoall_size,
                      validate=p.cp_validate, calibration=calibration, verify=p.cp_verify, topology=_cp_topology(p),
-                     head_chunks=p.cp_head_chunks)
+                     head_chunks=p.cp_head_chunks, ring_tiles=p.cp_ring_tiles)
 
 
 def _cp_topology(p: Parallelism) -> Topology | None:

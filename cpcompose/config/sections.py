@@ -181,6 +181,11 @@ class Parallelism:
     all-to-all bytes or more (backward exchanges q, k, v, out again; a kv head read by several ranks goes to
     each: Llama-3-8B on cp 8 1.8x at 2 chunks, 2.4x at 4). Must divide the kv heads (per tp rank) and leave
     at least cp query heads per chunk; 1: all heads at once."""
+    cp_ring_tiles: int = 1
+    """cp_strategy = "ring" or "alltoall_ring" (or "auto", when it picks a ring): the backward makes and sends each
+    round's float32 dK/dV home in this many pieces of its key rows, so those buffers (three in flight) are a
+    piece's, not a shard's: at 625k tokens per rank of Llama-3-8B, 4 pieces save 7 GiB. More, smaller messages;
+    exact. 1: one piece per round."""
     cp_layout: str = "zigzag"
     """A registered layout (zigzag, contiguous): zigzag gives rank r chunks r and 2cp-1-r so causal
     work is balanced; contiguous gives chunk r. Packed documents (data.pack) are split per batch."""

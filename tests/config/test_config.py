@@ -134,6 +134,9 @@ def test_missing_config_file_is_a_config_error(tmp_path: Path) -> None:
         (["--training.tiled_mlp=0"], r"^training.tiled_mlp: must be > 0, got 0"),
         (["--training.tiled_mlp=2", "--training.compile=true"], r"^training.tiled_mlp: 2 tiles do not compile"),
         (["--training.tiled_block=0"], r"^training.tiled_block: must be > 0, got 0"),
+        (["--parallelism.cp=2", "--parallelism.cp_ring_tiles=0"], r"^parallelism.cp_ring_tiles: 0 must be a positive"),
+        (["--parallelism.cp=2", "--parallelism.cp_strategy=allgather", "--parallelism.cp_ring_tiles=2"],
+         r"^parallelism.cp_ring_tiles: 2 pieces the ring's backward, and parallelism.cp_strategy='allgather' runs no"),
         (["--training.tiled_block=2", "--training.compile=true"], r"^training.tiled_block: 2 tiles do not compile"),
         (["--training.tiled_block=2", "--parallelism.tp=2"], r"^training.tiled_block: tiles the own Llama's blocks "
                                                               r"with parallelism.tp = 1 and pp = 1 only"),

@@ -41,6 +41,7 @@ class Case:
     device: str = "cpu"  # "cuda": run on a CUDA pool, measured against a CUDA baseline (device_baseline.py)
     alltoall_size: int | None = None  # ranks per all-to-all block ("alltoall_ring" only)
     head_chunks: int = 1  # chunks of heads run one after another ("alltoall" only)
+    ring_tiles: int = 1  # pieces of each ring round's dK/dV sent home ("ring", "alltoall_ring")
 
     def __str__(self) -> str:
         mask = "causal" if self.causal else "full"
@@ -53,6 +54,7 @@ class Case:
         on = "" if self.device == "cpu" else f"-{self.device}"
         a2a = "" if self.alltoall_size is None else f"-a{self.alltoall_size}"
         a2a += "" if self.head_chunks == 1 else f"-chunks{self.head_chunks}"
+        a2a += "" if self.ring_tiles == 1 else f"-ringtiles{self.ring_tiles}"
         return f"{self.strategy}{a2a}-{self.layout}-{mask}-h{self.heads}kv{self.kv_heads}{dims}-P{self.world}-{dt}{on}"
 
     def visible(self) -> Tensor:
@@ -97,7 +99,7 @@ def run_cp(mesh, case: Case) -> dict[str, Tensor]:
         q, k, v, mesh=mesh, is_causal=case.causal, strategy=case.strategy,
         layout=case.attend_layout or case.layout, window_size=case.window, softcap=case.softcap,
         backend=case.backend, return_lse=True, meter=meter, alltoall_size=case.alltoall_size,
-        head_chunks=case.head_chunks,
+        head_chunks=case.head_chunks, ring_tiles=case.ring_tiles,
     )
     forward_bytes, forward_by_kind = meter.total, dict(meter.bytes_sent)
     out.backward(local["dout"])

@@ -70,6 +70,9 @@ class CPOptions:
             `strategies/alltoall_chunked.py`), so the all-to-all buffers and the full-sequence working set hold one
             chunk's heads; 1 (the default) is plain Ulysses. Each call checks that it divides the K/V heads and
             leaves every rank a query head of each chunk (`head_chunks_error`).
+        ring_tiles: "ring" and "alltoall_ring" (and the ring "auto" picks): the backward makes and sends each
+            round's float32 dK/dV home in this many pieces of its key rows, so those buffers are a piece's, not a
+            shard's (more, smaller messages); 1 (the default): one per round.
         verify: run the exactness probe (`cpcompose.verify`) where a front end offers it: the
             Hugging Face integration on a model's first forward in a CP region, the trainer
             at start. False skips it (it costs two forwards at a short length, once).
@@ -86,6 +89,7 @@ class CPOptions:
     topology: Topology | None = None
     verify: bool = True
     head_chunks: int = 1
+    ring_tiles: int = 1
 
     def replace(self, **changes: Any) -> "CPOptions":
         """A copy with `changes` (TypeError names an unknown option, as a function call would)."""
@@ -125,6 +129,9 @@ class CPOptions:
         chunks = self._head_chunks_error(key)
         if chunks:
             return broken("head_chunks", chunks)
+        tiles = self._ring_tiles_error(key)
+        if tiles:
+            return broken("ring_tiles", tiles)
         auto = self._auto_error(key)
         if auto:
             return broken(auto[0], auto[1])
@@ -165,6 +172,15 @@ class CPOptions:
         }.get(self.strategy, "it trades no heads")
         return (f"{chunks}={n!r} chunks the heads of {strategy}='alltoall' only; {strategy}={self.strategy!r}: "
                 f"{why}. Set {strategy}='alltoall' or {chunks}=1")
+
+    def _ring_tiles_error(self, key: Any) -> str | None:
+        n, strategy, tiles = self.ring_tiles, key("strategy"), key("ring_tiles")
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            return f"{tiles}={n!r} must be a positive int (1: each round's dK/dV in one piece)"
+        if n == 1 or self.strategy in ("ring", "alltoall_ring", AUTO):
+            return None
+        return (f"{tiles}={n!r} pieces the ring's backward, and {strategy}={self.strategy!r} runs no ring: set "
+                f"{strategy}='ring' (or 'alltoall_ring', 'auto') or {tiles}=1")
 
     def _alltoall_size_error(self, world: int | None, key: Any) -> str | None:
         a, strategy, size = self.alltoall_size, key("strategy"), key("alltoall_size")

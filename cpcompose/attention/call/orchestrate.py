@@ -103,7 +103,7 @@ def checked_call(
         shapes = ((*q.shape[:3], q.shape[3] + widen), (*k.shape[:3], k.shape[3] + widen), v.shape)
         return CallSpec(shapes, q.dtype, q.device,
                         functools.partial(_replay, strategy, s.layout, s.mask, s.kernel, s.need_lse, s.alltoall_size,
-                                          s.head_chunks))
+                                          s.head_chunks, s.ring_tiles))
 
     result, notes = agreed_call(
         cp, error, signature, what="cp_attention", device=_metadata_device(q),
@@ -168,14 +168,16 @@ def setup_for(
         cp, resolve_layout(options.layout, cp.world), mask, kernel, options.meter, return_lse or sinks is not None,
         options.alltoall_size, options.strategy,
         None if sinks is None else sinks.detach().to(accumulation_dtype(q.dtype)), options.head_chunks,
+        options.ring_tiles,
     )
 
 
 def _replay(strategy: Strategy, layout: Layout, mask: MaskSpec, kernel: KernelArgs, need_lse: bool,
-            alltoall_size: int | None, head_chunks: int, cp: CPGroup, q: Tensor, k: Tensor, v: Tensor) -> None:
+            alltoall_size: int | None, head_chunks: int, ring_tiles: int, cp: CPGroup, q: Tensor, k: Tensor,
+            v: Tensor) -> None:
     """An agreed call again, on other tensors, unmetered (see `agreement.CallSpec.mimic`)."""
     strategy.apply(q, k, v, AttentionSetup(cp, layout, mask, kernel, None, need_lse, alltoall_size,
-                                           head_chunks=head_chunks))
+                                           head_chunks=head_chunks, ring_tiles=ring_tiles))
 
 
 def _head_chunks_error(options: CPOptions, q: Tensor, k: Tensor, world: int) -> str | None:
@@ -212,6 +214,7 @@ def _signature(
         .code("validate", VALIDATE_MODES.index(options.validate) if options.validate in VALIDATE_MODES else -1)
         .int("alltoall_size", options.alltoall_size)
         .int("head_chunks", options.head_chunks)
+        .int("ring_tiles", options.ring_tiles)
     )
 
 

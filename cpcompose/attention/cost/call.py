@@ -36,6 +36,7 @@ class AttentionCall:
         mask: causal or not, and the window (`cpcompose.attention.local.blocks.MaskSpec`).
         dtype: of q, k, v (a torch dtype or its name; stored as the name).
         need_lse: the caller asked for the LSE (all-to-all then sends it home too).
+        ring_tiles: the ring's backward sends each round's dK/dV home in this many pieces (`ring_loop.py`).
         head_chunks: all-to-all's chunks of heads run one after another (`strategies/alltoall_chunked.py`); 1: all
             heads at once.
     """
@@ -51,6 +52,7 @@ class AttentionCall:
     v_head_dim: int | None = None
     need_lse: bool = False
     head_chunks: int = 1
+    ring_tiles: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", _dtype_name(self.dtype))

@@ -407,7 +407,11 @@ def _ring_family_memory(call: AttentionCall, a: int, rank: int, cal: Calibration
         saved += B * la * (hq * dk + hk * (dk + dv) + hq * dv) * es
     fwd = B * hq * la * (dv + 1) * acc + 2 * kv_block * es
     grads = B * la * (hq * dk + hk * (dk + dv))
-    bwd = grads * acc + 2 * kv_block * (es + acc) + (grads * es + B * hq * la * dv * es if a > 1 else 0)
+    # backward: the K/V block working and the next one arriving, and three float32 dK/dV blocks in flight (the one
+    # made, the one before on the wire, the one coming home), each a piece of the round's with `ring_tiles` pieces
+    # (torch's tracker, Llama-3-8B at 131k tokens per rank)
+    dkv = 3 * kv_block * acc // call.ring_tiles
+    bwd = grads * acc + 2 * kv_block * es + dkv + (grads * es + B * hq * la * dv * es if a > 1 else 0)
     return saved + max(fwd, bwd)
 
 

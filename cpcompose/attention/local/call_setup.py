@@ -34,6 +34,7 @@ class AttentionSetup:
     strategy: str = "ring"  # the strategy that runs (what "auto" chose, for an "auto" call)
     sinks: Tensor | None = None  # per-head sink logits (H,), detached (`merge.fold_sinks`); None: no sinks
     head_chunks: int = 1  # "alltoall" only: chunks of heads run one after another (`alltoall_chunked.py`)
+    ring_tiles: int = 1  # the ring's backward sends each round's dK/dV home in this many pieces (`ring_loop.py`)
 
     def head_sinks(self, heads: tuple[int, int]) -> Tensor | None:
         """The sinks of query heads `[lo, hi)` (a head-sharded strategy's own), or None."""

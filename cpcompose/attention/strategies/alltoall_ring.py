@@ -113,7 +113,8 @@ class AllToAllRingAttention(torch.autograd.Function):
         if qh.shape[1]:
             comm = RingComm(setup.cp, setup.meter)
             dq_h, dk_h, dv_h = ring_backward(
-                dout_h, qh, kh, vh, out_h, lse_h, mesh.rounds(qh.shape[2]), comm, setup.kernel, plan
+                dout_h, qh, kh, vh, out_h, lse_h, mesh.rounds(qh.shape[2]), comm, setup.kernel, plan,
+                pieces=setup.ring_tiles,
             )
         else:
             dq_h, dk_h, dv_h = qh, kh, vh  # no heads: empty

@@ -55,7 +55,7 @@ class RingAttention(torch.autograd.Function):
         setup: AttentionSetup = ctx.setup
         dq, dk, dv = ring_backward(
             dout.contiguous(), q, k, v, out, lse, _rounds(setup, q.shape[2]), RingComm(setup.cp, setup.meter),
-            setup.kernel,
+            setup.kernel, pieces=setup.ring_tiles,
         )
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
 

@@ -28,7 +28,8 @@ from cpcompose.attention.local.plans import PLAN_CACHE_SIZE, cached_halves, cach
 from cpcompose.comm import PendingRecv, RingComm
 from cpcompose.layouts import Layout
 
-__all__ = ["KVHeads", "RingView", "RoundPlan", "Rounds", "ring_backward", "ring_forward", "ring_round"]
+__all__ = ["KVHeads", "RingView", "RoundPlan", "Rounds", "piece_bounds", "ring_backward", "ring_forward",
+           "ring_round"]
 
 _KV_TAG, _GRAD_TAG = 0, 1
 
@@ -192,15 +193,54 @@ def _kv_block_backward(
     return heads.reduce_local_kv(dk, k.shape[1]), heads.reduce_local_kv(dv, v.shape[1])
 
 
+def piece_bounds(rows: int, pieces: int) -> list[tuple[int, int]]:
+    """`pieces` consecutive ranges covering `rows` rows as evenly as integers allow (some empty when `rows` <
+    `pieces`): the sender of a round's dK/dV and the rank receiving them cut the same rows alike."""
+    return [(rows * i // pieces, rows * (i + 1) // pieces) for i in range(pieces)]
+
+
+def _rows_within(rows: Sequence[slice], start: int, stop: int) -> list[slice]:
+    """Rows `[start, stop)` of the concatenation of `rows`, as slices of the rows themselves."""
+    out, offset = [], 0
+    for r in rows:
+        n = r.stop - r.start
+        lo, hi = max(start, offset), min(stop, offset + n)
+        if lo < hi:
+            out.append(slice(r.start + lo - offset, r.start + hi - offset))
+        offset += n
+    return out
+
+
+def _tasks_within(tasks: Sequence[BlockTask], start: int, stop: int) -> tuple[BlockTask, ...]:
+    """The parts of `tasks` on key rows `[start, stop)`, their key rows counted from `start`.
+
+    A round with another place has full and band blocks only (its keys are other positions than the queries'):
+    a full block cut by key rows stays full, a band keeps its diagonal by moving its offset.
+    """
+    out = []
+    for t in tasks:
+        lo, hi = max(t.kv.start, start), min(t.kv.stop, stop)
+        if lo >= hi:
+            continue
+        if t.kind == "causal" and (lo, hi) != (t.kv.start, t.kv.stop):
+            raise RuntimeError("ring_backward: a causal block in a round with another place cannot be cut by key "
+                               "rows (cpcompose's planner makes none: this is a bug)")
+        offset = t.offset - (lo - t.kv.start) if t.kind == "band" else t.offset
+        out.append(replace(t, kv=slice(lo - start, hi - start), offset=offset))
+    return tuple(out)
+
+
 def ring_backward(
     dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, rounds: Rounds, comm: RingComm,
-    kernel: KernelArgs, heads: KVHeads = _SameHeads(),
+    kernel: KernelArgs, heads: KVHeads = _SameHeads(), pieces: int = 1,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Float32 `(dq, dk, dv)` of the local shards: K/V exchanged again, each block's dK/dV sent home.
 
     The local blocks are split in two halves of about equal work: the first runs
     while round 1's K/V arrive, the second while the last round's dK/dV go home
-    (otherwise a wait at the end of every backward).
+    (otherwise a wait at the end of every backward). With `pieces` > 1 each round's
+    dK/dV are made and sent home a piece of its key rows at a time, so the float32
+    blocks in flight (made, on the wire, arriving) are a piece's, not a shard's.
     """
     dq = float_zeros(q)
     pending = rounds.post_kv(comm, k, v, 1) if rounds.world > 1 else None
@@ -211,16 +251,21 @@ def ring_backward(
         following = rounds.post_kv(comm, k, v, s + 1) if s + 1 < rounds.world else None
         assert pending is not None
         (k_s, v_s), tasks = pending[0].wait(), pending[1]
-        dk_s, dv_s = _kv_block_backward(dq, dout, q, k_s, v_s, out, lse, tasks, kernel, heads)
         mine = rounds.send_rows(s)  # the rows place rank+s read from me: their gradients come back
-        n = sum(r.stop - r.start for r in mine)
-        home = comm.exchange_with(
-            [dk_s, dv_s], dst=rounds.view.peer(-s), recv_like=[_with_rows(dk, n), _with_rows(dv, n)],
-            src=rounds.view.peer(s), tag=_GRAD_TAG,
-        )
-        if returning is not None:
-            _add_rows((dk, dv), *returning)
-        returning, pending = (home, mine), following
+        n_mine = sum(r.stop - r.start for r in mine)
+        for (lo, hi), (home_lo, home_hi) in zip(piece_bounds(k_s.shape[2], pieces), piece_bounds(n_mine, pieces)):
+            dk_s, dv_s = _kv_block_backward(dq, dout, q, k_s[:, :, lo:hi], v_s[:, :, lo:hi], out, lse,
+                                            _tasks_within(tasks, lo, hi), kernel, heads)
+            n = home_hi - home_lo
+            home = comm.exchange_with(
+                [dk_s, dv_s], dst=rounds.view.peer(-s), recv_like=[_with_rows(dk, n), _with_rows(dv, n)],
+                src=rounds.view.peer(s), tag=_GRAD_TAG,
+            )
+            del dk_s, dv_s
+            if returning is not None:
+                _add_rows((dk, dv), *returning)
+            returning = (home, _rows_within(mine, home_lo, home_hi))
+        pending = following
     if late:
         dk_late, dv_late = _kv_block_backward(dq, dout, q, k, v, out, lse, late, kernel, heads)
         dk += dk_late

@@ -37,14 +37,17 @@ class _RMSNorm(torch.autograd.Function):
     def forward(ctx: Any, x: Tensor, weight: Tensor, eps: float) -> Tensor:
         width = x.shape[-1]
         rows = x.reshape(-1, width)
-        out = torch.empty(rows.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+        # made in x's shape and filled through a view: returned as a base tensor (FSDP2 warns of outputs that are
+        # views, on which in-place ops would skip its hooks)
+        out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+        out_rows = out.view(-1, width)
         rstd = torch.empty(rows.shape[0], 1, dtype=torch.float32, device=x.device)
         for start, stop in _tiles(rows.shape[0]):
             x_float = rows[start:stop].float()
             rstd[start:stop] = torch.rsqrt(x_float.pow(2).mean(-1, keepdim=True) + eps)
-            out[start:stop] = (x_float * rstd[start:stop]).type_as(x) * weight
+            out_rows[start:stop] = (x_float * rstd[start:stop]).type_as(x) * weight
         ctx.save_for_backward(x, weight, rstd)
-        return out.view(*x.shape[:-1], width)
+        return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
@@ -52,7 +55,8 @@ class _RMSNorm(torch.autograd.Function):
         width = x.shape[-1]
         rows, grads = x.reshape(-1, width), grad_out.reshape(-1, width)
         want_x, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grad_x = torch.empty_like(rows) if want_x else None
+        grad_x = torch.empty(x.shape, dtype=x.dtype, device=x.device) if want_x else None  # contiguous
+        grad_rows = None if grad_x is None else grad_x.view(-1, width)
         summed = torch.promote_types(torch.float32, weight.dtype)  # float32, or float64 for a float64 weight
         grad_weight = torch.zeros(width, dtype=summed, device=x.device) if want_weight else None
         for start, stop in _tiles(rows.shape[0]):
@@ -63,8 +67,8 @@ class _RMSNorm(torch.autograd.Function):
             if grad_x is not None:
                 d_normed = (g * weight).float()
                 mean = (d_normed * normed).mean(-1, keepdim=True)
-                grad_x[start:stop] = (rstd[start:stop] * (d_normed - normed * mean)).type_as(x)
-        return (None if grad_x is None else grad_x.view_as(x),
+                grad_rows[start:stop] = (rstd[start:stop] * (d_normed - normed * mean)).type_as(x)
+        return (grad_x,
                 None if grad_weight is None else grad_weight.to(weight.dtype), None)
 
 

@@ -122,7 +122,7 @@ def attention_bytes(config: JobConfig, profile: MemoryProfile, *, rows: int, row
     dtype = "bfloat16" if config.training.mixed_precision == "bfloat16" else "float32"
     call = AttentionCall(batch=rows, heads=heads, kv_heads=kv_heads, head_dim=head_dim, seq_len=row_len,
                          layout=resolve_layout(p.cp_layout, p.cp), mask=MaskSpec(causal=True), dtype=dtype,
-                         head_chunks=p.cp_head_chunks)
+                         head_chunks=p.cp_head_chunks, ring_tiles=p.cp_ring_tiles)
     chosen = cp_options(p)
     cal = chosen.calibration or default_calibration(device_type)
     options = candidates(p.cp) if chosen.strategy == "auto" else [(chosen.strategy, chosen.alltoall_size)]
