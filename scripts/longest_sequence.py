@@ -1,7 +1,7 @@
 """The longest trainable sequence per GPU of 80 GB, at full size: the memory plan's bisection, confirmed by rehearsal.
 
     python scripts/longest_sequence.py --shape llama3-8b --gpus 8 --options f            # one cell
-    python scripts/longest_sequence.py --all --out docs/bench/longest_2026-11-26.json    # the table (hours)
+    python scripts/longest_sequence.py --all --out docs/bench/longest_2026-11-29.json    # the table (hours)
     python scripts/longest_sequence.py --all --plan-only                                 # the plan's answers (s)
 
 A cell is a model shape, a GPU count (one sequence over all of them: cp = GPUs, FSDP over the same ranks) and a
@@ -45,19 +45,28 @@ SHAPES = {
                    "--model.ffn_hidden_dim=28672", "--model.vocab_size=128256"],
 }
 TILES = 32
-"""Feed-forward tiles with (c): a tile of a 500k-token rank's feed-forward is then 16k tokens."""
-OPTIONS = {  # cumulative: each adds one option to the one before
-    "a": ("CP", ["--training.fused_loss=false", "--activation_checkpoint.mode=none", "--training.tiled_mlp=1"]),
+"""Feed-forward tiles with (c), block tiles with (f): a tile of a 600k-token rank is then 19k tokens."""
+RING_TILES = 4
+"""Pieces of each ring round's dK/dV with (f)."""
+OPTIONS = {  # cumulative: each adds to the one before
+    "a": ("CP", ["--training.fused_loss=false", "--activation_checkpoint.mode=none", "--training.tiled_mlp=1",
+                 "--training.tiled_block=1", "--parallelism.cp_ring_tiles=1"]),
     "b": ("+ fused loss", ["--training.fused_loss=true"]),
     "c": (f"+ tiled MLP ({TILES})", [f"--training.tiled_mlp={TILES}"]),
     "d": ("+ full checkpointing", ["--activation_checkpoint.mode=full"]),
-    "e": ("+ checkpoint offload", ["--activation_checkpoint.offload=true"]),
-    "f": ("+ offload_params", ["--training.offload_params=true"]),
+    "e": ("+ offload (checkpoints, parameters)", ["--activation_checkpoint.offload=true",
+                                                  "--training.offload_params=true"]),
+    "f": (f"+ tiled block ({TILES}), ring pieces ({RING_TILES})",
+          [f"--training.tiled_block={TILES}", f"--parallelism.cp_ring_tiles={RING_TILES}"]),
 }
-CELLS = [(shape, gpus) for shape, counts in (("llama3-8b", (1, 8, 32, 64)), ("llama3-70b", (1, 8, 64)))
+CELLS = [(shape, gpus) for shape, counts in (("llama3-8b", (1, 8, 32, 64)), ("llama3-70b", (8, 64)))
          for gpus in counts]
+GPUS_PER_NODE = 8
+"""A node's GPUs (DGX/HGX H100): host memory per node is this many ranks' (fewer on a smaller run)."""
 ALST = {("llama3-8b", 1): 500_000, ("llama3-8b", 8): 3_700_000, ("llama3-8b", 32): 15_000_000}
 """DeepSpeed ALST's published longest sequences for Llama-8B (arXiv 2506.13996; the DeepSpeed/Snowflake blog)."""
+UPIPE = {("llama3-8b", 8): 5_000_000}
+"""UPipe's ("Untied Ulysses", arXiv 2602.21196) published longest sequence for Llama3-8B on 8 H100."""
 REHEARSE = """
 import json, sys
 from cpcompose.config import load_config
@@ -184,15 +193,20 @@ def table(cells: list[dict]) -> str:
     keys = sorted({c["options"] for c in cells})
     rows = sorted({(c["shape"], c["gpus"]) for c in cells}, key=lambda r: (list(SHAPES).index(r[0]), r[1]))
     head = ("| model | GPUs | " + " | ".join(f"({k}) {OPTIONS[k][0]}" for k in keys)
-            + f" | host memory per rank at ({keys[-1]}) | ALST |")
-    lines = [head, "|" + "---|" * 2 + "---:|" * (len(keys) + 2)]
+            + f" | host memory at ({keys[-1]}): per rank, per node | ALST | UPipe |")
+    lines = [head, "|" + "---|" * 2 + "---:|" * (len(keys) + 3)]
     by = {(c["shape"], c["gpus"], c["options"]): c for c in cells}
+
+    def published(table: dict, shape: str, gpus: int) -> str:
+        n = table.get((shape, gpus))
+        return f"{n / 1e6:.1f}M" if n else ""
+
     for shape, gpus in rows:
-        alst = ALST.get((shape, gpus))
         last = by.get((shape, gpus, keys[-1]), {})
-        host = f"{last['host_gib']:,.0f} GiB" if last.get("host_gib") else ""
+        node = min(gpus, GPUS_PER_NODE)
+        host = f"{last['host_gib']:,.0f} GiB, {last['host_gib'] * node:,.0f} GiB" if last.get("host_gib") else ""
         lines.append(f"| {shape} | {gpus} | " + " | ".join(fmt(by.get((shape, gpus, k))) for k in keys)
-                     + f" | {host} | {f'{alst / 1e6:.1f}M' if alst else ''} |")
+                     + f" | {host} | {published(ALST, shape, gpus)} | {published(UPIPE, shape, gpus)} |")
     return "\n".join(lines)
 
 
@@ -243,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
             args.out.write_text(json.dumps({"machine": machine(),
                                             "torch": torch.__version__, "budget_gib": round(args.budget_gib, 2),
                                             "alst": {f"{s} x {g}": n for (s, g), n in ALST.items()},
+                                            "upipe": {f"{s} x {g}": n for (s, g), n in UPIPE.items()},
                                             "cells": sorted(cells.values(), key=lambda c: (c["shape"], c["gpus"],
                                                                                           c["options"]))}, indent=1)
                                 + "\n")
