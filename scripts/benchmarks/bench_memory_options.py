@@ -85,6 +85,7 @@ def options(tiles: int, head_chunks: int) -> dict[str, Option]:
             "FSDP2's CPUOffloadPolicy keeps the shards in host memory and copies them to the device per unit; on a "
             "CPU the device is host memory, so no copy is made and the optimizer step runs on the CPU either way"),
         "tiled_block": Option(f"tiled block ({tiles})", (f"--training.tiled_block={tiles}",)),
+        "ring_tiles": Option("ring pieces (4)", ("--parallelism.cp_ring_tiles=4",)),
         "alltoall": Option("all-to-all CP (Ulysses)", ("--parallelism.cp_strategy=alltoall",)),
         "head_chunks": Option(f"head chunks ({head_chunks})", (f"--parallelism.cp_head_chunks={head_chunks}",)),
     }
@@ -97,11 +98,14 @@ ALONE: list[tuple[tuple[str, ...], tuple[str, ...]]] = [  # (with, without): eac
     (("full_checkpointing", "checkpoint_offload"), ("full_checkpointing",)),  # offload needs full checkpointing
     (("offload_params",), ()),
     (("tiled_block",), ()),
+    (("ring_tiles",), ()),
     (("alltoall",), ()),  # not a memory option: the strategy head chunks need, against the ring
     (("alltoall", "head_chunks"), ("alltoall",)),  # UPipe against unchunked all-to-all (Ulysses)
 ]
-CUMULATIVE = ["fused_loss", "tiled_mlp", "full_checkpointing", "checkpoint_offload", "offload_params", "tiled_block"]
-"""(b) to (g): each adds one option to the configuration before it, from (a) = CP alone."""
+CUMULATIVE = ["fused_loss", "tiled_mlp", "full_checkpointing", "checkpoint_offload", "offload_params", "tiled_block",
+              "ring_tiles"]
+"""(b) to (h): each adds one option to the configuration before it, from (a) = CP alone (scripts/longest_sequence.py's
+(e) is the two offloads here, its (f) the tiled block and the ring pieces)."""
 LETTERS = "abcdefghij"
 
 
