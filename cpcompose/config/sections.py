@@ -513,8 +513,8 @@ class ActivationCheckpoint:
     """full recomputes every transformer block."""
     offload: bool = False
     """With mode = "full": keep each block's checkpointed input in pinned host memory between forward and
-    backward (PyTorch's save_on_cpu), so the GPU holds no layer inputs; exact. On the CPU it is accepted and
-    changes nothing (the inputs are in host memory already)."""
+    backward (`cpcompose.distributed.host_offload`), so the GPU holds no layer inputs; exact. On the CPU it is
+    accepted and changes nothing (the inputs are in host memory already)."""
 
     def __post_init__(self) -> None:
         require(not self.offload or self.mode == "full", "activation_checkpoint.offload",

@@ -2,11 +2,13 @@
 
 With `offload=True` each checkpointed block's saved inputs (all a checkpoint keeps of a block
 between forward and backward) go to pinned host memory as they are saved, and come back to the
-GPU when backward recomputes the block: PyTorch's `save_on_cpu` around the checkpointed call.
-Non-reentrant checkpointing saves its inputs through the saved-tensor hooks that are active
-outside it, while its own hooks handle everything inside the block, so only the block inputs
-move. Exact: the same values, copied out and back. On the CPU there is nowhere to move them, so
-offload changes nothing there (no copy is made).
+GPU when backward recomputes the block: `host_offload.HostOffload`'s hooks around the checkpointed
+call (power-of-two pinned pieces instead of `save_on_cpu`'s one tensor rounded up to a power of two,
+and a tensor object every block is handed, such as the rotary tables, copied once; one `HostOffload`
+a model, shared by its blocks). Non-reentrant checkpointing saves its inputs through the saved-tensor
+hooks that are active outside it, while its own hooks handle everything inside the block, so only
+the block inputs move. Exact: the same values, copied out and back. On the CPU there is nowhere to
+move them, so offload changes nothing there (no copy is made).
 """
 
 from __future__ import annotations
@@ -21,12 +23,14 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from cpcompose.comm import rehearsing
+from cpcompose.distributed.host_offload import HostOffload
 
 __all__ = ["ContextFn", "apply_activation_checkpointing", "offloaded_saved_inputs"]
 
 
-def offloaded_saved_inputs(*args: Any) -> contextlib.AbstractContextManager:
-    """`save_on_cpu(pin_memory=True)` when a tensor in `args` is on CUDA; a no-op context otherwise.
+def offloaded_saved_inputs(*args: Any, host: HostOffload | None = None) -> contextlib.AbstractContextManager:
+    """`host`'s hooks (the model's `HostOffload`; a new one if None) when a tensor in `args` is on CUDA; a no-op
+    context otherwise.
 
     Decided per call from the inputs, so one model object runs on either device without a setting.
     In a rehearsal (`comm.rehearsal_mode`, on the CPU) the inputs leave device memory as on a GPU
@@ -35,12 +39,12 @@ def offloaded_saved_inputs(*args: Any) -> contextlib.AbstractContextManager:
     if rehearsing():
         return _as_if_saved_on_host()
     if any(isinstance(a, torch.Tensor) and a.is_cuda for a in args):
-        return torch.autograd.graph.save_on_cpu(pin_memory=True)
+        return (host if host is not None else HostOffload()).hooks()
     return contextlib.nullcontext()
 
 
 def _as_if_saved_on_host() -> contextlib.AbstractContextManager:
-    """What `save_on_cpu` does to device memory: the saved tensor leaves at pack, a new one is made at unpack."""
+    """What host offload does to device memory: the saved tensor leaves at pack, a new one is made at unpack."""
 
     def pack(t: torch.Tensor) -> tuple:
         return t.size(), t.stride(), t.dtype, t.device
@@ -69,8 +73,10 @@ class _CheckpointedForward:
 class _OffloadedCheckpointedForward(_CheckpointedForward):
     """Mixin: the same, with the checkpoint's saved inputs in host memory (on CUDA)."""
 
+    _host_offload: HostOffload | None = None  # the model's, set by `apply_activation_checkpointing`
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        with offloaded_saved_inputs(*args, *kwargs.values()):
+        with offloaded_saved_inputs(*args, *kwargs.values(), host=self._host_offload):
             return super().forward(*args, **kwargs)
 
 
@@ -96,12 +102,15 @@ def apply_activation_checkpointing(
     Args:
         blocks: the modules to checkpoint, e.g. every transformer block.
         offload: keep each block's saved inputs in pinned host memory between forward and
-            backward when they are CUDA tensors (see the module docstring); on the CPU it
-            changes nothing.
+            backward when they are CUDA tensors (see the module docstring), the blocks of one
+            call sharing one `HostOffload`; on the CPU it changes nothing.
         context_fn: the checkpoint's `context_fn`, for models whose CP lives in a region rather
             than in hooks: `cpcompose.parallel.recompute_context` re-enters the region the forward
             ran in around the recomputation (a Hugging Face model under `context_parallel`).
     """
+    host = HostOffload() if offload else None  # one for the blocks: a tensor they all take is copied once
     for block in blocks:
         if not isinstance(block, _CheckpointedForward):
             block.__class__ = _checkpointed_class(type(block), offload, context_fn)
+            if host is not None:
+                block._host_offload = host

@@ -118,8 +118,9 @@ class MemoryProfile:
     norm's and the mixer's (the feed-forward's backward ran first and freed its own). None: `block_saved`."""
     block_position_inputs: tuple[float, ...] = ()
     """Beyond `block_input`, the block's other positional tensor arguments, bytes per position of a row, one entry a
-    tensor: non-reentrant checkpointing saves every positional tensor argument, so `activation_checkpoint.offload`
-    copies each to host memory once per block (the own Llama's rotary cos and sin, float32: 2 x head_dim each).
+    tensor: non-reentrant checkpointing saves every positional tensor argument, and `activation_checkpoint.offload`
+    copies each to host memory once per forward (the same objects every block: `host_offload.HostOffload` copies a
+    tensor object once; the own Llama's rotary cos and sin, float32: 2 x head_dim each).
     Keyword arguments are kept on the device uncopied (a Hugging Face layer's position embeddings): ()."""
     block_expert_params: int = 0
     """Of `block_params`, the routed experts' own (the experts module: stacked gate/up and down weights, their

@@ -6,7 +6,7 @@ and checkpointing recomputes the same ops on the same inputs, so outputs and gra
 
 What is saved, and where, is observed with an outer `saved_tensors_hooks`: non-reentrant checkpointing saves
 its inputs through the hooks active outside it. On the CPU the outer hook must see each block's own input
-tensor (no copy was made: offload is a no-op there). On CUDA `save_on_cpu` takes them first, so the GPU
+tensor (no copy was made: offload is a no-op there). On CUDA the offload's hooks take them first, so the GPU
 memory held between forward and backward drops by the blocks' inputs (measured with `memory_allocated`).
 """
 

@@ -53,6 +53,7 @@ from cpcompose.attention.cost import AttentionCall, default_calibration
 from cpcompose.attention.strategies.registry import STRATEGIES
 from cpcompose.config import JobConfig, cp_options
 from cpcompose.distributed import ParallelDims
+from cpcompose.distributed.host_offload import host_bytes
 from cpcompose.layouts import resolve_layout
 from cpcompose.models.spec import MemoryProfile
 from cpcompose.training.families import family_of
@@ -258,26 +259,25 @@ HOST_PARTS = ("checkpointed block inputs", "pinned-memory rounding", "parameter 
 others from `training.offload_params`."""
 
 
-def _pinned(nbytes: int) -> int:
-    """What torch's pinned-memory cache (CUDA's caching host allocator) reserves for one tensor: the next power of
-    two, kept cached once freed, so each step's tensors of the same sizes reuse it."""
-    return 1 << (nbytes - 1).bit_length() if nbytes > 0 else 0
-
-
-def _host_parts(*, inputs: list[int], blocks: int, shard: int) -> tuple[tuple[str, int], ...]:
+def _host_parts(*, block_inputs: list[int], forward_inputs: list[int], blocks: int, forwards: int,
+                shard: int) -> tuple[tuple[str, int], ...]:
     """One CUDA rank's host memory, by part (`HOST_PARTS`).
 
-    `inputs`: the bytes of each tensor one checkpointed block saves to host memory (`save_on_cpu(pin_memory=True)`:
-    its input and its other positional tensor arguments, each copied once per block); `blocks`: how many blocks'
-    are held at once (every block's, from its forward to its backward); `shard`: the float32 parameter shard's bytes
-    (FSDP2's `CPUOffloadPolicy(pin_memory=True)`: the shard and its gradient, made by a non-blocking copy, are
-    pinned; AdamW's two moments are ordinary memory). The pinned-memory cache rounds every tensor up to a power
-    of two: counted for the block inputs (one tensor each); the shards are one tensor a parameter, whose shapes the
-    plan does not have, so their rounding is not counted (a Llama-3-8B's feed-forward shards, 7 x 2^k bytes, take
-    8/7 of their bytes).
+    `block_inputs`: the bytes of each tensor a checkpointed block saves to host memory of its own (its input);
+    `forward_inputs`: those of the tensors every block of a forward is handed, the same objects (the rotary cos
+    and sin), which `host_offload.HostOffload` copies once a forward; `blocks`: how many blocks' are held at once
+    (every block's, from its forward to its backward); `forwards`: how many forwards' (microbatches in flight);
+    `shard`: the float32 parameter shard's bytes (FSDP2's `CPUOffloadPolicy(pin_memory=True)`: the shard and its
+    gradient, made by a non-blocking copy, are pinned; AdamW's two moments are ordinary memory). The offload
+    copies each tensor into power-of-two pinned pieces, the smallest 2 MiB (`host_offload.piece_sizes`), so the
+    pinned-memory cache keeps them as they are: the rounding is each tensor's pieces' total minus its bytes, under
+    2 MiB. The shards are one tensor a parameter, which the cache rounds up to a power of two, whose shapes the plan
+    does not have, so their rounding is not counted (a Llama-3-8B's feed-forward shards, 7 x 2^k bytes, take 8/7
+    of their bytes).
     """
-    return (("checkpointed block inputs", blocks * sum(inputs)),
-            ("pinned-memory rounding", blocks * sum(_pinned(b) - b for b in inputs)),
+    kept = blocks * sum(block_inputs) + forwards * sum(forward_inputs)
+    held = blocks * sum(map(host_bytes, block_inputs)) + forwards * sum(map(host_bytes, forward_inputs))
+    return (("checkpointed block inputs", kept), ("pinned-memory rounding", held - kept),
             ("parameter shards", shard), ("gradient shards", shard), ("AdamW moments", 2 * shard))
 
 
@@ -322,8 +322,9 @@ def _stage(c: JobConfig, dims: ParallelDims, prof: MemoryProfile, stage: int, T:
     last_activations = int(keep * T * min(kept_blocks, 1) * in_flight)  # the backward's last block: its own alone
     positions = T if c.data.pack else min(T, max(1, t.seq_len // dims.cp))  # a row's (packed: one row of T)
     host_parts = _host_parts(
-        inputs=[int(keep * T), *(int(b * positions) for b in prof.block_position_inputs)] if offload else [],
-        blocks=L * in_flight,
+        block_inputs=[int(keep * T)] if offload else [],
+        forward_inputs=[int(b * positions) for b in prof.block_position_inputs] if offload else [],
+        blocks=L * in_flight, forwards=in_flight,
         shard=(4 * sharded if dims.ep > 1 else 4 * params // shards) if offload_state else 0)
     vocab = prof.vocab
     # The pipeline's last stage computes the unfused loss on the logits its stage returns, and keeps them

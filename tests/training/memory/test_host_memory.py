@@ -14,6 +14,7 @@ import torch
 
 from cpcompose.config import ConfigError, load_config
 from cpcompose.distributed import activation_checkpoint
+from cpcompose.distributed.host_offload import HostCopy
 from cpcompose.models.llama.model import Llama, LlamaConfig
 from cpcompose.training.launcher.dry_run import describe_plan
 from cpcompose.training.memory import budget
@@ -27,23 +28,11 @@ CUDA_TWO_RANKS = [*MODEL, *OFFLOAD, "--training.device=cuda", "--training.memory
                   "--training.seq_len=4000", "--training.batch_size=1", "--training.offload_params=true"]
 
 
-def _pinned(n: int) -> int:
-    return 1 << (n - 1).bit_length()
-
-
 def test_the_plans_block_inputs_are_what_offload_copies_to_host_memory(monkeypatch) -> None:
-    """The own Llama's checkpointed blocks under offload, each saved tensor counted where `save_on_cpu` would copy
-    it: the plan's "checkpointed block inputs" are their bytes (input, rotary cos and sin, per block), its
-    "pinned-memory rounding" their sizes' round-up to powers of two. Counted, not estimated: equal exactly."""
-    packed: list[int] = []
-
-    def counting(*args: object) -> torch.autograd.graph.saved_tensors_hooks:
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            packed.append(t.numel() * t.element_size())
-            return t
-        return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
-
-    monkeypatch.setattr(activation_checkpoint, "offloaded_saved_inputs", counting)
+    """The own Llama's checkpointed blocks under offload, through the model's real `HostOffload` in its CPU form
+    (ordinary memory, the same pieces and dedupe): the plan's "checkpointed block inputs" are the bytes it copied
+    (each block's input, the rotary cos and sin once a forward), its "pinned-memory rounding" the pieces' total
+    beyond them. Counted, not estimated: equal exactly."""
     rows, seq = 2, 100  # two unpacked rows share one row's rotary tables; 100 tokens: no size a power of two
     config = load_config([*MODEL, *OFFLOAD, f"--training.seq_len={seq}", f"--training.batch_size={rows}",
                           "--training.device=cpu"])
@@ -51,12 +40,19 @@ def test_the_plans_block_inputs_are_what_offload_copies_to_host_memory(monkeypat
     model = Llama(LlamaConfig(vocab_size=m.vocab_size, dim=m.dim, n_layers=m.n_layers, n_heads=m.n_heads,
                               n_kv_heads=m.n_kv_heads, ffn_hidden_dim=m.ffn_hidden_dim, max_seq_len=seq))
     activation_checkpoint.apply_activation_checkpointing(model.layers.values(), offload=True)
+    host = next(iter(model.layers.values()))._host_offload
+    host.pin_memory = False
+    monkeypatch.setattr(activation_checkpoint, "offloaded_saved_inputs", lambda *args, host: host.hooks())
+    copies: list[HostCopy] = []
+    copy_out = host._copy_out
+    monkeypatch.setattr(host, "_copy_out", lambda t: copies.append(copy_out(t)) or copies[-1])
     model(torch.randint(0, m.vocab_size, (rows, seq))).sum().backward()
 
-    host = dict(plan_memory(config, 1, device_type="cuda").host_parts)
-    assert len(packed) == 3 * m.n_layers  # each block: its input, cos and sin
-    assert host["checkpointed block inputs"] == sum(packed)
-    assert host["pinned-memory rounding"] == sum(_pinned(b) - b for b in packed) > 0
+    host_parts = dict(plan_memory(config, 1, device_type="cuda").host_parts)
+    assert len(copies) == m.n_layers + 2  # each block's input; cos and sin once
+    copied = sum(c.nbytes for c in copies)
+    assert host_parts["checkpointed block inputs"] == copied
+    assert host_parts["pinned-memory rounding"] == sum(p.numel() for c in copies for p in c.pieces) - copied > 0
     assert dict(plan_memory(config, 1, device_type="cpu").host_parts)["checkpointed block inputs"] == 0
 
 
@@ -76,8 +72,11 @@ def test_a_node_whose_host_memory_cannot_hold_its_ranks_offload_is_refused_befor
     the options that put the bytes there, the node's figure and where it comes from; above it: passes."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    need = plan_memory(load_config(CUDA_TWO_RANKS), 2, device_type="cuda").host_bytes * 2
-    small = need / GiB * 0.9
+    plan = plan_memory(load_config(CUDA_TWO_RANKS), 2, device_type="cuda")
+    need = plan.host_bytes * 2
+    # short of the node's need by half of what offload_params puts there (the smaller share): either option off fits
+    params = sum(b for name, b in plan.host_parts if name in ("parameter shards", "gradient shards", "AdamW moments"))
+    small = (need - params) / GiB
     with pytest.raises(ConfigError) as refused:
         budget.check_memory(load_config([*CUDA_TWO_RANKS, f"--job.host_memory_gib={small}"]), 2)
     message = str(refused.value)

@@ -137,10 +137,14 @@ def test_checkpointing_keeps_block_inputs_and_recomputes_one_block() -> None:
 def test_offload_moves_the_checkpoints_to_host_memory_on_cuda_only() -> None:
     args = ["--activation_checkpoint.mode=full", "--activation_checkpoint.offload=true"]
     cuda, cpu = _plan(args, 1, "cuda"), _plan(args, 1, "cpu")
-    # 4 blocks' float32 inputs, each with its rotary cos and sin (float32, head_dim / 2 = 32 wide: the checkpoint
-    # saves every positional tensor argument), all of power-of-two sizes (no pinned-memory rounding)
-    # and none stays on the device: the block working holds its input again in its recompute ("one block in flight")
-    assert cuda.host_bytes == 4 * (256 * 4 + 2 * 32 * 4) * 8192 and cuda.part("activations") == 0
+    # 4 blocks' float32 inputs (8 MiB each, one power-of-two piece: no rounding) and the rotary cos and sin, float32,
+    # head_dim / 2 = 32 wide (the checkpoint saves every positional tensor argument; the same objects every block,
+    # so copied once): 1 MiB each in a 2 MiB piece (the smallest), 1 MiB of rounding each.
+    # None stays on the device: the block working holds its input again in its recompute ("one block in flight")
+    host = dict(cuda.host_parts)
+    assert host["checkpointed block inputs"] == (4 * 256 * 4 + 2 * 32 * 4) * 8192
+    assert host["pinned-memory rounding"] == 2 * 2**20 and cuda.host_bytes == 4 * 8 * 2**20 + 2 * 2 * 2**20
+    assert cuda.part("activations") == 0
     assert cpu.host_bytes == 0 and cpu.part("activations") == 4 * 256 * 4 * 8192
 
 
