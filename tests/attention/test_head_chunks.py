@@ -97,7 +97,8 @@ def test_bad_chunk_counts_are_refused_by_the_config(args: list[str], message: st
 
 
 def test_cost_model_counts_one_chunk() -> None:
-    """The memory of n chunks is one chunk's plain all-to-all plus the local LSE it keeps: far below plain's."""
+    """The memory of n chunks is one chunk's plain all-to-all plus the local LSE it keeps and the local dQ/dK/dV its
+    backward fills: far below plain's."""
     layout = resolve_layout("zigzag", 8)
 
     def memory(chunks: int, heads: int = 32, kv_heads: int = 8) -> int:
@@ -105,7 +106,7 @@ def test_cost_model_counts_one_chunk() -> None:
                              mask=MaskSpec(causal=True), dtype="bfloat16", head_chunks=chunks)
         return STRATEGIES["alltoall"].cost.memory(call, 8, 0, CPU_DEFAULT)
 
-    lse = 32 * 4096 * 4
-    assert memory(4) == memory(1, heads=8, kv_heads=2) + lse
+    lse, local_grads = 32 * 4096 * 4, 4096 * (32 * 128 + 8 * 256) * 2
+    assert memory(4) == memory(1, heads=8, kv_heads=2) + lse + local_grads
     assert memory(1) > memory(2) > memory(4)
-    assert memory(4) < memory(1) / 2
+    assert memory(4) < 0.65 * memory(1)  # the local dQ/dK/dV (2 bytes a head dim of q, k, v) bound the saving

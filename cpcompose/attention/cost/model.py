@@ -391,10 +391,14 @@ def _allgather_memory(call: AttentionCall, a: int, rank: int, cal: Calibration) 
 
 def _ring_family_memory(call: AttentionCall, a: int, rank: int, cal: Calibration) -> int:
     """Peak extra bytes on `rank` under the all-to-all family: saved tensors + the larger pass's buffers."""
-    if call.head_chunks > 1:  # the local LSE is kept; everything else is one chunk's plain all-to-all, in turn
+    if call.head_chunks > 1:  # the local LSE is kept; everything else is one chunk's plain all-to-all, in turn,
+        # beside the backward's local dQ/dK/dV, which its chunks fill (torch's tracker: Llama-3-8B, 131k tokens a rank)
         n = call.head_chunks
         chunk = replace(call, heads=call.heads // n, kv_heads=call.kv_heads // n, head_chunks=1)
-        return call.batch * call.heads * call.local_len * call.acc_itemsize + _ring_family_memory(chunk, a, rank, cal)
+        local_grads = call.batch * call.local_len * (call.heads * call.head_dim + call.kv_heads * (call.head_dim
+                                                                                                   + call.dv))
+        return (call.batch * call.heads * call.local_len * call.acc_itemsize + local_grads * call.itemsize
+                + _ring_family_memory(chunk, a, rank, cal))
     B, S, L, dk, dv = call.batch, call.local_len, call.seq_len, call.head_dim, call.dv
     es, acc = call.itemsize, call.acc_itemsize
     rw = ring_family_work(call, a, rank)
