@@ -149,7 +149,9 @@ class Rounds:
 
 
 def _with_rows(x: Tensor, n: int) -> Tensor:
-    return x.new_empty((x.shape[0], x.shape[1], n, x.shape[3]))
+    """A template of `x` with `n` rows for a receive (its shape, dtype and device): one row expanded, so that it
+    holds no memory of its own beside the receive's buffer."""
+    return x.new_empty((x.shape[0], x.shape[1], 1, x.shape[3])).expand(x.shape[0], x.shape[1], n, x.shape[3])
 
 
 def _add_rows(grads: tuple[Tensor, Tensor], pending: PendingRecv, rows: Sequence[slice]) -> None:
