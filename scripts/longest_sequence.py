@@ -124,10 +124,12 @@ def rehearsal_record(args: list[str], config: JobConfig, gpus: int, timeout: flo
 
 
 def run_cell(shape: str, gpus: int, options: str, budget: int, *, rehearse: bool, timeout: float,
-             rehearsals: int, reuse: dict[int, dict] | None = None) -> dict:
+             rehearsals: int, reuse: dict[int, dict] | None = None, first_scale: float = 1.0) -> dict:
     """One cell: the plan's longest length, then (with `rehearse`) rehearsals from it: each calibrates the plan
     (its tensors scaled by the tracker's share) and the next is at the calibrated plan's answer, until that answer
-    is the longest length rehearsed to fit. `reuse`: earlier rehearsals of this cell, by length."""
+    is the longest length rehearsed to fit. `reuse`: earlier rehearsals of this cell, by length. `first_scale`: the
+    first rehearsal at this share of the plan's answer (on the grid), room for the plan's error when one
+    rehearsal is all the time allows."""
     reuse = reuse or {}
     args = cell_args(shape, gpus, options)
     cell: dict = {"shape": shape, "gpus": gpus, "options": options, "option_names": OPTIONS[options][0],
@@ -148,6 +150,9 @@ def run_cell(shape: str, gpus: int, options: str, budget: int, *, rehearse: bool
         return {**cell, "longest": 0, "how": "none", "why": f"the plan at {unit} tokens is {plan.total / GiB:.1f} "
                 f"GiB per rank ({plan.phase}), over the budget", "wall_s": round(time.perf_counter() - start, 1)}
     cell.update(plan_longest=best, longest=best, how="plan")
+    if first_scale != 1.0 and rehearse:
+        best = max(unit, int(best * first_scale) // unit * unit)
+        cell["first_rehearsed_at"] = f"{first_scale:g} of the plan's answer"
     tried: dict[int, dict] = {}
     for _ in range(rehearsals if rehearse else 0):
         record = reuse.get(best) or rehearsal_record(args, with_length(config, best), gpus, timeout, budget)
@@ -237,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plan-only", action="store_true", help="no rehearsal (seconds, not hours)")
     parser.add_argument("--rehearsal-timeout", type=float, default=900.0, help="seconds per rehearsal")
     parser.add_argument("--rehearsals", type=int, default=2, help="most rehearsals per cell")
+    parser.add_argument("--first-scale", type=float, default=1.0,
+                        help="the first rehearsal at this share of the plan's answer (e.g. 0.97)")
     parser.add_argument("--out", type=Path, help="write the cells as JSON here (merged with the cells it holds)")
     args = parser.parse_args(argv)
     budget = int(args.budget_gib * GiB)
@@ -250,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         same = earlier.get("budget_gib") == round(budget / GiB, 2)
         reuse = {r["seq_len"]: _complete(r, budget) for r in earlier.get("rehearsals", []) if same}
         cell = run_cell(shape, gpus, options, budget, rehearse=not args.plan_only, timeout=args.rehearsal_timeout,
-                        rehearsals=args.rehearsals, reuse=reuse)
+                        rehearsals=args.rehearsals, reuse=reuse, first_scale=args.first_scale)
         cells[(shape, gpus, options)] = cell
         print(json.dumps(cell), flush=True)
         if args.out:
