@@ -63,6 +63,9 @@ CELLS = [(shape, gpus) for shape, counts in (("llama3-8b", (1, 8, 32, 64)), ("ll
          for gpus in counts]
 GPUS_PER_NODE = 8
 """A node's GPUs (DGX/HGX H100): host memory per node is this many ranks' (fewer on a smaller run)."""
+NODE_HOST_GIB = 2048.0
+"""A DGX H100's host memory (2 TB): a length whose ranks' host memory (checkpoint offload, offloaded parameters,
+gradients and AdamW state: the plan's host parts) a node cannot hold is not counted as fitting."""
 ALST = {("llama3-8b", 1): 500_000, ("llama3-8b", 8): 3_700_000, ("llama3-8b", 32): 15_000_000}
 """DeepSpeed ALST's published longest sequences for Llama-8B (arXiv 2506.13996; the DeepSpeed/Snowflake blog)."""
 UPIPE = {("llama3-8b", 8): 5_000_000}
@@ -123,8 +126,15 @@ def rehearsal_record(args: list[str], config: JobConfig, gpus: int, timeout: flo
             "host_gib": round(plan.host_bytes / GiB, 1), "wall_s": got["wall_s"]}
 
 
+def host_fits(config: JobConfig, gpus: int, node_host: int):  # noqa: ANN201
+    """Whether a node's ranks' host memory (the plan's host parts, per rank times the ranks on a node) fits."""
+    ranks = min(gpus, GPUS_PER_NODE)
+    return lambda n: plan_memory(with_length(config, n), gpus, device_type="cuda").host_bytes * ranks <= node_host
+
+
 def run_cell(shape: str, gpus: int, options: str, budget: int, *, rehearse: bool, timeout: float,
-             rehearsals: int, reuse: dict[int, dict] | None = None, first_scale: float = 1.0) -> dict:
+             rehearsals: int, reuse: dict[int, dict] | None = None, first_scale: float = 1.0,
+             node_host: int = int(NODE_HOST_GIB * GiB)) -> dict:
     """One cell: the plan's longest length, then (with `rehearse`) rehearsals from it: each calibrates the plan
     (its tensors scaled by the tracker's share) and the next is at the calibrated plan's answer, until that answer
     is the longest length rehearsed to fit. `reuse`: earlier rehearsals of this cell, by length. `first_scale`: the
@@ -142,9 +152,13 @@ def run_cell(shape: str, gpus: int, options: str, budget: int, *, rehearse: bool
         config.validate(gpus)
     except ConfigError as e:
         return {**cell, "longest": 0, "how": "refused", "why": str(e)}
-    fits = plan_fits(config, gpus, budget)
-    best = longest(fits, unit, guess=128 * 1024)
+    device_fits, on_host = plan_fits(config, gpus, budget), host_fits(config, gpus, node_host)
+    best = longest(lambda n: device_fits(n) and on_host(n), unit, guess=128 * 1024)
     cell["grid_unit"] = unit
+    device_longest = longest(device_fits, unit, guess=max(best, unit))
+    if device_longest > best:  # the node's host memory limits the length, not the GPU's
+        cell.update(limited_by="host", device_longest=device_longest,
+                    node_host_gib=round(node_host / GiB))
     if best == 0:
         plan = plan_memory(config, gpus, device_type="cuda")
         return {**cell, "longest": 0, "how": "none", "why": f"the plan at {unit} tokens is {plan.total / GiB:.1f} "
@@ -162,7 +176,8 @@ def run_cell(shape: str, gpus: int, options: str, budget: int, *, rehearse: bool
         tried[best] = record
         # The plan calibrated by this rehearsal: its tensors scaled by the tracker's share of them.
         scale = record["tracked"] / record["planned"]
-        calibrated = longest(lambda n: calibrated_total(config, gpus, n, scale) <= budget, unit, guess=best)
+        calibrated = longest(lambda n: calibrated_total(config, gpus, n, scale) <= budget and on_host(n), unit,
+                             guess=best)
         cell["calibrated_longest"] = calibrated
         if record["fits"] and calibrated <= best:
             break  # the calibrated plan agrees: nothing longer to try
@@ -191,9 +206,11 @@ def table(cells: list[dict]) -> str:
             return ""
         if cell["how"] in ("refused", "none"):
             return cell["how"]
+        host = (f"; host-limited: the GPU holds {cell['device_longest'] / 1e6:.2f}M"
+                if cell.get("limited_by") == "host" else "")
         if cell["how"].startswith("rehearsed"):
-            return f"**{cell['longest'] / 1e6:.2f}M** rehearsed (plan {cell['plan_longest'] / 1e6:.2f}M)"
-        return f"{cell['longest'] / 1e6:.2f}M (plan)"
+            return f"**{cell['longest'] / 1e6:.2f}M** rehearsed (plan {cell['plan_longest'] / 1e6:.2f}M{host})"
+        return f"{cell['longest'] / 1e6:.2f}M (plan{host})"
 
     keys = sorted({c["options"] for c in cells})
     rows = sorted({(c["shape"], c["gpus"]) for c in cells}, key=lambda r: (list(SHAPES).index(r[0]), r[1]))
@@ -242,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plan-only", action="store_true", help="no rehearsal (seconds, not hours)")
     parser.add_argument("--rehearsal-timeout", type=float, default=900.0, help="seconds per rehearsal")
     parser.add_argument("--rehearsals", type=int, default=2, help="most rehearsals per cell")
+    parser.add_argument("--node-host-gib", type=float, default=NODE_HOST_GIB,
+                        help="host memory of a node of 8 GPUs (a DGX H100: 2 TB)")
     parser.add_argument("--first-scale", type=float, default=1.0,
                         help="the first rehearsal at this share of the plan's answer (e.g. 0.97)")
     parser.add_argument("--out", type=Path, help="write the cells as JSON here (merged with the cells it holds)")
@@ -257,7 +276,8 @@ def main(argv: list[str] | None = None) -> int:
         same = earlier.get("budget_gib") == round(budget / GiB, 2)
         reuse = {r["seq_len"]: _complete(r, budget) for r in earlier.get("rehearsals", []) if same}
         cell = run_cell(shape, gpus, options, budget, rehearse=not args.plan_only, timeout=args.rehearsal_timeout,
-                        rehearsals=args.rehearsals, reuse=reuse, first_scale=args.first_scale)
+                        rehearsals=args.rehearsals, reuse=reuse, first_scale=args.first_scale,
+                        node_host=int(args.node_host_gib * GiB))
         cells[(shape, gpus, options)] = cell
         print(json.dumps(cell), flush=True)
         if args.out:
