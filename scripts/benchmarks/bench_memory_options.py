@@ -26,7 +26,7 @@ The options come from the tables below, to be edited as options land:
 Before anything runs, each configuration is loaded and validated as the trainer would (`load_config`,
 `JobConfig.validate(2)`): an option the installed config does not know is reported "not available" (the option
 is being built elsewhere), one it refuses "refused", both with the config's own words. An option that is a no-op on
-a CPU device (checkpoint offload: `save_on_cpu` only applies to CUDA tensors; offload_params: FSDP2's
+a CPU device (checkpoint offload only moves CUDA tensors; offload_params: FSDP2's
 CPUOffloadPolicy moves shards between device and host memory, here the same memory) is reported as such, not
 given a ratio; a cumulative configuration that contains one is measured without it (g on a CPU is d plus the tiled
 block). `--measure-noops` runs them anyway and records that ratio in the JSON as a check, still not as a cost.
@@ -78,7 +78,7 @@ def options(tiles: int, head_chunks: int) -> dict[str, Option]:
         "full_checkpointing": Option("full checkpointing", ("--activation_checkpoint.mode=full",)),
         "checkpoint_offload": Option(
             "checkpoint offload", ("--activation_checkpoint.offload=true",),
-            "save_on_cpu applies only to CUDA tensors (cpcompose.distributed.activation_checkpoint."
+            "the host offload applies only to CUDA tensors (cpcompose.distributed.activation_checkpoint."
             "offloaded_saved_inputs): on a CPU the saved inputs stay where they are and nothing is copied"),
         "offload_params": Option(
             "offload_params", ("--training.offload_params=true",),
